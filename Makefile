@@ -1,0 +1,36 @@
+# Two commands for a fresh clone: `make demo` and `make test`. Both create (or reuse) .venv.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test test-all lint bench clean
+
+$(STAMP): setup.py
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch==2.13.0 first, so the local CPU wheel is taken instead of a CUDA download.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	mkdir -p out
+	$(PY) tools/plan_schedule.py --encoder vit-22b --backbone gpt-175b --gpus 3072 \
+		--tp 8 --pp 8 --global-batch 1536 --micro-batch 2 --seq-len 2048 --gpu h100 \
+		--trace out/optimus_trace.json --png out/optimus_timeline.png
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" tests
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q tests
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
+
+bench: $(STAMP)
+	$(PY) tools/bench_schedule.py
+
+clean:
+	rm -rf $(VENV) out *.egg-info

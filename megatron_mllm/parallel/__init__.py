@@ -1,0 +1,1 @@
+"""megatron_mllm.parallel."""

@@ -1,0 +1,80 @@
+"""Parallel plans for the backbone and the encoder, and the rules for colocating them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_mllm.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    """Sizes of one model's data, tensor and pipeline parallelism (and virtual pipeline)."""
+
+    dp: int
+    tp: int
+    pp: int
+    vpp: int = 1
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        vpp = f" VPP{self.vpp}" if self.vpp > 1 else ""
+        return f"DP{self.dp} TP{self.tp} PP{self.pp}{vpp}"
+
+
+def backbone_plan(world_size: int, tp: int, pp: int, vpp: int = 1) -> ParallelPlan:
+    """The backbone plan for `world_size` GPUs; DP is what TP x PP leaves."""
+    for name, value in (("tensor parallel size", tp), ("pipeline parallel size", pp),
+                        ("virtual pipeline size", vpp), ("GPU count", world_size)):
+        if value < 1:
+            raise ConfigError(f"{name} is {value}; it must be a positive integer")
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"{world_size} GPUs cannot be split into TP{tp} x PP{pp} groups; "
+            f"use a GPU count divisible by {tp * pp}"
+        )
+    if vpp > 1 and pp == 1:
+        raise ConfigError(f"virtual pipeline size {vpp} needs a pipeline parallel size > 1")
+    return ParallelPlan(dp=world_size // (tp * pp), tp=tp, pp=pp, vpp=vpp)
+
+
+def check_colocated(backbone: ParallelPlan, encoder: ParallelPlan) -> None:
+    """Raise ConfigError unless `encoder` can share the backbone's ranks (DESIGN 2.1)."""
+    if encoder.world_size != backbone.world_size:
+        raise ConfigError(
+            f"encoder plan {encoder} covers {encoder.world_size} GPUs but the backbone plan "
+            f"{backbone} covers {backbone.world_size}; DP_e x TP_e x PP_e must equal DP x TP x PP"
+        )
+    if backbone.tp % encoder.tp:
+        raise ConfigError(
+            f"encoder TP {encoder.tp} does not divide backbone TP {backbone.tp}; "
+            f"use a divisor of {backbone.tp}"
+        )
+    if backbone.pp % encoder.pp:
+        raise ConfigError(
+            f"encoder PP {encoder.pp} does not divide backbone PP {backbone.pp}; "
+            f"use a divisor of {backbone.pp}"
+        )
+
+
+def encoder_pipelines_per_backbone_pipeline(backbone: ParallelPlan, encoder: ParallelPlan) -> int:
+    """m = DP_e / DP: how many encoder pipelines feed one backbone pipeline."""
+    check_colocated(backbone, encoder)
+    return encoder.dp // backbone.dp
+
+
+def enumerate_encoder_plans(backbone: ParallelPlan, encoder_layers: int) -> list[ParallelPlan]:
+    """Every colocated encoder plan: TP_e | TP, PP_e | PP, PP_e <= encoder layers."""
+    plans = []
+    for tp_e in range(1, backbone.tp + 1):
+        if backbone.tp % tp_e:
+            continue
+        for pp_e in range(1, backbone.pp + 1):
+            if backbone.pp % pp_e or pp_e > encoder_layers:
+                continue
+            dp_e = backbone.world_size // (tp_e * pp_e)
+            plans.append(ParallelPlan(dp=dp_e, tp=tp_e, pp=pp_e))
+    return plans

@@ -1,0 +1,96 @@
+"""Turn stage blocks and a placement into a `ScheduleMeta` and its `Workload`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.schedule.blocks import Block, JobCosts, concat, state_bytes
+from megatron_mllm.schedule.schedule import EncoderMeta, ScheduleMeta
+from megatron_mllm.schedule.workload import Workload
+
+
+@dataclass
+class EncoderLayout:
+    """One encoder's stages (blocks, fine-grained kernels) and where its pipelines live."""
+
+    stages: list[Block]
+    plan: ParallelPlan
+    placement: tuple[tuple[tuple[int, int], ...], ...]  # [pipe][stage] -> (rank, slot)
+
+
+def assemble(
+    name: str,
+    costs: JobCosts,
+    backbone: dict[tuple[int, int], Block],
+    encoders: list[EncoderLayout],
+    slots: int,
+    state_blocks: dict[int, list[tuple[Block, int]]] | None = None,
+) -> tuple[ScheduleMeta, Workload]:
+    """Metadata and costs for a schedule with these backbone stages and encoder layouts.
+
+    `backbone[(stage, chunk)]` holds each virtual stage's work (with encoder layers folded in
+    for the balanced baseline). `state_blocks` adds per-rank blocks with their DP size for the
+    memory estimate (the encoder stages are added from `encoders`).
+    """
+    job = costs.job
+    plan = job.plan
+    cm = costs.cm
+    meta = ScheduleMeta(
+        pp=plan.pp,
+        vpp=plan.vpp,
+        num_microbatches=job.num_microbatches,
+        slots=slots,
+        encoders=tuple(
+            EncoderMeta(
+                job.encoders[e].name,
+                tuple(len(b.fwd) for b in lay.stages),
+                tuple(len(b.bwd) for b in lay.stages),
+                lay.placement,
+            )
+            for e, lay in enumerate(encoders)
+        ),
+        name=name,
+    )
+    llm_h = job.backbone.hidden_size
+    wl = Workload(
+        backbone_fwd={k: b.fwd for k, b in backbone.items()},
+        backbone_bwd={k: b.bwd for k, b in backbone.items()},
+        encoder_fwd=[[b.fwd for b in lay.stages] for lay in encoders],
+        encoder_bwd=[[b.bwd for b in lay.stages] for lay in encoders],
+        backbone_act_bytes={k: b.act_bytes for k, b in backbone.items()},
+        encoder_act_bytes=[[b.act_bytes for b in lay.stages] for lay in encoders],
+        memory_bytes=job.hw.memory_gb * 1e9,
+    )
+    wl.transfer_s["act"] = wl.transfer_s["grad"] = cm.p2p_s(llm_h, job.seq_len, plan.tp)
+    state = [0.0] * plan.pp
+    for s in range(plan.pp):
+        blocks = [backbone[(s, v)] for v in range(plan.vpp)]
+        wl.dp_s[(s, "AG", "bb")] = cm.dp_gather_s(sum(b.params for b in blocks), plan.dp)
+        wl.dp_s[(s, "RS", "bb")] = cm.dp_reduce_scatter_s(
+            sum(b.trainable_params for b in blocks), plan.dp)
+        state[s] += sum(state_bytes(b, plan.dp) for b in blocks)
+    for e, lay in enumerate(encoders):
+        seq = job.encoder_seq(job.encoders[e])
+        enc_h = job.encoders[e].hidden_size
+        wl.transfer_s[f"eout.e{e}"] = wl.transfer_s[f"egrad.e{e}"] = cm.p2p_s(llm_h, seq, lay.plan.tp)
+        wl.transfer_s[f"eact.e{e}"] = wl.transfer_s[f"egin.e{e}"] = cm.p2p_s(enc_h, seq, lay.plan.tp)
+        for j, block in enumerate(lay.stages):
+            for r in {pipe[j][0] for pipe in lay.placement}:
+                wl.dp_s[(r, "AG", f"e{e}")] = cm.dp_gather_s(block.params, lay.plan.dp)
+                wl.dp_s[(r, "RS", f"e{e}")] = cm.dp_reduce_scatter_s(
+                    block.trainable_params, lay.plan.dp)
+                state[r] += state_bytes(block, lay.plan.dp)
+    for r, extra in (state_blocks or {}).items():
+        state[r] += sum(state_bytes(b, dp) for b, dp in extra)
+    wl.state_bytes = state
+    return meta, wl
+
+
+def stages_from_sizes(pp: int, blocks: list[Block], sizes: list[int]) -> dict[tuple[int, int], Block]:
+    """Virtual stage v = chunk * PP + stage gets the next `sizes[v]` blocks (kernels coalesced)."""
+    out, i = {}, 0
+    for v, n in enumerate(sizes):
+        out[(v % pp, v // pp)] = concat(blocks[i:i + n], coalesce=True)
+        i += n
+    return out

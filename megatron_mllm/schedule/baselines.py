@@ -1,0 +1,71 @@
+"""The Megatron baselines, in the same IR as everything else.
+
+* `megatron`: encoders and projectors in the pre-process of backbone stage 0, then 1F1B
+  (interleaved 1F1B when VPP > 1). The backbone layers are split the way a Megatron user
+  balances such a model: the first and last stage may hold a different number of layers
+  (--decoder-first/last-pipeline-num-layers), chosen to even out the encoder and LM head.
+* `balanced`: every layer, encoder layers included, over PP x VPP virtual stages by a dynamic
+  program that minimises the slowest stage, then (interleaved) 1F1B.
+"""
+
+from __future__ import annotations
+
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.schedule.actions import AG, EB, EF, RS, Action
+from megatron_mllm.schedule.assemble import EncoderLayout, assemble, stages_from_sizes
+from megatron_mllm.schedule.blocks import JobCosts, concat
+from megatron_mllm.schedule.partition import balanced_partition, megatron_split
+from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_orders
+from megatron_mllm.schedule.schedule import Schedule, ScheduleMeta
+from megatron_mllm.schedule.transfers import add_transfers
+from megatron_mllm.schedule.workload import Workload
+
+
+def megatron_schedule(costs: JobCosts) -> tuple[Schedule, Workload]:
+    """Encoders on stage 0's pre-process, then Megatron's (interleaved) 1F1B."""
+    job, plan = costs.job, costs.job.plan
+    encoders = [concat(costs.encoder_blocks(e, plan.tp), coalesce=True)
+                for e in range(len(job.encoders))]
+    layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
+    sizes = megatron_split(
+        job.backbone.num_layers, plan.pp, plan.vpp, JobCosts.fwd_bwd_seconds(layer),
+        sum(JobCosts.fwd_bwd_seconds(b) for b in encoders), JobCosts.fwd_bwd_seconds(head))
+    blocks = [layer] * job.backbone.num_layers + [head]
+    sizes[-1] += 1  # the head rides with the last virtual stage
+    backbone = stages_from_sizes(plan.pp, blocks, sizes)
+    layouts = [EncoderLayout([b], ParallelPlan(plan.dp, plan.tp, 1), (((0, 0),),)) for b in encoders]
+    meta, workload = assemble("megatron", costs, backbone, layouts, slots=1)
+    return add_transfers(meta, _stage0_encoder_lists(meta)), workload
+
+
+def _stage0_encoder_lists(meta: ScheduleMeta) -> list[list[Action]]:
+    enc_parts = [f"e{e}" for e in range(len(meta.encoders))]
+    trained = [f"e{e}" for e, enc in enumerate(meta.encoders) if enc.trainable]
+    ranks = []
+    for r, order in enumerate(backbone_orders(meta)):
+        acts: list[Action] = [AG("bb")] + ([AG(p) for p in enc_parts] if r == 0 else [])
+        for main in backbone_actions(r, order):
+            first = r == 0 and main.chunk == 0
+            if first and main.kind == "F":
+                acts += [EF(e, 0, 0, main.mb, 0, enc.fwd_kernels[0])
+                         for e, enc in enumerate(meta.encoders)]
+            acts.append(main)
+            if first and main.kind == "B":
+                acts += [EB(e, 0, 0, main.mb, 0, enc.bwd_kernels[0])
+                         for e, enc in enumerate(meta.encoders) if enc.trainable]
+        acts += [RS("bb")] + ([RS(p) for p in trained] if r == 0 else [])
+        ranks.append(acts)
+    return ranks
+
+
+def balanced_schedule(costs: JobCosts) -> tuple[Schedule, Workload]:
+    """All layers over PP x VPP virtual stages, balanced by dynamic programming."""
+    job, plan = costs.job, costs.job.plan
+    blocks = [b for e in range(len(job.encoders)) for b in costs.encoder_blocks(e, plan.tp)]
+    blocks += costs.backbone_blocks(plan.tp)
+    sizes = balanced_partition([JobCosts.fwd_bwd_seconds(b) for b in blocks], plan.pp * plan.vpp)
+    backbone = stages_from_sizes(plan.pp, blocks, sizes)
+    meta, workload = assemble("balanced", costs, backbone, [], slots=1)
+    ranks = [[AG("bb"), *backbone_actions(r, order), RS("bb")]
+             for r, order in enumerate(backbone_orders(meta))]
+    return add_transfers(meta, ranks), workload

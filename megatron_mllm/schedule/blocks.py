@@ -1,0 +1,121 @@
+"""Model pieces with their costs: layers, projector and LM head as `Block`s for the stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from megatron_mllm.schedule.config import MLLMJob
+from megatron_mllm.schedule.cost_model import CostModel, Kernel, model_state_bytes_per_param
+
+
+@dataclass
+class Block:
+    """Contiguous model work on one GPU: forward and backward kernels, activations, params."""
+
+    name: str
+    fwd: list[Kernel]
+    bwd: list[Kernel]
+    act_bytes: float  # kept for backward, per micro-batch
+    params: float  # parameters on one GPU
+    tags: set[str] = field(default_factory=set)
+    trainable_params: float | None = None  # None: all of `params`
+
+    def __post_init__(self) -> None:
+        if self.trainable_params is None:
+            self.trainable_params = 0.0 if "frozen" in self.tags else self.params
+
+
+def concat(blocks: list[Block], coalesce: bool) -> Block:
+    """Blocks run one after another; backward runs them in reverse."""
+    fwd = [k for b in blocks for k in b.fwd]
+    bwd = [k for b in reversed(blocks) for k in b.bwd]
+    if coalesce:
+        fwd, bwd = coalesce_kernels(fwd), coalesce_kernels(bwd)
+    return Block(
+        "+".join(b.name for b in blocks) if len(blocks) < 4 else f"{blocks[0].name}..{blocks[-1].name}",
+        fwd, bwd, sum(b.act_bytes for b in blocks), sum(b.params for b in blocks),
+        set().union(*(b.tags for b in blocks)) - {"frozen"} if blocks else set(),
+        sum(b.trainable_params for b in blocks),
+    )
+
+
+def coalesce_kernels(kernels: list[Kernel]) -> list[Kernel]:
+    """Merge runs of kernels up to each TP collective (same timing, fewer events)."""
+    out, acc, names = [], 0.0, []
+    for k in kernels:
+        acc += k.compute_s
+        names.append(k.name)
+        if k.comm_s > 0:
+            out.append(Kernel(f"{names[0]}..{names[-1]}", acc, k.comm_s))
+            acc, names = 0.0, []
+    if names:
+        out.append(Kernel(f"{names[0]}..{names[-1]}", acc, 0.0))
+    return out
+
+
+class JobCosts:
+    """Blocks for one job's models under a cost model."""
+
+    def __init__(self, job: MLLMJob, measured: dict | None = None) -> None:
+        self.job = job
+        self.cm = CostModel(job.hw, job.micro_batch, job.sequence_parallel, measured)
+
+    def backbone_layer(self, tp: int) -> Block:
+        spec, s = self.job.backbone, self.job.seq_len
+        return Block(
+            "layer",
+            self.cm.layer_kernels(spec, s, tp, backward=False),
+            self.cm.layer_kernels(spec, s, tp, backward=True),
+            self.cm.layer_activation_bytes(spec, s, tp),
+            spec.params_per_layer / tp,
+            {"backbone"},
+        )
+
+    def head(self, tp: int) -> Block:
+        spec, s = self.job.backbone, self.job.seq_len
+        act = self.job.micro_batch * s * spec.vocab_size * 4 / tp  # fp32 logits for the loss
+        return Block("head", self.cm.head_kernels(spec, s, tp, False),
+                     self.cm.head_kernels(spec, s, tp, True), act,
+                     2 * spec.vocab_size * spec.hidden_size / tp, {"backbone"})
+
+    def encoder_layer(self, e: int, tp: int) -> Block:
+        spec = self.job.encoders[e]
+        s = self.job.encoder_seq(spec)
+        frozen = self.job.frozen_encoders
+        return Block(
+            f"e{e}.layer",
+            self.cm.layer_kernels(spec, s, tp, backward=False),
+            [] if frozen else self.cm.layer_kernels(spec, s, tp, backward=True),
+            0.0 if frozen else self.cm.layer_activation_bytes(spec, s, tp),
+            spec.params_per_layer / tp,
+            {"encoder", "frozen"} if frozen else {"encoder"},
+        )
+
+    def projector(self, e: int, tp: int) -> Block:
+        spec, llm = self.job.encoders[e], self.job.backbone
+        s = self.job.encoder_seq(spec)
+        return Block(
+            f"e{e}.projector",
+            self.cm.projector_kernels(spec, llm, s, tp, False),
+            self.cm.projector_kernels(spec, llm, s, tp, True),
+            2 * self.job.micro_batch * s * llm.hidden_size * 2 / tp,
+            (spec.hidden_size * llm.hidden_size + llm.hidden_size**2) / tp,
+            {"encoder"},
+        )
+
+    def encoder_blocks(self, e: int, tp: int) -> list[Block]:
+        spec = self.job.encoders[e]
+        return [self.encoder_layer(e, tp) for _ in range(spec.num_layers)] + [self.projector(e, tp)]
+
+    def backbone_blocks(self, tp: int) -> list[Block]:
+        return [self.backbone_layer(tp) for _ in range(self.job.backbone.num_layers)] + [self.head(tp)]
+
+    @staticmethod
+    def fwd_bwd_seconds(block: Block) -> float:
+        return sum(k.total_s for k in block.fwd) + sum(k.total_s for k in block.bwd)
+
+
+def state_bytes(block: Block, dp: int) -> float:
+    """Model-state bytes on one GPU: trainable params in full, frozen ones as bf16 only."""
+    frozen = block.params - block.trainable_params
+    return block.trainable_params * model_state_bytes_per_param(dp) + frozen * 2.0

@@ -1,0 +1,240 @@
+"""Optimus: encoder work scheduled into the backbone's bubbles (DESIGN 2.2).
+
+1. The backbone alone, as the user configured it, is simulated once: its timeline fixes the
+   dependency points F_i (stage 0 starts micro-batch i) and B_i (stage 0 finishes its backward),
+   and the idle compute time on every rank: pipeline gaps and the TP bubbles inside each action.
+2. Encoder forwards are packed as late as possible before F_i, at kernel granularity, taking
+   micro-batches by decreasing F_i and giving each to the encoder pipeline that can start it
+   latest (global ordering by completion time). What does not fit in a bubble goes before the
+   backbone's first compute (the coarse schedule's place for all of it).
+3. Encoder backwards are packed as early as possible after B_i; what does not fit goes after
+   the backbone's last compute.
+The lists are then assembled with their transfers, validated and simulated; the planner keeps
+the best of the candidates it tries.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from megatron_mllm.parallel.plans import ParallelPlan, check_colocated
+from megatron_mllm.schedule.actions import AG, EB, EF, RS, Action
+from megatron_mllm.schedule.assemble import EncoderLayout, assemble, stages_from_sizes
+from megatron_mllm.schedule.blocks import JobCosts, concat
+from megatron_mllm.schedule.gaps import Gap, GapPool, Placed
+from megatron_mllm.schedule.partition import megatron_split
+from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_orders
+from megatron_mllm.schedule.schedule import Schedule, ScheduleMeta
+from megatron_mllm.schedule.simulator import simulate
+from megatron_mllm.schedule.transfers import add_transfers
+from megatron_mllm.schedule.workload import Workload
+
+
+@dataclass(frozen=True)
+class OptimusOptions:
+    """One candidate of the planner's search."""
+
+    encoder_plan: ParallelPlan
+    split: str = "greedy"  # "greedy": any pipeline may take any micro-batch; "even": equal shares
+    extra_warmup: int = 0  # extra 1F1B warm-up micro-batches on every stage
+    fine: bool = True  # False: the coarse schedule only (all encoder work outside the backbone)
+
+
+def encoder_layouts(costs: JobCosts, enc_plan: ParallelPlan) -> tuple[list[EncoderLayout], int]:
+    """Stages and placement of every encoder under `enc_plan`; also the slots per rank.
+
+    Encoder pipeline p = r * g + k (row r of PP/PP_e, slot k of g = TP/TP_e) puts its stage j
+    on backbone rank j * (PP/PP_e) + r, slot k.
+    """
+    plan = costs.job.plan
+    check_colocated(plan, enc_plan)
+    rows, slots = plan.pp // enc_plan.pp, plan.tp // enc_plan.tp
+    placement = tuple(
+        tuple((j * rows + p // slots, p % slots) for j in range(enc_plan.pp))
+        for p in range(rows * slots)
+    )
+    layouts = []
+    for e in range(len(costs.job.encoders)):
+        blocks = costs.encoder_blocks(e, enc_plan.tp)
+        layers, projector = blocks[:-1], blocks[-1]
+        base, rest = divmod(len(layers), enc_plan.pp)
+        stages, i = [], 0
+        for j in range(enc_plan.pp):
+            n = base + (1 if j < rest else 0)
+            part = layers[i:i + n] + ([projector] if j == enc_plan.pp - 1 else [])
+            stages.append(concat(part, coalesce=False))
+            i += n
+        layouts.append(EncoderLayout(stages, enc_plan, placement))
+    return layouts, slots
+
+
+def optimus_schedule(costs: JobCosts, opts: OptimusOptions) -> tuple[Schedule, Workload]:
+    """Build the Optimus schedule for one encoder plan and options (not yet validated)."""
+    job, plan = costs.job, costs.job.plan
+    layouts, slots = encoder_layouts(costs, opts.encoder_plan)
+    layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
+    sizes = megatron_split(job.backbone.num_layers, plan.pp, plan.vpp,
+                           JobCosts.fwd_bwd_seconds(layer), 0.0, JobCosts.fwd_bwd_seconds(head))
+    sizes[-1] += 1
+    blocks = [layer] * job.backbone.num_layers + [head]
+    backbone = stages_from_sizes(plan.pp, blocks, sizes)
+    meta, workload = assemble("optimus", costs, backbone, layouts, slots=slots)
+    steps = [backbone_actions(r, o) for r, o in enumerate(backbone_orders(meta, opts.extra_warmup))]
+    placer = _Placer(meta, workload, steps, opts.fine)
+    placer.place_forwards(opts.split)
+    placer.place_backwards()
+    schedule = add_transfers(meta, placer.lists())
+    schedule.notes.update(encoder_plan=opts.encoder_plan, split=opts.split,
+                          extra_warmup=opts.extra_warmup, fine=opts.fine)
+    return schedule, workload
+
+
+class _Placer:
+    """Packs encoder kernels around one fixed backbone timeline."""
+
+    def __init__(self, meta: ScheduleMeta, workload: Workload, steps: list[list[Action]],
+                 fine: bool) -> None:
+        self.meta, self.wl, self.steps = meta, workload, steps
+        bb_meta = replace(meta, encoders=())
+        bb_wl = replace(workload, encoder_fwd=[], encoder_bwd=[], encoder_act_bytes=[])
+        bb = add_transfers(bb_meta, [[AG("bb"), *s, RS("bb")] for s in steps])
+        sim = simulate(bb, bb_wl, keep_spans=False)
+        self.pool = GapPool()
+        self.f_start = sim.mb_forward_start
+        self.b_end = sim.mb_backward_end
+        for r, acts in enumerate(bb.ranks):
+            mains = [i for i, a in enumerate(acts) if a.kind in ("F", "B")]
+            times = [sim.action_times[(r, i)] for i in mains]
+            for slot in range(meta.slots):
+                prev = -math.inf
+                for j, (i, (start, end)) in enumerate(zip(mains, times)):
+                    if fine or j == 0:
+                        self.pool.add(r, slot, Gap(prev, start, ("after", j - 1)))
+                    if fine:
+                        self._add_tp_gaps(r, slot, j, acts[i], start)
+                    prev = end
+                self.pool.add(r, slot, Gap(prev, math.inf, ("after", len(mains) - 1)))
+        self.pool.finish()
+        self.placed: list[tuple[Action, Gap, float]] = []  # chunk, its gap, planned start
+        self.assignment: list[dict[int, int]] = [dict() for _ in meta.encoders]
+
+    def _add_tp_gaps(self, r: int, slot: int, j: int, action: Action, start: float) -> None:
+        t, n = start, 0
+        for k in self.wl.kernels(action.kind, action.stage, action.chunk):
+            t += k.compute_s
+            if k.comm_s > 0:
+                self.pool.add(r, slot, Gap(t, t + k.comm_s, ("tp", j, n)))
+                t += k.comm_s
+                n += 1
+
+    def _transfer(self, key: str, src: int, dst: int) -> float:
+        return self.wl.transfer_time(key) if src != dst else 0.0
+
+    # -- forward ---------------------------------------------------------------------------
+    def _forward_trial(self, e: int, pipe: int, mb: int) -> list[list[Placed]]:
+        enc = self.meta.encoders[e]
+        last = enc.num_stages - 1
+        lane = enc.placement[pipe][last][0]
+        deadline = self.f_start[mb] - self._transfer(f"eout.e{e}.m{mb}", lane, 0)
+        out = []
+        for j in range(last, -1, -1):
+            rank, slot = enc.placement[pipe][j]
+            placed = self.pool.place_alap(rank, slot, self.wl.encoder_fwd[e][j], deadline)
+            out.append(placed)
+            if j > 0:
+                prev = enc.placement[pipe][j - 1][0]
+                deadline = placed[0].start - self._transfer(f"eact.e{e}.s{j}.m{mb}", prev, rank)
+        return out[::-1]
+
+    def place_forwards(self, split: str) -> None:
+        n = self.meta.num_microbatches
+        for e, enc in enumerate(self.meta.encoders):
+            pipes = enc.num_pipes
+            quota = math.ceil(n / pipes) if split == "even" else n
+            load = [0] * pipes
+            slots = self.meta.slots
+            for mb in sorted(range(n), key=lambda m: -self.f_start[m]):
+                best = None
+                for row in range(pipes // slots):
+                    free = [p for p in range(row * slots, (row + 1) * slots) if load[p] < quota]
+                    if not free:
+                        continue
+                    pipe = min(free, key=lambda p: load[p])
+                    trial = self._forward_trial(e, pipe, mb)
+                    score = trial[0][0].start
+                    if best is None or score > best[0] + 1e-12:
+                        best = (score, pipe, trial)
+                _, pipe, trial = best
+                load[pipe] += 1
+                self.assignment[e][mb] = pipe
+                for j, placed in enumerate(trial):
+                    self._commit("EF", e, pipe, j, mb, placed)
+
+    # -- backward --------------------------------------------------------------------------
+    def place_backwards(self) -> None:
+        for e, enc in enumerate(self.meta.encoders):
+            if not enc.trainable:
+                continue
+            last = enc.num_stages - 1
+            for mb in sorted(self.b_end, key=lambda m: self.b_end[m]):
+                pipe = self.assignment[e][mb]
+                lane = enc.placement[pipe][last][0]
+                earliest = self.b_end[mb] + self._transfer(f"egrad.e{e}.m{mb}", 0, lane)
+                for j in range(last, -1, -1):
+                    kernels = self.wl.encoder_bwd[e][j]
+                    if not kernels:
+                        break
+                    rank, slot = enc.placement[pipe][j]
+                    placed = self.pool.place_asap(rank, slot, kernels, earliest)
+                    self._commit("EB", e, pipe, j, mb, placed)
+                    if j > 0:
+                        nxt = enc.placement[pipe][j - 1][0]
+                        earliest = placed[-1].end + kernels[-1].comm_s + self._transfer(
+                            f"egin.e{e}.s{j - 1}.m{mb}", rank, nxt)
+
+    def _commit(self, kind: str, e: int, pipe: int, stage: int, mb: int, placed: list[Placed]):
+        rank, slot = self.meta.encoders[e].placement[pipe][stage]
+        self.pool.commit(rank, slot, placed)
+        make = EF if kind == "EF" else EB
+        run: list[Placed] = []
+        for p in placed + [None]:
+            if run and (p is None or p.gap is not run[-1].gap):
+                g = run[0].gap
+                fill = g.anchor[2] if g.is_tp else None
+                chunk = make(e, pipe, stage, mb, run[0].kernel, run[-1].kernel + 1, fill)
+                self.placed.append((chunk, g, run[0].start))
+                run = []
+            if p is not None:
+                run.append(p)
+
+    # -- lists -----------------------------------------------------------------------------
+    def lists(self) -> list[list[Action]]:
+        meta = self.meta
+        by_anchor: dict[tuple, list[tuple[float, Action]]] = {}
+        rank_of: dict[Action, int] = {}
+        for chunk, gap, start in self.placed:
+            rank = meta.encoders[chunk.enc].placement[chunk.pipe][chunk.stage][0]
+            # TP fills of one backbone action are ordered by bubble, then by planned start.
+            anchor = (rank, *gap.anchor[:2])
+            by_anchor.setdefault(anchor, []).append(((gap.anchor[2:], start), chunk))
+            rank_of[chunk] = rank
+        for items in by_anchor.values():
+            items.sort(key=lambda x: x[0])
+
+        def at(*anchor) -> list[Action]:
+            return [a for _, a in by_anchor.get(anchor, [])]
+
+        out = []
+        for r, steps in enumerate(self.steps):
+            hosted = sorted({a.enc for a in rank_of if rank_of[a] == r})
+            trained = sorted({a.enc for a in rank_of if rank_of[a] == r and a.kind == "EB"})
+            acts: list[Action] = [AG(f"e{e}") for e in hosted] + [AG("bb")] + at(r, "after", -1)
+            for j, main in enumerate(steps):
+                acts += at(r, "tp", j) + [main]
+                if j == len(steps) - 1:
+                    acts.append(RS("bb"))
+                acts += at(r, "after", j)
+            acts += [RS(f"e{e}") for e in trained]
+            out.append(acts)
+        return out

@@ -1,0 +1,77 @@
+"""The job a schedule is planned for: models, parallel sizes, batch and hardware."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.parallel.plans import ParallelPlan, backbone_plan
+from megatron_mllm.schedule.hardware import HardwareProfile
+from megatron_mllm.schedule.specs import TransformerSpec
+
+
+@dataclass(frozen=True)
+class MLLMJob:
+    """One training job: encoders + projector + backbone on `gpus` GPUs.
+
+    `seq_len` is the backbone's sequence length; an encoder uses its own `seq_len` if its spec
+    sets one, else `encoder_seq_len`, else `seq_len`.
+    """
+
+    encoders: tuple[TransformerSpec, ...]
+    backbone: TransformerSpec
+    gpus: int
+    tp: int
+    pp: int
+    global_batch: int
+    micro_batch: int
+    seq_len: int
+    hw: HardwareProfile
+    vpp: int = 1
+    frozen_encoders: bool = False
+    sequence_parallel: bool = True
+    encoder_seq_len: int | None = None
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def plan(self) -> ParallelPlan:
+        return backbone_plan(self.gpus, self.tp, self.pp, self.vpp)
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.global_batch // (self.micro_batch * self.plan.dp)
+
+    def encoder_seq(self, spec: TransformerSpec) -> int:
+        return spec.seq_len or self.encoder_seq_len or self.seq_len
+
+    def validate(self) -> None:
+        """Raise ConfigError (one line) for a job that cannot run."""
+        for name, value in (("global batch", self.global_batch), ("micro-batch", self.micro_batch),
+                            ("sequence length", self.seq_len)):
+            if value < 1:
+                raise ConfigError(f"{name} is {value}; it must be a positive integer")
+        if not self.encoders:
+            raise ConfigError("no encoder given; pass at least one --encoder")
+        plan = self.plan  # checks GPU count against TP x PP
+        if self.global_batch % (self.micro_batch * plan.dp):
+            raise ConfigError(
+                f"global batch {self.global_batch} is not divisible by micro-batch x DP = "
+                f"{self.micro_batch} x {plan.dp} = {self.micro_batch * plan.dp}; use a multiple "
+                f"of {self.micro_batch * plan.dp}"
+            )
+        if self.pp * self.vpp > self.backbone.num_layers:
+            raise ConfigError(
+                f"{self.pp * self.vpp} pipeline stages (PP {self.pp} x VPP {self.vpp}) but "
+                f"{self.backbone.name} has {self.backbone.num_layers} layers; use at most "
+                f"{self.backbone.num_layers} stages"
+            )
+        if self.backbone.hidden_size % self.tp or self.backbone.num_heads % self.tp:
+            raise ConfigError(
+                f"TP {self.tp} does not divide {self.backbone.name}'s hidden size "
+                f"{self.backbone.hidden_size} and {self.backbone.num_heads} heads"
+            )
+        names = [e.name for e in self.encoders]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"encoder names must be distinct, got {', '.join(names)}")

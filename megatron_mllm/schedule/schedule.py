@@ -1,0 +1,158 @@
+"""A schedule: per-rank ordered action lists plus the metadata that says what must be in them.
+
+A schedule rank ("lane") is one backbone pipeline stage: the TP group of GPUs holding that stage.
+Every data-parallel replica runs the same lists. An encoder pipeline stage sits on one lane in one
+"slot": a lane with backbone TP=8 and encoder TP_e=2 has 4 slots, each the TP_e GPUs of one
+encoder pipeline; backbone actions occupy every slot, encoder actions only their own.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.schedule.actions import Action, parse_action
+
+
+@dataclass(frozen=True)
+class EncoderMeta:
+    """One encoder's pipelines: kernel counts per stage and where each (pipe, stage) lives."""
+
+    name: str
+    fwd_kernels: tuple[int, ...]  # per encoder stage
+    bwd_kernels: tuple[int, ...]  # per encoder stage; 0 where nothing runs backward (frozen)
+    placement: tuple[tuple[tuple[int, int], ...], ...]  # [pipe][stage] -> (lane, slot)
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.fwd_kernels)
+
+    @property
+    def num_pipes(self) -> int:
+        return len(self.placement)
+
+    @property
+    def trainable(self) -> bool:
+        return any(self.bwd_kernels)
+
+
+@dataclass(frozen=True)
+class ScheduleMeta:
+    """What a schedule must contain: pipeline shape, micro-batches and encoder pipelines."""
+
+    pp: int
+    vpp: int
+    num_microbatches: int
+    slots: int = 1
+    encoders: tuple[EncoderMeta, ...] = ()
+    name: str = ""
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return self.pp * self.vpp
+
+    def virtual_index(self, stage: int, chunk: int) -> int:
+        return chunk * self.pp + stage
+
+    def stage_chunk(self, virtual: int) -> tuple[int, int]:
+        return virtual % self.pp, virtual // self.pp
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> ScheduleMeta:
+        raw = json.loads(text)
+        encoders = tuple(
+            EncoderMeta(
+                e["name"],
+                tuple(e["fwd_kernels"]),
+                tuple(e["bwd_kernels"]),
+                tuple(tuple(tuple(ls) for ls in pipe) for pipe in e["placement"]),
+            )
+            for e in raw.pop("encoders")
+        )
+        return ScheduleMeta(encoders=encoders, **raw)
+
+
+@dataclass
+class Schedule:
+    """Per-rank ordered action lists (`ranks[r]` is rank r's program) and their metadata."""
+
+    meta: ScheduleMeta
+    ranks: list[list[Action]]
+    notes: dict = field(default_factory=dict)
+
+    def encoder_assignment(self) -> list[dict[int, int]]:
+        """For each encoder, micro-batch -> the encoder pipeline that runs it (from EF actions)."""
+        out: list[dict[int, int]] = [dict() for _ in self.meta.encoders]
+        for actions in self.ranks:
+            for a in actions:
+                if a.kind == "EF" and a.enc < len(out):
+                    out[a.enc].setdefault(a.mb, a.pipe)
+        return out
+
+    def to_csv(self, path: str | Path | None = None) -> str:
+        """One row per rank: the rank number then its actions. The first line holds the metadata."""
+        buf = io.StringIO()
+        buf.write("# meta " + self.meta.to_json() + "\n")
+        writer = csv.writer(buf, lineterminator="\n")
+        for rank, actions in enumerate(self.ranks):
+            writer.writerow([rank, *map(str, actions)])
+        text = buf.getvalue()
+        if path is not None:
+            Path(path).write_text(text)
+        return text
+
+    @staticmethod
+    def from_csv(source: str | Path) -> Schedule:
+        """Load what `to_csv` wrote (a path, or the text itself)."""
+        p = Path(source) if not str(source).lstrip().startswith("#") else None
+        if p is not None and not p.is_file():
+            raise ConfigError(f"schedule file {source} does not exist")
+        text = p.read_text() if p is not None else str(source)
+        where = str(p) if p is not None else "schedule CSV"
+        lines = text.splitlines()
+        if not lines or not lines[0].startswith("# meta "):
+            raise ConfigError(f"{where}: first line must be '# meta {{...}}' as written by to_csv")
+        try:
+            meta = ScheduleMeta.from_json(lines[0][len("# meta "):])
+        except (ValueError, KeyError, TypeError):
+            raise ConfigError(f"{where}: line 1 has malformed schedule metadata") from None
+        ranks: list[list[Action]] = []
+        for lineno, row in enumerate(csv.reader(lines[1:]), start=2):
+            if not row:
+                continue
+            if not row[0].strip().isdigit() or int(row[0]) != len(ranks):
+                raise ConfigError(
+                    f"{where}: line {lineno} starts with '{row[0]}'; expected rank {len(ranks)}"
+                )
+            try:
+                ranks.append([parse_action(cell) for cell in row[1:] if cell.strip()])
+            except ConfigError as err:
+                raise ConfigError(f"{where}: line {lineno}: {err}") from None
+        if len(ranks) != meta.pp:
+            raise ConfigError(f"{where}: {len(ranks)} rank rows but the metadata says PP={meta.pp}")
+        return Schedule(meta, ranks)
+
+    def grid(self, center: int | None = None, radius: int = 3, mark: tuple[int, int] | None = None
+             ) -> str:
+        """The action lists side by side, one column per rank (rows around `center` if given)."""
+        depth = max((len(a) for a in self.ranks), default=0)
+        lo, hi = (0, depth) if center is None else (max(0, center - radius), min(depth, center + radius + 1))
+        cells = [[str(a) for a in actions] for actions in self.ranks]
+        width = max([len(c) for col in cells for c in col] + [8]) + 2
+        out = ["step  " + "".join(f"rank {r}".ljust(width) for r in range(len(self.ranks)))]
+        for step in range(lo, hi):
+            row = f"{step:<6}"
+            for r, col in enumerate(cells):
+                text = col[step] if step < len(col) else ""
+                if mark == (r, step):
+                    text = f">{text}<"
+                row += text.ljust(width)
+            out.append(row.rstrip())
+        return "\n".join(out)

@@ -1,0 +1,264 @@
+"""Event-driven simulation of a schedule on every rank: step time, bubbles by cause, memory.
+
+Each rank has, per slot, a compute stream and a TP communication stream (NVLink), and one
+data-parallel stream (the network) for AG/RS; p2p transfers are asynchronous. Ranks run their lists in
+order; an action starts when its inputs are there (a RECV when its SEND's data has arrived) and
+its streams are free. A backbone action runs its kernels one by one: after a kernel with a TP
+collective, the compute stream waits for the collective (a TP bubble) unless encoder work queued
+for that bubble (`@tpN`) runs in it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.schedule import intervals as iv
+from megatron_mllm.schedule.actions import Action
+from megatron_mllm.schedule.dataflow import Dataflow
+from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.validator import backbone_groups
+from megatron_mllm.schedule.workload import Workload
+
+BUBBLE_CAUSES = ("pp_warmup", "pp_cooldown", "pp_other", "tp", "dp")
+
+
+@dataclass(frozen=True)
+class Span:
+    """One interval on one rank's stream, for traces and accounting."""
+
+    rank: int
+    slot: int | None  # None: every slot of the rank
+    stream: str  # "compute", "comm" (TP), "dp" or "p2p"
+    name: str
+    start: float
+    end: float
+    category: str  # backbone, encoder, tp, dp, p2p
+
+
+@dataclass
+class SimResult:
+    step_time_s: float
+    limit_s: float  # zero-bubble limit: all compute spread evenly over every GPU
+    bubble_ratio: float
+    bubbles_s: dict[str, float]  # mean idle seconds per GPU group, by cause
+    peak_memory_bytes: float
+    spans: list[Span] = field(default_factory=list)
+    action_times: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    first_backbone_start: list[float] = field(default_factory=list)
+    mb_forward_start: dict[int, float] = field(default_factory=dict)  # F_i at stage 0
+    mb_backward_end: dict[int, float] = field(default_factory=dict)  # B_i at stage 0
+
+    @property
+    def peak_memory_gb(self) -> float:
+        return self.peak_memory_bytes / 1e9
+
+
+class DeadlockError(ConfigError):
+    """The simulated ranks stopped with work left."""
+
+
+def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) -> SimResult:
+    """Run `schedule` with `workload`'s costs. The schedule should already be validated."""
+    meta = schedule.meta
+    workload.check_matches(meta)
+    flow = Dataflow(meta, schedule.encoder_assignment())
+    n, slots = meta.pp, meta.slots
+    cfree = [[0.0] * slots for _ in range(n)]
+    mfree = [[0.0] * slots for _ in range(n)]
+    dpfree = [0.0] * n
+    avail: list[dict[str, float]] = [dict() for _ in range(n)]
+    arrival: dict[str, float] = {}
+    spans: list[Span] = []
+    times: dict[tuple[int, int], tuple[float, float]] = {}
+    tp_gaps: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+    mem_events: list[list[tuple[float, int | None, float]]] = [[] for _ in range(n)]
+    compute_total = 0.0
+
+    def span(r, slot, stream, name, a, b, cat):
+        if keep_spans or stream == "compute" or cat in ("tp", "dp"):
+            spans.append(Span(r, slot, stream, name, a, b, cat))
+
+    def ready(r: int, keys: list[str]) -> float:
+        return max((avail[r][k] for k in keys), default=0.0)
+
+    def run_encoder(r: int, step: int, a: Action, not_before: float) -> float:
+        """Run one encoder chunk; return when its compute stream part ends."""
+        nonlocal compute_total
+        slot = flow.slot(a)
+        kernels = workload.kernels(a.kind, a.stage, enc=a.enc)[a.k0:a.k1]
+        t = start = max(not_before, cfree[r][slot], ready(r, flow.needs(a)))
+        compute_end = t
+        for k in kernels:
+            span(r, slot, "compute", f"{a}:{k.name}", t, t + k.compute_s, "encoder")
+            t += k.compute_s
+            compute_total += k.compute_s
+            compute_end = t
+            if k.comm_s > 0:
+                cs = max(t, mfree[r][slot])
+                mfree[r][slot] = cs + k.comm_s
+                span(r, slot, "comm", f"{a}:{k.name}:tp", cs, cs + k.comm_s, "tp")
+                t = cs + k.comm_s
+        cfree[r][slot] = compute_end
+        for key in flow.makes(a):
+            avail[r][key] = t
+        times[(r, step)] = (start, t)
+        enc = meta.encoders[a.enc]
+        stage_bytes = workload.encoder_act_bytes[a.enc][a.stage] if workload.encoder_act_bytes else 0
+        if a.kind == "EF":
+            share = stage_bytes * (a.k1 - a.k0) / enc.fwd_kernels[a.stage]
+            mem_events[r].append((start, slot, share))
+            if enc.bwd_kernels[a.stage] == 0:  # nothing will run backward: freed at once
+                mem_events[r].append((t, slot, -share))
+        elif a.k1 == enc.bwd_kernels[a.stage]:
+            mem_events[r].append((t, slot, -stage_bytes))
+        return compute_end
+
+    def run_backbone(r: int, group: list[int], acts: list[Action]) -> None:
+        nonlocal compute_total
+        step = group[-1]
+        a = acts[step]
+        fills = defaultdict(list)
+        for i in group[:-1]:
+            fills[acts[i].fill].append(i)
+        kernels = workload.kernels(a.kind, a.stage, a.chunk)
+        t = start = max(max(cfree[r]), ready(r, flow.needs(a)))
+        gap = 0
+        for k in kernels:
+            span(r, None, "compute", f"{a}:{k.name}", t, t + k.compute_s, "backbone")
+            t += k.compute_s
+            compute_total += k.compute_s * slots
+            if k.comm_s > 0:
+                cs = max(t, max(mfree[r]))
+                ce = cs + k.comm_s
+                for s in range(slots):
+                    mfree[r][s] = ce
+                span(r, None, "comm", f"{a}:{k.name}:tp", cs, ce, "tp")
+                tp_gaps[r].append((t, ce))
+                resume = ce
+                for i in fills.pop(gap, []):
+                    resume = max(resume, run_encoder(r, i, acts[i], t))
+                t = resume
+                gap += 1
+        if fills:
+            bad = min(i for idx in fills.values() for i in idx)
+            raise ConfigError(
+                f"rank {r}, step {bad}: {acts[bad]} fills TP bubble {acts[bad].fill} but "
+                f"{a} has only {gap} TP bubble(s)"
+            )
+        for s in range(slots):
+            cfree[r][s] = t
+        for key in flow.makes(a):
+            avail[r][key] = t
+        times[(r, step)] = (start, t)
+        nbytes = workload.backbone_act_bytes.get((a.stage, a.chunk), 0.0)
+        mem_events[r].append((start, None, nbytes) if a.kind == "F" else (t, None, -nbytes))
+
+    groups = [backbone_groups(acts) for acts in schedule.ranks]
+    ptr = [0] * n
+    while True:
+        progressed = False
+        for r, acts in enumerate(schedule.ranks):
+            while ptr[r] < len(groups[r]):
+                group = groups[r][ptr[r]]
+                a = acts[group[-1]]
+                if a.kind == "RECV" and a.key not in arrival:
+                    break
+                if a.kind in ("F", "B"):
+                    run_backbone(r, group, acts)
+                elif a.kind in ("EF", "EB"):
+                    run_encoder(r, group[-1], a, 0.0)
+                elif a.kind == "SEND":
+                    t0 = avail[r][a.key]
+                    arrival[a.key] = t0 + workload.transfer_time(a.key)
+                    span(r, None, "p2p", str(a), t0, arrival[a.key], "p2p")
+                    times[(r, group[-1])] = (t0, arrival[a.key])
+                elif a.kind == "RECV":
+                    avail[r][a.key] = arrival[a.key]
+                    times[(r, group[-1])] = (arrival[a.key], arrival[a.key])
+                else:  # AG / RS on the rank's data-parallel stream
+                    needs = flow.rs_needs(r, acts, a.key) if a.kind == "RS" else []
+                    t0 = max(dpfree[r], ready(r, needs))
+                    t1 = dpfree[r] = t0 + workload.dp_s.get((r, a.kind, a.key), 0.0)
+                    for key in flow.makes(a):
+                        avail[r][key] = t1
+                    span(r, None, "dp", str(a), t0, t1, "dp")
+                    times[(r, group[-1])] = (t0, t1)
+                ptr[r] += 1
+                progressed = True
+        if all(ptr[r] == len(groups[r]) for r in range(n)):
+            break
+        if not progressed:
+            stuck = ", ".join(
+                f"rank {r} waits at step {groups[r][ptr[r]][-1]} "
+                f"({schedule.ranks[r][groups[r][ptr[r]][-1]]})"
+                for r in range(n) if ptr[r] < len(groups[r])
+            )
+            raise DeadlockError(f"simulation deadlocked: {stuck}")
+
+    step_time = max((b for _, b in times.values()), default=0.0)
+    return _summarize(schedule, workload, spans, times, tp_gaps, mem_events, compute_total,
+                      step_time)
+
+
+def _summarize(schedule, workload, spans, times, tp_gaps, mem_events, compute_total, step_time):
+    meta = schedule.meta
+    n, slots = meta.pp, meta.slots
+    busy = [[[] for _ in range(slots)] for _ in range(n)]
+    dp = [[] for _ in range(n)]
+    first_bb, last_bb = [step_time] * n, [0.0] * n
+    for s in spans:
+        if s.stream == "compute":
+            for slot in range(slots) if s.slot is None else [s.slot]:
+                busy[s.rank][slot].append((s.start, s.end))
+            if s.category == "backbone":
+                first_bb[s.rank] = min(first_bb[s.rank], s.start)
+                last_bb[s.rank] = max(last_bb[s.rank], s.end)
+        elif s.category == "dp":
+            dp[s.rank].append((s.start, s.end))
+    causes = dict.fromkeys(BUBBLE_CAUSES, 0.0)
+    for r in range(n):
+        gaps, dps = iv.merge(tp_gaps[r]), iv.merge(dp[r])
+        for slot in range(slots):
+            idle = iv.complement(iv.merge(busy[r][slot]), 0.0, step_time)
+            causes["tp"] += iv.total(iv.intersect(idle, gaps))
+            rest = iv.subtract(idle, gaps)
+            causes["dp"] += iv.total(iv.intersect(rest, dps))
+            rest = iv.subtract(rest, dps)
+            warm = iv.intersect(rest, [(0.0, first_bb[r])])
+            cool = iv.intersect(rest, [(last_bb[r], step_time)])
+            causes["pp_warmup"] += iv.total(warm)
+            causes["pp_cooldown"] += iv.total(cool)
+            causes["pp_other"] += iv.total(rest) - iv.total(warm) - iv.total(cool)
+    groups = n * slots
+    idle_total = sum(causes.values())
+    peak = 0.0
+    for r in range(n):
+        level = [0.0] * slots
+        top = 0.0
+        for _, slot, delta in sorted(mem_events[r], key=lambda e: (e[0], e[2])):
+            for s in range(slots) if slot is None else [slot]:
+                level[s] += delta
+            top = max(top, max(level))
+        state = workload.state_bytes[r] if workload.state_bytes else 0.0
+        peak = max(peak, state + top)
+    f_start, b_end = {}, {}
+    for (r, step), (a, b) in times.items():
+        act = schedule.ranks[r][step]
+        if act.kind == "F" and act.stage == 0 and act.chunk == 0:
+            f_start[act.mb] = a
+        if act.kind == "B" and act.stage == 0 and act.chunk == 0:
+            b_end[act.mb] = b
+    return SimResult(
+        step_time_s=step_time,
+        limit_s=compute_total / groups,
+        bubble_ratio=idle_total / (groups * step_time) if step_time else 0.0,
+        bubbles_s={k: v / groups for k, v in causes.items()},
+        peak_memory_bytes=peak,
+        spans=spans,
+        action_times=times,
+        first_backbone_start=first_bb,
+        mb_forward_start=f_start,
+        mb_backward_end=b_end,
+    )

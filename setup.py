@@ -1,0 +1,25 @@
+"""megatron_mllm: multimodal-LLM training on megatron-core with bubble exploitation."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="megatron_mllm",
+    version="0.1.0",
+    description=(
+        "Train multimodal LLMs on megatron-core faster: encoder work scheduled into the "
+        "backbone's pipeline and tensor-parallel bubbles."
+    ),
+    packages=find_packages(include=["megatron_mllm", "megatron_mllm.*"]),
+    python_requires=">=3.10",
+    install_requires=[
+        # A bare "torch" pulls a multi-GB CUDA build; users on GPU install their own torch first.
+        "torch>=2.4",
+        "megatron-core==0.16.1",
+        "numpy",
+        "pyyaml",
+    ],
+    extras_require={
+        "plot": ["matplotlib"],
+        "test": ["pytest", "hypothesis", "matplotlib", "ruff"],
+    },
+)
