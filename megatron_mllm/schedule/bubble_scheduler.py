@@ -69,8 +69,34 @@ def encoder_layouts(costs: JobCosts, enc_plan: ParallelPlan) -> tuple[list[Encod
     return layouts, slots
 
 
-def optimus_schedule(costs: JobCosts, opts: OptimusOptions) -> tuple[Schedule, Workload]:
-    """Build the Optimus schedule for one encoder plan and options (not yet validated)."""
+def encoder_dp_seconds(costs: JobCosts, enc_plan: ParallelPlan) -> float:
+    """Data-parallel all-gather plus reduce-scatter time of the largest encoder stage.
+
+    The rank's DP stream runs them besides the backbone's, so the step cannot be shorter than the
+    backbone alone plus this (the planner's pruning bound).
+    """
+    layouts, _ = encoder_layouts(costs, enc_plan)
+    cm = costs.cm
+    return sum(
+        max(cm.dp_gather_s(b.params, enc_plan.dp) + cm.dp_reduce_scatter_s(b.trainable_params,
+                                                                           enc_plan.dp)
+            for b in lay.stages)
+        for lay in layouts
+    )
+
+
+def backbone_step_seconds(cache: dict) -> float:
+    """The backbone-alone step time of any timeline in `cache` (they share the backbone)."""
+    return min(t.step_time_s for t in cache.values())
+
+
+def optimus_schedule(costs: JobCosts, opts: OptimusOptions, cache: dict | None = None
+                     ) -> tuple[Schedule, Workload]:
+    """Build the Optimus schedule for one encoder plan and options (not yet validated).
+
+    `cache` (any dict, reused across calls for the same job) keeps the backbone timeline, which
+    does not depend on the encoder plan.
+    """
     job, plan = costs.job, costs.job.plan
     layouts, slots = encoder_layouts(costs, opts.encoder_plan)
     layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
@@ -81,7 +107,14 @@ def optimus_schedule(costs: JobCosts, opts: OptimusOptions) -> tuple[Schedule, W
     backbone = stages_from_sizes(plan.pp, blocks, sizes)
     meta, workload = assemble("optimus", costs, backbone, layouts, slots=slots)
     steps = [backbone_actions(r, o) for r, o in enumerate(backbone_orders(meta, opts.extra_warmup))]
-    placer = _Placer(meta, workload, steps, opts.fine)
+    key = (opts.extra_warmup, opts.fine)
+    if cache is None or key not in cache:
+        timeline = _BackboneTimeline(meta, workload, steps, opts.fine)
+        if cache is not None:
+            cache[key] = timeline
+    else:
+        timeline = cache[key]
+    placer = _Placer(meta, workload, steps, timeline)
     placer.place_forwards(opts.split)
     placer.place_backwards()
     schedule = add_transfers(meta, placer.lists())
@@ -90,43 +123,67 @@ def optimus_schedule(costs: JobCosts, opts: OptimusOptions) -> tuple[Schedule, W
     return schedule, workload
 
 
-class _Placer:
-    """Packs encoder kernels around one fixed backbone timeline."""
+class _BackboneTimeline:
+    """The backbone alone, simulated: dependency points and the idle time around its actions."""
 
     def __init__(self, meta: ScheduleMeta, workload: Workload, steps: list[list[Action]],
                  fine: bool) -> None:
-        self.meta, self.wl, self.steps = meta, workload, steps
         bb_meta = replace(meta, encoders=())
         bb_wl = replace(workload, encoder_fwd=[], encoder_bwd=[], encoder_act_bytes=[])
         bb = add_transfers(bb_meta, [[AG("bb"), *s, RS("bb")] for s in steps])
         sim = simulate(bb, bb_wl, keep_spans=False)
-        self.pool = GapPool()
-        self.f_start = sim.mb_forward_start
-        self.b_end = sim.mb_backward_end
+        self.step_time_s = sim.step_time_s
+        self.f_start, self.b_end = sim.mb_forward_start, sim.mb_backward_end
+        # Per rank: (start, end, anchor, cover) of every gap, before slots are known.
+        self.gaps: list[list[tuple[float, float, tuple, float]]] = []
         for r, acts in enumerate(bb.ranks):
             mains = [i for i, a in enumerate(acts) if a.kind in ("F", "B")]
-            times = [sim.action_times[(r, i)] for i in mains]
-            for slot in range(meta.slots):
-                prev = -math.inf
-                for j, (i, (start, end)) in enumerate(zip(mains, times)):
-                    if fine or j == 0:
-                        self.pool.add(r, slot, Gap(prev, start, ("after", j - 1)))
-                    if fine:
-                        self._add_tp_gaps(r, slot, j, acts[i], start)
-                    prev = end
-                self.pool.add(r, slot, Gap(prev, math.inf, ("after", len(mains) - 1)))
+            gaps, prev = [], -math.inf
+            for j, i in enumerate(mains):
+                start, end = sim.action_times[(r, i)]
+                if fine or j == 0:
+                    gaps.append((prev, start, ("after", j - 1), 0.0))
+                if fine:
+                    gaps += self._tp_gaps(workload, j, acts[i], start)
+                prev = end
+            gaps.append((prev, math.inf, ("after", len(mains) - 1), 0.0))
+            self.gaps.append(gaps)
+
+    @staticmethod
+    def _tp_gaps(wl: Workload, j: int, action: Action, start: float) -> list[tuple]:
+        kernels = wl.kernels(action.kind, action.stage, action.chunk)
+        out, t, n = [], start, 0
+        for i, k in enumerate(kernels):
+            t += k.compute_s
+            if k.comm_s > 0:
+                # An encoder collective started after this bubble must hide under the compute
+                # before the backbone's next collective.
+                cover = 0.0
+                for nxt in kernels[i + 1:]:
+                    cover += nxt.compute_s
+                    if nxt.comm_s > 0:
+                        break
+                out.append((t, t + k.comm_s, ("tp", j, n), cover))
+                t += k.comm_s
+                n += 1
+        return out
+
+
+class _Placer:
+    """Packs encoder kernels around one fixed backbone timeline."""
+
+    def __init__(self, meta: ScheduleMeta, workload: Workload, steps: list[list[Action]],
+                 timeline: _BackboneTimeline) -> None:
+        self.meta, self.wl, self.steps = meta, workload, steps
+        self.f_start, self.b_end = timeline.f_start, timeline.b_end
+        self.pool = GapPool()
+        hosts = {rs for enc in meta.encoders for pipe in enc.placement for rs in pipe}
+        for r, slot in sorted(hosts):
+            for start, end, anchor, cover in timeline.gaps[r]:
+                self.pool.add(r, slot, Gap(start, end, anchor, cover))
         self.pool.finish()
         self.placed: list[tuple[Action, Gap, float]] = []  # chunk, its gap, planned start
         self.assignment: list[dict[int, int]] = [dict() for _ in meta.encoders]
-
-    def _add_tp_gaps(self, r: int, slot: int, j: int, action: Action, start: float) -> None:
-        t, n = start, 0
-        for k in self.wl.kernels(action.kind, action.stage, action.chunk):
-            t += k.compute_s
-            if k.comm_s > 0:
-                self.pool.add(r, slot, Gap(t, t + k.comm_s, ("tp", j, n)))
-                t += k.comm_s
-                n += 1
 
     def _transfer(self, key: str, src: int, dst: int) -> float:
         return self.wl.transfer_time(key) if src != dst else 0.0
@@ -140,7 +197,9 @@ class _Placer:
         out = []
         for j in range(last, -1, -1):
             rank, slot = enc.placement[pipe][j]
-            placed = self.pool.place_alap(rank, slot, self.wl.encoder_fwd[e][j], deadline)
+            # A TP-bubble fill cannot wait for a RECV (it would hold up the backbone action).
+            placed = self.pool.place_alap(rank, slot, self.wl.encoder_fwd[e][j], deadline,
+                                          first_in_tp=j == 0)
             out.append(placed)
             if j > 0:
                 prev = enc.placement[pipe][j - 1][0]
@@ -186,7 +245,9 @@ class _Placer:
                     if not kernels:
                         break
                     rank, slot = enc.placement[pipe][j]
-                    placed = self.pool.place_asap(rank, slot, kernels, earliest)
+                    remote = j < last or lane != 0
+                    placed = self.pool.place_asap(rank, slot, kernels, earliest,
+                                                  first_in_tp=not remote)
                     self._commit("EB", e, pipe, j, mb, placed)
                     if j > 0:
                         nxt = enc.placement[pipe][j - 1][0]

@@ -21,6 +21,7 @@ class Gap:
     start: float
     end: float
     anchor: Anchor
+    cover_s: float = 0.0  # TP gaps: backbone compute right after, which can hide a collective
 
     @property
     def is_tp(self) -> bool:
@@ -55,7 +56,7 @@ class GapPool:
                    first_in_tp: bool = True) -> list[Placed]:
         """Kernels as late as possible, the last one's output (after its comm) by `deadline`."""
         gaps = self.gaps[(rank, slot)]
-        i = bisect.bisect_left([g.start for g in gaps], deadline) - 1
+        i = bisect.bisect_left(gaps, deadline, key=_start) - 1
         t, out = deadline, []
         for idx in range(len(kernels) - 1, -1, -1):
             k = kernels[idx]
@@ -64,8 +65,8 @@ class GapPool:
                 g = gaps[i]
                 # A kernel's TP collective waits for the backbone's to finish (it must not
                 # share the bubble's link), so in a TP gap it only counts from the gap's end.
-                usable = not g.is_tp or ((idx > 0 or first_in_tp) and
-                                         (k.comm_s == 0 or g.end <= limit))
+                usable = not g.is_tp or ((idx > 0 or first_in_tp) and (
+                    k.comm_s == 0 or (g.end <= limit and k.comm_s <= g.cover_s)))
                 end = min(g.end, limit)
                 if usable and end - g.start >= k.compute_s - 1e-12:
                     break
@@ -79,12 +80,12 @@ class GapPool:
                    first_in_tp: bool = True) -> list[Placed]:
         """Kernels as early as possible, the first one starting no earlier than `earliest`."""
         gaps = self.gaps[(rank, slot)]
-        i = bisect.bisect_right([g.end for g in gaps], earliest)
+        i = bisect.bisect_right(gaps, earliest, key=_end)
         t, out = earliest, []
         for idx, k in enumerate(kernels):
             while True:
                 g = gaps[i]
-                usable = not g.is_tp or idx > 0 or first_in_tp
+                usable = not g.is_tp or ((idx > 0 or first_in_tp) and k.comm_s <= g.cover_s)
                 begin = max(g.start, t)
                 if usable and g.end - begin >= k.compute_s - 1e-12:
                     break
@@ -107,9 +108,19 @@ class GapPool:
             pieces, t = [], g.start
             for p in sorted(items, key=lambda p: p.start):
                 if p.start - t > 1e-12:
-                    pieces.append(Gap(t, p.start, g.anchor))
+                    pieces.append(Gap(t, p.start, g.anchor, g.cover_s))
                 t = p.end
             if g.end - t > 1e-12:
-                pieces.append(Gap(t, g.end, g.anchor))
-            pos = next(j for j, x in enumerate(gaps) if x is g)
+                pieces.append(Gap(t, g.end, g.anchor, g.cover_s))
+            pos = bisect.bisect_left(gaps, g.start, key=_start)
+            while gaps[pos] is not g:
+                pos += 1
             gaps[pos:pos + 1] = pieces
+
+
+def _start(g: Gap) -> float:
+    return g.start
+
+
+def _end(g: Gap) -> float:
+    return g.end

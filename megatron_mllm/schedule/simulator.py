@@ -1,6 +1,7 @@
 """Event-driven simulation of a schedule on every rank: step time, bubbles by cause, memory.
 
-Each rank has, per slot, a compute stream and a TP communication stream (NVLink), and one
+A RECV blocks its rank's list until the data is there (nothing after it starts earlier); other
+actions are issued asynchronously. Each rank has, per slot, a compute stream and a TP communication stream (NVLink), and one
 data-parallel stream (the network) for AG/RS; p2p transfers are asynchronous. Ranks run their lists in
 order; an action starts when its inputs are there (a RECV when its SEND's data has arrived) and
 its streams are free. A backbone action runs its kernels one by one: after a kernel with a TP
@@ -13,8 +14,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+import math
+
+import numpy as np
+
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.schedule import intervals as iv
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.dataflow import Dataflow
 from megatron_mllm.schedule.schedule import Schedule
@@ -26,15 +30,20 @@ BUBBLE_CAUSES = ("pp_warmup", "pp_cooldown", "pp_other", "tp", "dp")
 
 @dataclass(frozen=True)
 class Span:
-    """One interval on one rank's stream, for traces and accounting."""
+    """One interval on one rank's stream, for traces."""
 
     rank: int
     slot: int | None  # None: every slot of the rank
     stream: str  # "compute", "comm" (TP), "dp" or "p2p"
-    name: str
+    action: Action
+    part: str  # kernel name, or "" for the whole action
     start: float
     end: float
     category: str  # backbone, encoder, tp, dp, p2p
+
+    @property
+    def name(self) -> str:
+        return f"{self.action}:{self.part}" if self.part else str(self.action)
 
 
 @dataclass
@@ -68,6 +77,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
     cfree = [[0.0] * slots for _ in range(n)]
     mfree = [[0.0] * slots for _ in range(n)]
     dpfree = [0.0] * n
+    cursor = [0.0] * n  # nothing later in a rank's list starts before its last RECV completed
     avail: list[dict[str, float]] = [dict() for _ in range(n)]
     arrival: dict[str, float] = {}
     spans: list[Span] = []
@@ -75,10 +85,18 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
     tp_gaps: list[list[tuple[float, float]]] = [[] for _ in range(n)]
     mem_events: list[list[tuple[float, int | None, float]]] = [[] for _ in range(n)]
     compute_total = 0.0
+    busy = [[[] for _ in range(slots)] for _ in range(n)]  # encoder compute, per slot
+    backbone_busy: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # whole actions
+    dp_spans: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+    first_bb, last_bb = [math.inf] * n, [0.0] * n
 
-    def span(r, slot, stream, name, a, b, cat):
-        if keep_spans or stream == "compute" or cat in ("tp", "dp"):
-            spans.append(Span(r, slot, stream, name, a, b, cat))
+    def span(r, slot, stream, action, part, a, b, cat):
+        if stream == "compute" and slot is not None:
+            busy[r][slot].append((a, b))
+        elif stream == "dp":
+            dp_spans[r].append((a, b))
+        if keep_spans:
+            spans.append(Span(r, slot, stream, action, part, a, b, cat))
 
     def ready(r: int, keys: list[str]) -> float:
         return max((avail[r][k] for k in keys), default=0.0)
@@ -88,17 +106,17 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
         nonlocal compute_total
         slot = flow.slot(a)
         kernels = workload.kernels(a.kind, a.stage, enc=a.enc)[a.k0:a.k1]
-        t = start = max(not_before, cfree[r][slot], ready(r, flow.needs(a)))
+        t = start = max(not_before, cursor[r], cfree[r][slot], ready(r, flow.needs(a)))
         compute_end = t
         for k in kernels:
-            span(r, slot, "compute", f"{a}:{k.name}", t, t + k.compute_s, "encoder")
+            span(r, slot, "compute", a, k.name, t, t + k.compute_s, "encoder")
             t += k.compute_s
             compute_total += k.compute_s
             compute_end = t
             if k.comm_s > 0:
                 cs = max(t, mfree[r][slot])
                 mfree[r][slot] = cs + k.comm_s
-                span(r, slot, "comm", f"{a}:{k.name}:tp", cs, cs + k.comm_s, "tp")
+                span(r, slot, "comm", a, k.name, cs, cs + k.comm_s, "tp")
                 t = cs + k.comm_s
         cfree[r][slot] = compute_end
         for key in flow.makes(a):
@@ -123,10 +141,11 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
         for i in group[:-1]:
             fills[acts[i].fill].append(i)
         kernels = workload.kernels(a.kind, a.stage, a.chunk)
-        t = start = max(max(cfree[r]), ready(r, flow.needs(a)))
+        t = start = max(cursor[r], max(cfree[r]), ready(r, flow.needs(a)))
         gap = 0
         for k in kernels:
-            span(r, None, "compute", f"{a}:{k.name}", t, t + k.compute_s, "backbone")
+            if keep_spans:
+                span(r, None, "compute", a, k.name, t, t + k.compute_s, "backbone")
             t += k.compute_s
             compute_total += k.compute_s * slots
             if k.comm_s > 0:
@@ -134,7 +153,8 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
                 ce = cs + k.comm_s
                 for s in range(slots):
                     mfree[r][s] = ce
-                span(r, None, "comm", f"{a}:{k.name}:tp", cs, ce, "tp")
+                if keep_spans:
+                    span(r, None, "comm", a, k.name, cs, ce, "tp")
                 tp_gaps[r].append((t, ce))
                 resume = ce
                 for i in fills.pop(gap, []):
@@ -152,6 +172,9 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
         for key in flow.makes(a):
             avail[r][key] = t
         times[(r, step)] = (start, t)
+        backbone_busy[r].append((start, t))
+        first_bb[r] = min(first_bb[r], start)
+        last_bb[r] = max(last_bb[r], t)
         nbytes = workload.backbone_act_bytes.get((a.stage, a.chunk), 0.0)
         mem_events[r].append((start, None, nbytes) if a.kind == "F" else (t, None, -nbytes))
 
@@ -170,20 +193,21 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
                 elif a.kind in ("EF", "EB"):
                     run_encoder(r, group[-1], a, 0.0)
                 elif a.kind == "SEND":
-                    t0 = avail[r][a.key]
+                    t0 = max(cursor[r], avail[r][a.key])
                     arrival[a.key] = t0 + workload.transfer_time(a.key)
-                    span(r, None, "p2p", str(a), t0, arrival[a.key], "p2p")
+                    span(r, None, "p2p", a, "", t0, arrival[a.key], "p2p")
                     times[(r, group[-1])] = (t0, arrival[a.key])
                 elif a.kind == "RECV":
                     avail[r][a.key] = arrival[a.key]
+                    cursor[r] = max(cursor[r], arrival[a.key])
                     times[(r, group[-1])] = (arrival[a.key], arrival[a.key])
                 else:  # AG / RS on the rank's data-parallel stream
                     needs = flow.rs_needs(r, acts, a.key) if a.kind == "RS" else []
-                    t0 = max(dpfree[r], ready(r, needs))
+                    t0 = max(cursor[r], dpfree[r], ready(r, needs))
                     t1 = dpfree[r] = t0 + workload.dp_s.get((r, a.kind, a.key), 0.0)
                     for key in flow.makes(a):
                         avail[r][key] = t1
-                    span(r, None, "dp", str(a), t0, t1, "dp")
+                    span(r, None, "dp", a, "", t0, t1, "dp")
                     times[(r, group[-1])] = (t0, t1)
                 ptr[r] += 1
                 progressed = True
@@ -198,39 +222,14 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
             raise DeadlockError(f"simulation deadlocked: {stuck}")
 
     step_time = max((b for _, b in times.values()), default=0.0)
-    return _summarize(schedule, workload, spans, times, tp_gaps, mem_events, compute_total,
-                      step_time)
-
-
-def _summarize(schedule, workload, spans, times, tp_gaps, mem_events, compute_total, step_time):
-    meta = schedule.meta
-    n, slots = meta.pp, meta.slots
-    busy = [[[] for _ in range(slots)] for _ in range(n)]
-    dp = [[] for _ in range(n)]
-    first_bb, last_bb = [step_time] * n, [0.0] * n
-    for s in spans:
-        if s.stream == "compute":
-            for slot in range(slots) if s.slot is None else [s.slot]:
-                busy[s.rank][slot].append((s.start, s.end))
-            if s.category == "backbone":
-                first_bb[s.rank] = min(first_bb[s.rank], s.start)
-                last_bb[s.rank] = max(last_bb[s.rank], s.end)
-        elif s.category == "dp":
-            dp[s.rank].append((s.start, s.end))
+    first_bb = [min(f, step_time) for f in first_bb]
     causes = dict.fromkeys(BUBBLE_CAUSES, 0.0)
     for r in range(n):
-        gaps, dps = iv.merge(tp_gaps[r]), iv.merge(dp[r])
         for slot in range(slots):
-            idle = iv.complement(iv.merge(busy[r][slot]), 0.0, step_time)
-            causes["tp"] += iv.total(iv.intersect(idle, gaps))
-            rest = iv.subtract(idle, gaps)
-            causes["dp"] += iv.total(iv.intersect(rest, dps))
-            rest = iv.subtract(rest, dps)
-            warm = iv.intersect(rest, [(0.0, first_bb[r])])
-            cool = iv.intersect(rest, [(last_bb[r], step_time)])
-            causes["pp_warmup"] += iv.total(warm)
-            causes["pp_cooldown"] += iv.total(cool)
-            causes["pp_other"] += iv.total(rest) - iv.total(warm) - iv.total(cool)
+            for cause, seconds in _classify_idle(busy[r][slot], backbone_busy[r], tp_gaps[r],
+                                                 dp_spans[r], first_bb[r], last_bb[r],
+                                                 step_time).items():
+                causes[cause] += seconds
     groups = n * slots
     idle_total = sum(causes.values())
     peak = 0.0
@@ -262,3 +261,42 @@ def _summarize(schedule, workload, spans, times, tp_gaps, mem_events, compute_to
         mb_forward_start=f_start,
         mb_backward_end=b_end,
     )
+
+
+def _covered(mids: np.ndarray, intervals: list[tuple[float, float]]) -> np.ndarray:
+    """For each point, whether any of the (possibly overlapping) intervals covers it."""
+    if not intervals:
+        return np.zeros(len(mids), dtype=bool)
+    arr = np.asarray(intervals)
+    starts, ends = np.sort(arr[:, 0]), np.sort(arr[:, 1])
+    return np.searchsorted(starts, mids, "right") > np.searchsorted(ends, mids, "right")
+
+
+def _classify_idle(encoder, backbone, tp_gaps, dp, first, last, step_time) -> dict[str, float]:
+    """Idle compute time of one GPU group in [0, step_time), split by cause.
+
+    Busy: encoder compute, and backbone actions less their TP bubbles. TP bubbles first (idle
+    inside a backbone action), then DP (idle while AG/RS run), then by position: before the
+    first backbone compute (warm-up), after the last (cool-down), other.
+    """
+    points = [0.0, step_time, first, last]
+    for group in (encoder, backbone, tp_gaps, dp):
+        for a, b in group:
+            points += [a, b]
+    pts = np.unique(np.clip(np.asarray(points), 0.0, step_time))
+    if len(pts) < 2:
+        return {}
+    mids, lengths = (pts[:-1] + pts[1:]) / 2, np.diff(pts)
+    in_tp = _covered(mids, tp_gaps)
+    idle = ~(_covered(mids, encoder) | (_covered(mids, backbone) & ~in_tp))
+    tp = idle & in_tp
+    dpc = idle & ~tp & _covered(mids, dp)
+    rest = idle & ~tp & ~dpc
+    warm, cool = rest & (mids < first), rest & (mids > last)
+    return {
+        "tp": float(lengths[tp].sum()),
+        "dp": float(lengths[dpc].sum()),
+        "pp_warmup": float(lengths[warm].sum()),
+        "pp_cooldown": float(lengths[cool].sum()),
+        "pp_other": float(lengths[rest & ~warm & ~cool].sum()),
+    }

@@ -1,0 +1,145 @@
+"""Optimus model planner: enumerate colocated encoder plans, drop those over memory, search the
+micro-batch splits and warm-up variants with the bubble scheduler, keep the fastest."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.parallel.plans import ParallelPlan, enumerate_encoder_plans
+from megatron_mllm.schedule.baselines import balanced_schedule, megatron_schedule
+from megatron_mllm.schedule.blocks import JobCosts, state_bytes
+from megatron_mllm.schedule.bubble_scheduler import (
+    OptimusOptions,
+    backbone_step_seconds,
+    encoder_dp_seconds,
+    encoder_layouts,
+    optimus_schedule,
+)
+from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.simulator import SimResult, simulate
+from megatron_mllm.schedule.validator import validate
+from megatron_mllm.schedule.workload import Workload
+
+
+@dataclass
+class Planned:
+    """A validated schedule, its costs and its simulation."""
+
+    name: str
+    schedule: Schedule
+    workload: Workload
+    result: SimResult
+    options: OptimusOptions | None = None
+
+
+@dataclass
+class PlanReport:
+    megatron: Planned
+    balanced: Planned
+    optimus: Planned
+    candidates: list[tuple[OptimusOptions, float, float]] = field(default_factory=list)
+    dropped: list[tuple[ParallelPlan, float]] = field(default_factory=list)  # plan, GB needed
+    planner_seconds: float = 0.0
+
+    @property
+    def schedules(self) -> dict[str, Planned]:
+        return {"megatron": self.megatron, "balanced": self.balanced, "optimus": self.optimus}
+
+
+def run(name: str, built: tuple[Schedule, Workload], options: OptimusOptions | None = None,
+        check: bool = True) -> Planned:
+    """Validate (unless `check` is False) and simulate one schedule."""
+    schedule, workload = built
+    if check:
+        validate(schedule)
+    return Planned(name, schedule, workload, simulate(schedule, workload, False), options)
+
+
+def model_state_gb(costs: JobCosts, enc_plan: ParallelPlan) -> float:
+    """Largest per-GPU model-state estimate under `enc_plan` (backbone stage + encoder stage)."""
+    job, plan = costs.job, costs.job.plan
+    layer = costs.backbone_layer(plan.tp)
+    per_stage = -(-job.backbone.num_layers // plan.pp)
+    backbone = state_bytes(layer, plan.dp) * per_stage + state_bytes(costs.head(plan.tp), plan.dp)
+    layouts, _ = encoder_layouts(costs, enc_plan)
+    encoder = sum(max(state_bytes(b, enc_plan.dp) for b in lay.stages) for lay in layouts)
+    return (backbone + encoder) / 1e9
+
+
+def plan_optimus(costs: JobCosts, encoder_plan: ParallelPlan | None = None,
+                 refine: int = 2) -> tuple[Planned, list, list]:
+    """Search encoder plans (or just `encoder_plan`) and return the best Optimus schedule."""
+    job = costs.job
+    memory = job.hw.memory_gb
+    plans = [encoder_plan] if encoder_plan else enumerate_encoder_plans(
+        job.plan, min(e.num_layers for e in job.encoders))
+    fitting, dropped = [], []
+    for p in plans:
+        need = model_state_gb(costs, p)
+        (fitting if need < memory else dropped).append((p, need))
+    if not fitting:
+        smallest = min(dropped, key=lambda x: x[1])
+        raise ConfigError(
+            f"no encoder plan fits in {memory:.0f} GB per GPU: the smallest needs "
+            f"{smallest[1]:.0f} GB of model states ({smallest[0]}); use more GPUs, a larger "
+            f"TP or PP, or a GPU with more memory"
+        )
+    candidates: list[tuple[OptimusOptions, float, float]] = []
+    best: Planned | None = None
+    cache: dict = {}
+    pruned: list[ParallelPlan] = []
+
+    def consider(opts: OptimusOptions) -> None:
+        nonlocal best
+        # Candidates are only simulated (which fails loudly on a missing dependency or a
+        # deadlock); the one we keep is validated below.
+        planned = run("optimus", optimus_schedule(costs, opts, cache), opts, check=False)
+        peak = planned.result.peak_memory_gb
+        candidates.append((opts, planned.result.step_time_s, peak))
+        if peak > memory:
+            return
+        if best is None or planned.result.step_time_s < best.result.step_time_s - 1e-12:
+            best = planned
+
+    # Cheapest encoder data-parallel traffic first; a plan whose bound (backbone alone plus
+    # its encoder AG/RS) cannot beat the best so far is skipped.
+    bounds = sorted((encoder_dp_seconds(costs, p), i, p) for i, (p, _) in enumerate(fitting))
+    for extra, _, p in bounds:
+        if best is not None and backbone_step_seconds(cache) + extra >= best.result.step_time_s:
+            pruned.append(p)
+            continue
+        consider(OptimusOptions(p))
+    # Refine the most promising plans with the other splits and warm-up counts.
+    ranked = sorted({c[0].encoder_plan: c[1] for c in candidates}.items(), key=lambda x: x[1])
+    for p, _ in ranked[:refine]:
+        variants = [OptimusOptions(p, split="even")]
+        if job.plan.vpp == 1:
+            variants.append(OptimusOptions(p, extra_warmup=1))
+        for v in variants:
+            consider(v)
+    if best is None:
+        lowest = min(candidates, key=lambda c: c[2])
+        raise ConfigError(
+            f"no Optimus schedule fits in {memory:.0f} GB per GPU: the lowest peak is "
+            f"{lowest[2]:.0f} GB ({lowest[0].encoder_plan}); use more GPUs, a smaller "
+            f"micro-batch or a GPU with more memory"
+        )
+    validate(best.schedule)
+    return best, candidates, dropped
+
+
+def plan_all(job_costs: JobCosts, encoder_plan: ParallelPlan | None = None) -> PlanReport:
+    """The three schedules for one job, simulated side by side."""
+    t0 = time.process_time()
+    optimus, candidates, dropped = plan_optimus(job_costs, encoder_plan)
+    planner_seconds = time.process_time() - t0
+    return PlanReport(
+        megatron=run("megatron", megatron_schedule(job_costs)),
+        balanced=run("balanced", balanced_schedule(job_costs)),
+        optimus=optimus,
+        candidates=candidates,
+        dropped=dropped,
+        planner_seconds=planner_seconds,
+    )
