@@ -1,0 +1,176 @@
+"""`tools/plan_schedule.py`: plan megatron / balanced / optimus for one job and compare them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+
+from megatron_mllm.errors import ConfigError, exit_on_config_error
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.schedule.blocks import JobCosts
+from megatron_mllm.schedule.config import MLLMJob
+from megatron_mllm.schedule.cost_model import load_measured_times
+from megatron_mllm.schedule.hardware import get_profile
+from megatron_mllm.schedule.planner import PlanReport, plan_all
+from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.simulator import BUBBLE_CAUSES, simulate
+from megatron_mllm.schedule.specs import load_model
+from megatron_mllm.schedule.validator import validate
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, like every other bad input
+        print(f"error: {message}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description=__doc__)
+    p.add_argument("--encoder", action="append", required=True,
+                   help="encoder model name or YAML (repeat for several encoders)")
+    p.add_argument("--backbone", required=True, help="backbone model name or YAML")
+    p.add_argument("--gpus", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1, help="backbone tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="backbone pipeline-parallel size")
+    p.add_argument("--vpp", type=int, default=1, help="backbone virtual pipeline size")
+    p.add_argument("--global-batch", type=int, required=True)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--seq-len", type=int, required=True, help="backbone sequence length")
+    p.add_argument("--encoder-seq-len", type=int, default=None,
+                   help="tokens per sample in the encoder (default: --seq-len)")
+    p.add_argument("--gpu", default="h100", help="hardware profile: h100 or a100")
+    p.add_argument("--efficiency", type=float, default=None,
+                   help="override the profile's achievable fraction of peak")
+    p.add_argument("--frozen-encoder", action="store_true",
+                   help="encoders run forward only (the projector still trains)")
+    p.add_argument("--no-sequence-parallel", action="store_true")
+    p.add_argument("--encoder-tp", type=int, default=None, help="force the encoder TP size")
+    p.add_argument("--encoder-pp", type=int, default=None, help="force the encoder PP size")
+    p.add_argument("--measured-times", default=None,
+                   help="JSON of measured per-kernel seconds replacing the analytic ones")
+    p.add_argument("--trace", default=None, help="write the Optimus Chrome trace JSON here")
+    p.add_argument("--png", default=None, help="write a PNG timeline of all three schedules")
+    p.add_argument("--save-schedule", default=None, help="write the Optimus schedule as CSV")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    return p
+
+
+def job_from_args(args: argparse.Namespace) -> tuple[MLLMJob, dict | None]:
+    hw = get_profile(args.gpu)
+    if args.efficiency is not None:
+        if not 0 < args.efficiency <= 1:
+            raise ConfigError(f"--efficiency {args.efficiency} must be in (0, 1]")
+        hw = hw.with_efficiency(args.efficiency)
+    encoders = tuple(load_model(e, encoder=True) for e in args.encoder)
+    backbone = load_model(args.backbone, encoder=False)
+    job = MLLMJob(encoders, backbone, args.gpus, args.tp, args.pp, args.global_batch,
+                  args.micro_batch, args.seq_len, hw, vpp=args.vpp,
+                  frozen_encoders=args.frozen_encoder,
+                  sequence_parallel=not args.no_sequence_parallel,
+                  encoder_seq_len=args.encoder_seq_len)
+    measured = None
+    if args.measured_times:
+        measured = load_measured_times(args.measured_times, [e.name for e in encoders] +
+                                       [backbone.name])
+    return job, measured
+
+
+def forced_encoder_plan(args: argparse.Namespace, job: MLLMJob) -> ParallelPlan | None:
+    if args.encoder_tp is None and args.encoder_pp is None:
+        return None
+    tp, pp = args.encoder_tp or 1, args.encoder_pp or 1
+    if tp < 1 or pp < 1 or job.gpus % (tp * pp):
+        raise ConfigError(f"encoder TP {tp} x PP {pp} must be positive and divide {job.gpus} GPUs")
+    min_layers = min(e.num_layers for e in job.encoders)
+    if pp > min_layers:
+        raise ConfigError(f"encoder PP {pp} exceeds the encoder's {min_layers} layers")
+    return ParallelPlan(job.gpus // (tp * pp), tp, pp)
+
+
+def report_dict(report: PlanReport) -> dict:
+    base = report.megatron.result.step_time_s
+    out = {}
+    for name, planned in report.schedules.items():
+        r = planned.result
+        entry = {
+            "step_time_s": r.step_time_s,
+            "speedup_vs_megatron": base / r.step_time_s,
+            "bubble_ratio": r.bubble_ratio,
+            "bubbles_s": r.bubbles_s,
+            "peak_memory_gb": r.peak_memory_gb,
+        }
+        if planned.options is not None:
+            p = planned.options.encoder_plan
+            entry["encoder_plan"] = {"dp": p.dp, "tp": p.tp, "pp": p.pp}
+            entry["microbatch_split"] = planned.options.split
+            entry["extra_warmup"] = planned.options.extra_warmup
+        out[name] = entry
+    return {
+        "schedules": out,
+        "limit_step_time_s": report.optimus.result.limit_s,
+        "planner_seconds": report.planner_seconds,
+        "candidates": len(report.candidates),
+    }
+
+
+def format_table(report: PlanReport, memory_gb: float) -> str:
+    base = report.megatron.result.step_time_s
+    head = (f"{'schedule':<10}{'step s':>9}{'speedup':>9}{'bubbles':>9}"
+            + "".join(f"{c:>12}" for c in BUBBLE_CAUSES) + f"{'peak GB':>9}  plan")
+    lines = [head, "-" * len(head)]
+    for name, planned in report.schedules.items():
+        r = planned.result
+        plan = str(planned.options.encoder_plan) if planned.options else ""
+        if planned.options:
+            plan = f"encoder {plan}, split {planned.options.split}"
+        over = "!" if r.peak_memory_gb > memory_gb else " "
+        lines.append(
+            f"{name:<10}{r.step_time_s:>9.3f}{base / r.step_time_s:>8.2f}x{r.bubble_ratio:>9.1%}"
+            + "".join(f"{r.bubbles_s[c]:>12.3f}" for c in BUBBLE_CAUSES)
+            + f"{r.peak_memory_gb:>8.1f}{over}  {plan}")
+    lines.append(f"zero-bubble limit {report.optimus.result.limit_s:.3f} s; bubble columns are "
+                 f"idle seconds per GPU; '!' marks a peak over {memory_gb:.0f} GB; planner "
+                 f"{report.planner_seconds:.1f} s CPU over {len(report.candidates)} candidate(s)")
+    return "\n".join(lines)
+
+
+@exit_on_config_error
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    job, measured = job_from_args(args)
+    costs = JobCosts(job, measured)
+    report = plan_all(costs, forced_encoder_plan(args, job))
+    if args.save_schedule:
+        report.optimus.schedule.to_csv(args.save_schedule)
+    if args.trace or args.png:
+        from megatron_mllm.schedule.trace import write_chrome_trace, write_png
+
+        full = {name: simulate(p.schedule, p.workload, keep_spans=True)
+                for name, p in report.schedules.items()}
+        if args.trace:
+            write_chrome_trace(full["optimus"], args.trace, "optimus")
+        if args.png:
+            write_png(full, args.png)
+    if args.json:
+        print(json.dumps(report_dict(report)))
+    else:
+        print(format_table(report, job.hw.memory_gb))
+    return 0
+
+
+@exit_on_config_error
+def check_schedule_main(argv: list[str] | None = None) -> int:
+    """`tools/check_schedule.py FILE.csv`: load and validate a schedule CSV."""
+    p = _Parser(description="Validate a schedule CSV written by --save-schedule.")
+    p.add_argument("csv")
+    args = p.parse_args(argv)
+    schedule = Schedule.from_csv(args.csv)
+    validate(schedule)
+    counts = [len(a) for a in schedule.ranks]
+    print(f"valid: {schedule.meta.pp} ranks, {schedule.meta.num_microbatches} micro-batches, "
+          f"{len(schedule.meta.encoders)} encoder(s), {sum(counts)} actions")
+    return 0
+
+
