@@ -39,6 +39,7 @@ class OptimusOptions:
     split: str = "greedy"  # "greedy": any pipeline may take any micro-batch; "even": equal shares
     extra_warmup: int = 0  # extra 1F1B warm-up micro-batches on every stage
     fine: bool = True  # False: the coarse schedule only (all encoder work outside the backbone)
+    placement: str = "colocated"  # "stage0": the Megatron placement, kept when nothing beats it
 
 
 def encoder_layouts(costs: JobCosts, enc_plan: ParallelPlan) -> tuple[list[EncoderLayout], int]:

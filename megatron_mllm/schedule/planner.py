@@ -68,6 +68,14 @@ def model_state_gb(costs: JobCosts, enc_plan: ParallelPlan) -> float:
     return (backbone + encoder) / 1e9
 
 
+def _no_plan_fits(dropped: list[tuple[ParallelPlan, float]], memory: float) -> ConfigError:
+    plan, need = min(dropped, key=lambda x: x[1])
+    return ConfigError(
+        f"no encoder plan fits in {memory:.0f} GB per GPU: the smallest needs {need:.0f} GB "
+        f"of model states ({plan}); use more GPUs, a larger TP or PP, or a GPU with more memory"
+    )
+
+
 def plan_optimus(costs: JobCosts, encoder_plan: ParallelPlan | None = None,
                  refine: int = 2) -> tuple[Planned, list, list]:
     """Search encoder plans (or just `encoder_plan`) and return the best Optimus schedule."""
@@ -79,17 +87,21 @@ def plan_optimus(costs: JobCosts, encoder_plan: ParallelPlan | None = None,
     for p in plans:
         need = model_state_gb(costs, p)
         (fitting if need < memory else dropped).append((p, need))
-    if not fitting:
-        smallest = min(dropped, key=lambda x: x[1])
-        raise ConfigError(
-            f"no encoder plan fits in {memory:.0f} GB per GPU: the smallest needs "
-            f"{smallest[1]:.0f} GB of model states ({smallest[0]}); use more GPUs, a larger "
-            f"TP or PP, or a GPU with more memory"
-        )
+    if not fitting and encoder_plan is not None:
+        raise _no_plan_fits(dropped, memory)
     candidates: list[tuple[OptimusOptions, float, float]] = []
     best: Planned | None = None
     cache: dict = {}
     pruned: list[ParallelPlan] = []
+    if encoder_plan is None:
+        # The Megatron placement is a candidate too: with few micro-batches or a small encoder,
+        # replicating the encoder (its gradient all-reduce, its transfers) can cost more than
+        # the bubbles it fills, and then the planner keeps the encoder on stage 0.
+        stage0 = OptimusOptions(ParallelPlan(job.plan.dp, job.plan.tp, 1), placement="stage0")
+        fallback = run("optimus", megatron_schedule(costs), stage0)
+        candidates.append((stage0, fallback.result.step_time_s, fallback.result.peak_memory_gb))
+        if fallback.result.peak_memory_gb <= memory:
+            best = fallback
 
     def consider(opts: OptimusOptions) -> None:
         nonlocal best
@@ -107,12 +119,14 @@ def plan_optimus(costs: JobCosts, encoder_plan: ParallelPlan | None = None,
     # its encoder AG/RS) cannot beat the best so far is skipped.
     bounds = sorted((encoder_dp_seconds(costs, p), i, p) for i, (p, _) in enumerate(fitting))
     for extra, _, p in bounds:
-        if best is not None and backbone_step_seconds(cache) + extra >= best.result.step_time_s:
+        if best is not None and cache and \
+                backbone_step_seconds(cache) + extra >= best.result.step_time_s:
             pruned.append(p)
             continue
         consider(OptimusOptions(p))
     # Refine the most promising plans with the other splits and warm-up counts.
-    ranked = sorted({c[0].encoder_plan: c[1] for c in candidates}.items(), key=lambda x: x[1])
+    ranked = sorted({c[0].encoder_plan: c[1] for c in candidates
+                     if c[0].placement == "colocated"}.items(), key=lambda x: x[1])
     for p, _ in ranked[:refine]:
         variants = [OptimusOptions(p, split="even")]
         if job.plan.vpp == 1:
@@ -120,6 +134,8 @@ def plan_optimus(costs: JobCosts, encoder_plan: ParallelPlan | None = None,
         for v in variants:
             consider(v)
     if best is None:
+        if not fitting:
+            raise _no_plan_fits(dropped, memory)
         lowest = min(candidates, key=lambda c: c[2])
         raise ConfigError(
             f"no Optimus schedule fits in {memory:.0f} GB per GPU: the lowest peak is "

@@ -75,14 +75,14 @@ def validate(schedule: Schedule) -> None:
                 fail(r, i, "wrong-rank", f"{a} belongs on rank {home}")
             if a.fill is not None and a.kind not in ("EF", "EB"):
                 fail(r, i, "fill", "only encoder work can fill a TP bubble")
+            if a.fill is not None and i == len(actions) - 1:
+                fail(r, i, "fill", "a TP-bubble fill must be followed by a backbone F or B")
             text = str(a) if a.fill is None else str(a).split("@")[0]
             if a.kind in ("AG", "RS"):
                 continue  # one per rank; counted in _check_counts
             if text in seen:
                 fail(r, i, "duplicate", f"{a} already at rank {seen[text][0]}, step {seen[text][1]}")
             seen[text] = (r, i)
-        if actions and actions[-1].fill is not None:
-            fail(r, len(actions) - 1, "fill", "a TP-bubble fill must be followed by a backbone F or B")
 
     _check_counts(schedule, flow, fail)
     _check_pairs(schedule, fail)

@@ -1,0 +1,97 @@
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_mllm.schedule.actions import AG, RS
+from megatron_mllm.schedule.cost_model import Kernel
+from megatron_mllm.schedule.partition import balanced_partition, megatron_split
+from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_orders
+from megatron_mllm.schedule.schedule import ScheduleMeta
+from megatron_mllm.schedule.simulator import DeadlockError, simulate
+from megatron_mllm.schedule.transfers import add_transfers
+from megatron_mllm.schedule.validator import validate
+from megatron_mllm.schedule.workload import Workload
+
+
+def uniform(pp: int, vpp: int, m: int, tf: float = 1.0, tb: float = 2.0, act: float = 1.0):
+    meta = ScheduleMeta(pp=pp, vpp=vpp, num_microbatches=m)
+    stages = [(s, v) for s in range(pp) for v in range(vpp)]
+    wl = Workload(
+        backbone_fwd={k: [Kernel("f", tf / vpp)] for k in stages},
+        backbone_bwd={k: [Kernel("b", tb / vpp)] for k in stages},
+        backbone_act_bytes={k: act for k in stages},
+    )
+    ranks = [[AG("bb"), *backbone_actions(r, o), RS("bb")]
+             for r, o in enumerate(backbone_orders(meta))]
+    schedule = add_transfers(meta, ranks)
+    validate(schedule)
+    return schedule, wl
+
+
+@pytest.mark.parametrize("pp,m", [(1, 4), (2, 4), (4, 8), (4, 3), (8, 16), (3, 5)])
+def test_1f1b_bubble_matches_closed_form(pp, m):
+    schedule, wl = uniform(pp, 1, m)
+    res = simulate(schedule, wl)
+    assert res.bubble_ratio == pytest.approx((pp - 1) / (m + pp - 1), abs=1e-12)
+    assert res.step_time_s == pytest.approx((m + pp - 1) * 3.0)
+    assert res.limit_s == pytest.approx(m * 3.0)
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(2, 2, 4), (4, 2, 8), (4, 3, 8), (2, 4, 6)])
+def test_interleaved_bubble_matches_closed_form(pp, vpp, m):
+    schedule, wl = uniform(pp, vpp, m)
+    res = simulate(schedule, wl)
+    assert res.bubble_ratio == pytest.approx((pp - 1) / (vpp * m + pp - 1), abs=1e-12)
+
+
+def test_1f1b_keeps_pp_microbatches_alive_on_stage0():
+    schedule, wl = uniform(4, 1, 8)
+    assert simulate(schedule, wl).peak_memory_bytes == pytest.approx(4.0)
+
+
+def test_bubble_causes_add_up():
+    schedule, wl = uniform(4, 1, 6)
+    res = simulate(schedule, wl)
+    assert sum(res.bubbles_s.values()) == pytest.approx(res.bubble_ratio * res.step_time_s)
+    assert res.bubbles_s["pp_warmup"] > 0 and res.bubbles_s["pp_cooldown"] > 0
+
+
+def test_simulator_detects_deadlock():
+    schedule, wl = uniform(2, 1, 2)
+    r0 = schedule.ranks[0]
+    recv = r0.pop([str(a) for a in r0].index("RECV:grad.s0v0.m0"))
+    r0.insert(1, recv)
+    with pytest.raises(DeadlockError, match="rank 0"):
+        simulate(schedule, wl)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(0.1, 10.0), min_size=1, max_size=9), st.integers(1, 4))
+def test_balanced_partition_is_optimal(costs, parts):
+    parts = min(parts, len(costs))
+    sizes = balanced_partition(costs, parts)
+    assert sum(sizes) == len(costs) and all(s > 0 for s in sizes)
+
+    def worst(sz):
+        out, i = 0.0, 0
+        for n in sz:
+            out = max(out, sum(costs[i:i + n]))
+            i += n
+        return out
+
+    best = min(
+        worst([b - a for a, b in zip((0, *cuts), (*cuts, len(costs)))])
+        for cuts in itertools.combinations(range(1, len(costs)), parts - 1)
+    )
+    assert worst(sizes) == pytest.approx(best)
+
+
+@pytest.mark.parametrize("layers,pp,first_extra", [(96, 8, 15.0), (12, 4, 0.0), (10, 2, 3.0)])
+def test_megatron_split_uses_first_and_last_knobs_only(layers, pp, first_extra):
+    sizes = megatron_split(layers, pp, 1, 1.0, first_extra, 0.3)
+    assert sum(sizes) == layers and len(sizes) == pp
+    assert len(set(sizes[1:-1])) <= 1  # the middle stages are even
+    if first_extra > 0:
+        assert sizes[0] <= sizes[-1] or pp == 2
