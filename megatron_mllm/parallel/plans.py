@@ -60,6 +60,19 @@ def check_colocated(backbone: ParallelPlan, encoder: ParallelPlan) -> None:
         )
 
 
+def colocated_encoder_plan(backbone: ParallelPlan, tp: int, pp: int) -> ParallelPlan:
+    """The encoder plan with TP_e = `tp`, PP_e = `pp` on the backbone's ranks (DP_e fills in)."""
+    if tp < 1 or pp < 1:
+        raise ConfigError(f"encoder TP {tp} and PP {pp} must be positive integers")
+    if backbone.tp % tp:
+        raise ConfigError(f"encoder TP {tp} does not divide backbone TP {backbone.tp}; "
+                          f"use a divisor of {backbone.tp}")
+    if backbone.pp % pp:
+        raise ConfigError(f"encoder PP {pp} does not divide backbone PP {backbone.pp}; "
+                          f"use a divisor of {backbone.pp}")
+    return ParallelPlan(dp=backbone.world_size // (tp * pp), tp=tp, pp=pp)
+
+
 def encoder_pipelines_per_backbone_pipeline(backbone: ParallelPlan, encoder: ParallelPlan) -> int:
     """m = DP_e / DP: how many encoder pipelines feed one backbone pipeline."""
     check_colocated(backbone, encoder)

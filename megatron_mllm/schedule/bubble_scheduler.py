@@ -115,7 +115,11 @@ def optimus_schedule(costs: JobCosts, opts: OptimusOptions, cache: dict | None =
             cache[key] = timeline
     else:
         timeline = cache[key]
-    placer = _Placer(meta, workload, steps, timeline)
+    # The encoders' parameter all-gathers run first on each rank's DP stream and push the
+    # backbone back by as much.
+    delay = max((t for (r, kind, part), t in workload.dp_s.items()
+                 if kind == "AG" and part != "bb"), default=0.0)
+    placer = _Placer(meta, workload, steps, timeline, delay)
     placer.place_forwards(opts.split)
     placer.place_backwards()
     schedule = add_transfers(meta, placer.lists())
@@ -174,14 +178,15 @@ class _Placer:
     """Packs encoder kernels around one fixed backbone timeline."""
 
     def __init__(self, meta: ScheduleMeta, workload: Workload, steps: list[list[Action]],
-                 timeline: _BackboneTimeline) -> None:
+                 timeline: _BackboneTimeline, delay: float) -> None:
         self.meta, self.wl, self.steps = meta, workload, steps
-        self.f_start, self.b_end = timeline.f_start, timeline.b_end
+        self.f_start = {m: t + delay for m, t in timeline.f_start.items()}
+        self.b_end = {m: t + delay for m, t in timeline.b_end.items()}
         self.pool = GapPool()
         hosts = {rs for enc in meta.encoders for pipe in enc.placement for rs in pipe}
         for r, slot in sorted(hosts):
             for start, end, anchor, cover in timeline.gaps[r]:
-                self.pool.add(r, slot, Gap(start, end, anchor, cover))
+                self.pool.add(r, slot, Gap(start + delay, end + delay, anchor, cover))
         self.pool.finish()
         self.placed: list[tuple[Action, Gap, float]] = []  # chunk, its gap, planned start
         self.assignment: list[dict[int, int]] = [dict() for _ in meta.encoders]

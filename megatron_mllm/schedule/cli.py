@@ -8,7 +8,7 @@ import sys
 from dataclasses import replace
 
 from megatron_mllm.errors import ConfigError, exit_on_config_error
-from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
 from megatron_mllm.schedule.blocks import JobCosts
 from megatron_mllm.schedule.config import MLLMJob
 from megatron_mllm.schedule.cost_model import load_measured_times
@@ -80,13 +80,12 @@ def job_from_args(args: argparse.Namespace) -> tuple[MLLMJob, dict | None]:
 def forced_encoder_plan(args: argparse.Namespace, job: MLLMJob) -> ParallelPlan | None:
     if args.encoder_tp is None and args.encoder_pp is None:
         return None
-    tp, pp = args.encoder_tp or 1, args.encoder_pp or 1
-    if tp < 1 or pp < 1 or job.gpus % (tp * pp):
-        raise ConfigError(f"encoder TP {tp} x PP {pp} must be positive and divide {job.gpus} GPUs")
+    plan = colocated_encoder_plan(job.plan, args.encoder_tp or 1, args.encoder_pp or 1)
     min_layers = min(e.num_layers for e in job.encoders)
-    if pp > min_layers:
-        raise ConfigError(f"encoder PP {pp} exceeds the encoder's {min_layers} layers")
-    return ParallelPlan(job.gpus // (tp * pp), tp, pp)
+    if plan.pp > min_layers:
+        raise ConfigError(f"encoder PP {plan.pp} is more stages than the encoder's {min_layers} "
+                          f"layers; use at most {min_layers}")
+    return plan
 
 
 def report_dict(report: PlanReport) -> dict:

@@ -55,9 +55,33 @@ class Dataflow:
     def __init__(self, meta: ScheduleMeta, assignment: list[dict[int, int]]) -> None:
         self.meta = meta
         self.assignment = assignment
+        self._needs: dict[Action, list[str]] = {}
+        self._makes: dict[Action, list[str]] = {}
+        self._ranks: dict[str, tuple[int | None, int | None]] = {}
+
+    def needs(self, a: Action) -> list[str]:
+        """Keys `a` waits for (on its own rank). Cached: do not modify the list."""
+        out = self._needs.get(a)
+        if out is None:
+            out = self._needs[a] = self._compute_needs(a)
+        return out
+
+    def makes(self, a: Action) -> list[str]:
+        """Keys available on `a`'s rank once it completes. Cached: do not modify the list."""
+        out = self._makes.get(a)
+        if out is None:
+            out = self._makes[a] = self._compute_makes(a)
+        return out
+
+    def transfer_ranks(self, key: str) -> tuple[int | None, int | None]:
+        """(producer rank, consumer rank) of a cross-rank key; None where unknown."""
+        out = self._ranks.get(key)
+        if out is None:
+            out = self._ranks[key] = self._compute_transfer_ranks(key)
+        return out
 
     # -- compute and communication actions ---------------------------------------------------
-    def needs(self, a: Action) -> list[str]:
+    def _compute_needs(self, a: Action) -> list[str]:
         meta = self.meta
         if a.kind == "F":
             v = meta.virtual_index(a.stage, a.chunk)
@@ -90,7 +114,7 @@ class Dataflow:
             return [a.key]
         return []  # RECV, AG; RS needs are rank-wide, see `rs_needs`
 
-    def makes(self, a: Action) -> list[str]:
+    def _compute_makes(self, a: Action) -> list[str]:
         meta = self.meta
         if a.kind == "F":
             v = meta.virtual_index(a.stage, a.chunk)
@@ -146,8 +170,7 @@ class Dataflow:
             return None
         return self.meta.encoders[enc].placement[pipe][stage][0]
 
-    def transfer_ranks(self, key: str) -> tuple[int | None, int | None]:
-        """(producer rank, consumer rank) of a cross-rank key; None where unknown."""
+    def _compute_transfer_ranks(self, key: str) -> tuple[int | None, int | None]:
         m = _KEY_RE.match(key)
         if m is None:
             return None, None

@@ -67,7 +67,8 @@ class GapPool:
                 # share the bubble's link), so in a TP gap it only counts from the gap's end.
                 usable = not g.is_tp or ((idx > 0 or first_in_tp) and (
                     k.comm_s == 0 or (g.end <= limit and k.comm_s <= g.cover_s)))
-                end = min(g.end, limit)
+                # Between backbone actions a collective must end before the next one starts.
+                end = min(g.end - (0.0 if g.is_tp else k.comm_s), limit)
                 if usable and end - g.start >= k.compute_s - 1e-12:
                     break
                 i -= 1
@@ -87,7 +88,8 @@ class GapPool:
                 g = gaps[i]
                 usable = not g.is_tp or ((idx > 0 or first_in_tp) and k.comm_s <= g.cover_s)
                 begin = max(g.start, t)
-                if usable and g.end - begin >= k.compute_s - 1e-12:
+                room = g.end - begin - (0.0 if g.is_tp else k.comm_s)
+                if usable and room >= k.compute_s - 1e-12:
                     break
                 i += 1
             out.append(Placed(g, idx, begin, begin + k.compute_s))

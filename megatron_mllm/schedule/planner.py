@@ -77,7 +77,7 @@ def _no_plan_fits(dropped: list[tuple[ParallelPlan, float]], memory: float) -> C
 
 
 def plan_optimus(costs: JobCosts, encoder_plan: ParallelPlan | None = None,
-                 refine: int = 2) -> tuple[Planned, list, list]:
+                 refine: int = 1) -> tuple[Planned, list, list]:
     """Search encoder plans (or just `encoder_plan`) and return the best Optimus schedule."""
     job = costs.job
     memory = job.hw.memory_gb
@@ -123,14 +123,15 @@ def plan_optimus(costs: JobCosts, encoder_plan: ParallelPlan | None = None,
                 backbone_step_seconds(cache) + extra >= best.result.step_time_s:
             pruned.append(p)
             continue
-        consider(OptimusOptions(p))
-    # Refine the most promising plans with the other splits and warm-up counts.
+        consider(OptimusOptions(p, split="even"))
+    # Refine the most promising plans: the other split, the coarse schedule alone (a fine
+    # schedule is kept only where it beats the coarse one), one more warm-up micro-batch.
     ranked = sorted({c[0].encoder_plan: c[1] for c in candidates
                      if c[0].placement == "colocated"}.items(), key=lambda x: x[1])
     for p, _ in ranked[:refine]:
-        variants = [OptimusOptions(p, split="even")]
+        variants = [OptimusOptions(p, split="greedy"), OptimusOptions(p, split="even", fine=False)]
         if job.plan.vpp == 1:
-            variants.append(OptimusOptions(p, extra_warmup=1))
+            variants.append(OptimusOptions(p, split="even", extra_warmup=1))
         for v in variants:
             consider(v)
     if best is None:
