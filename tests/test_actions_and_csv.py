@@ -7,8 +7,17 @@ from megatron_mllm.schedule.blocks import JobCosts
 from megatron_mllm.schedule.schedule import Schedule
 from tests.conftest import tiny_job
 
-ALL = [F(1, 3), B(0, 2, chunk=1), EF(0, 1, 2, 3, 0, 12), EB(1, 0, 0, 5, 4, 7, fill=2),
-       SEND("act.s1v0.m3"), RECV("eout.e0.m2"), SEND("eact.e0.s1.m4"), AG("bb"), RS("e1")]
+ALL = [
+    F(1, 3),
+    B(0, 2, chunk=1),
+    EF(0, 1, 2, 3, 0, 12),
+    EB(1, 0, 0, 5, 4, 7, fill=2),
+    SEND("act.s1v0.m3"),
+    RECV("eout.e0.m2"),
+    SEND("eact.e0.s1.m4"),
+    AG("bb"),
+    RS("e1"),
+]
 
 
 @pytest.mark.parametrize("action", ALL, ids=str)
@@ -17,8 +26,12 @@ def test_string_form_round_trips(action):
 
 
 def test_string_forms_are_short_and_stable():
-    assert [str(a) for a in ALL[:4]] == ["F:s1v0m3", "B:s0v1m2", "EF:e0p1s2m3k0-12",
-                                         "EB:e1p0s0m5k4-7@tp2"]
+    assert [str(a) for a in ALL[:4]] == [
+        "F:s1v0m3",
+        "B:s0v1m2",
+        "EF:e0p1s2m3k0-12",
+        "EB:e1p0s0m5k4-7@tp2",
+    ]
 
 
 @pytest.mark.parametrize("text", ["X:s0v0m0", "F:s0m0", "EF:e0p0s0m0k3-3", "SEND:", "AG:foo"])

@@ -23,8 +23,9 @@ def uniform(pp: int, vpp: int, m: int, tf: float = 1.0, tb: float = 2.0, act: fl
         backbone_bwd={k: [Kernel("b", tb / vpp)] for k in stages},
         backbone_act_bytes={k: act for k in stages},
     )
-    ranks = [[AG("bb"), *backbone_actions(r, o), RS("bb")]
-             for r, o in enumerate(backbone_orders(meta))]
+    ranks = [
+        [AG("bb"), *backbone_actions(r, o), RS("bb")] for r, o in enumerate(backbone_orders(meta))
+    ]
     schedule = add_transfers(meta, ranks)
     validate(schedule)
     return schedule, wl
@@ -77,12 +78,12 @@ def test_balanced_partition_is_optimal(costs, parts):
     def worst(sz):
         out, i = 0.0, 0
         for n in sz:
-            out = max(out, sum(costs[i:i + n]))
+            out = max(out, sum(costs[i : i + n]))
             i += n
         return out
 
     best = min(
-        worst([b - a for a, b in zip((0, *cuts), (*cuts, len(costs)))])
+        worst([b - a for a, b in zip((0, *cuts), (*cuts, len(costs)), strict=False)])
         for cuts in itertools.combinations(range(1, len(costs)), parts - 1)
     )
     assert worst(sizes) == pytest.approx(best)

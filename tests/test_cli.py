@@ -4,8 +4,24 @@ import json
 
 import pytest
 
-SMALL = ["--encoder", "vit-3b", "--backbone", "gpt-11b", "--gpus", "64", "--tp", "4", "--pp", "4",
-         "--global-batch", "64", "--micro-batch", "1", "--seq-len", "1024"]
+SMALL = [
+    "--encoder",
+    "vit-3b",
+    "--backbone",
+    "gpt-11b",
+    "--gpus",
+    "64",
+    "--tp",
+    "4",
+    "--pp",
+    "4",
+    "--global-batch",
+    "64",
+    "--micro-batch",
+    "1",
+    "--seq-len",
+    "1024",
+]
 
 
 def args_with(**changes):
@@ -36,8 +52,16 @@ def test_json_output(run_tool):
 
 def test_table_trace_png_and_csv(run_tool, tmp_path):
     trace, png, csv = tmp_path / "t.json", tmp_path / "t.png", tmp_path / "s.csv"
-    proc = run_tool("plan_schedule.py", *SMALL, "--trace", str(trace), "--png", str(png),
-                    "--save-schedule", str(csv))
+    proc = run_tool(
+        "plan_schedule.py",
+        *SMALL,
+        "--trace",
+        str(trace),
+        "--png",
+        str(png),
+        "--save-schedule",
+        str(csv),
+    )
     assert proc.returncode == 0, proc.stderr
     assert "megatron" in proc.stdout and "optimus" in proc.stdout and "speedup" in proc.stdout
     events = json.loads(trace.read_text())["traceEvents"]
@@ -51,12 +75,16 @@ def test_table_trace_png_and_csv(run_tool, tmp_path):
 BAD = {
     "gpus not divisible": (args_with(gpus="60"), "divisible by 16"),
     "encoder PP not dividing PP": (args_with(encoder_pp="3"), "does not divide backbone PP"),
-    "encoder TP not dividing TP": (args_with(encoder_tp="3", encoder_pp="1"),
-                                   "does not divide backbone TP"),
+    "encoder TP not dividing TP": (
+        args_with(encoder_tp="3", encoder_pp="1"),
+        "does not divide backbone TP",
+    ),
     "more stages than layers": (args_with(pp="4", vpp="32"), "layers"),
     "batch not divisible": (args_with(global_batch="6"), "not divisible by micro-batch x DP"),
-    "cannot fit in memory": (args_with(backbone="gpt-175b", gpus="8", tp="8", pp="1",
-                                       global_batch="8"), "fits in 80 GB"),
+    "cannot fit in memory": (
+        args_with(backbone="gpt-175b", gpus="8", tp="8", pp="1", global_batch="8"),
+        "fits in 80 GB",
+    ),
     "unknown model": (args_with(encoder="vit-99b"), "unknown model 'vit-99b'"),
     "unknown gpu": (args_with(gpu="tpu"), "unknown GPU 'tpu'"),
     "bad efficiency": (args_with(efficiency="3"), "--efficiency"),

@@ -27,25 +27,50 @@ def jobs(draw):
     m = draw(st.integers(1, 3)) * pp if vpp > 1 else draw(st.integers(1, 8))
     n_enc = draw(st.integers(1, 2))
     encoders = tuple(
-        TransformerSpec(f"vit{i}", draw(st.integers(1, 6)), 64 * draw(st.integers(1, 8)),
-                        256 * draw(st.integers(1, 4)), 4, causal=False,
-                        seq_len=draw(st.sampled_from([64, 256, 1024])))
+        TransformerSpec(
+            f"vit{i}",
+            draw(st.integers(1, 6)),
+            64 * draw(st.integers(1, 8)),
+            256 * draw(st.integers(1, 4)),
+            4,
+            causal=False,
+            seq_len=draw(st.sampled_from([64, 256, 1024])),
+        )
         for i in range(n_enc)
     )
     layers = draw(st.integers(pp * vpp, 12))
-    backbone = TransformerSpec("gpt", layers, 128 * draw(st.integers(1, 8)),
-                               512 * draw(st.integers(1, 4)), 4, causal=True, vocab_size=4096)
+    backbone = TransformerSpec(
+        "gpt",
+        layers,
+        128 * draw(st.integers(1, 8)),
+        512 * draw(st.integers(1, 4)),
+        4,
+        causal=True,
+        vocab_size=4096,
+    )
     hw = get_profile(draw(st.sampled_from(["h100", "a100"])))
     micro = draw(st.integers(1, 2))
-    return MLLMJob(encoders, backbone, dp * tp * pp, tp, pp, global_batch=m * dp * micro,
-                   micro_batch=micro,
-                   seq_len=draw(st.sampled_from([128, 512, 2048])), hw=hw, vpp=vpp,
-                   frozen_encoders=draw(st.booleans()),
-                   sequence_parallel=draw(st.booleans()))
+    return MLLMJob(
+        encoders,
+        backbone,
+        dp * tp * pp,
+        tp,
+        pp,
+        global_batch=m * dp * micro,
+        micro_batch=micro,
+        seq_len=draw(st.sampled_from([128, 512, 2048])),
+        hw=hw,
+        vpp=vpp,
+        frozen_encoders=draw(st.booleans()),
+        sequence_parallel=draw(st.booleans()),
+    )
 
 
-SETTINGS = settings(max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", "40")), deadline=None,
-                    suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", "40")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
 
 
 @SETTINGS
@@ -55,9 +80,12 @@ def test_every_schedule_validates_and_simulates(job, data):
     built = [megatron_schedule(costs), balanced_schedule(costs)]
     plans = [p for p in enumerate_encoder_plans(job.plan, min(e.num_layers for e in job.encoders))]
     plan = data.draw(st.sampled_from(plans))
-    opts = OptimusOptions(plan, split=data.draw(st.sampled_from(["greedy", "even"])),
-                          extra_warmup=data.draw(st.integers(0, 1)) if job.vpp == 1 else 0,
-                          fine=data.draw(st.booleans()))
+    opts = OptimusOptions(
+        plan,
+        split=data.draw(st.sampled_from(["greedy", "even"])),
+        extra_warmup=data.draw(st.integers(0, 1)) if job.vpp == 1 else 0,
+        fine=data.draw(st.booleans()),
+    )
     built.append(optimus_schedule(costs, opts))
     for schedule, workload in built:
         validate(schedule)

@@ -69,6 +69,7 @@ def test_unknown_action(megatron):
 def test_wrong_rank(megatron):
     def fn(r):
         r[0].insert(1, r[1].pop(index(r, 1, "F:s1v0m0")))
+
     expect(mutate(megatron, fn), "wrong-rank", 0, 1)
 
 
@@ -80,12 +81,14 @@ def test_duplicate(megatron):
     def fn(r):
         i = index(r, 0, "F:s0v0m1")
         r[0].insert(i + 1, r[0][i])
+
     expect(mutate(megatron, fn), "duplicate", 0)
 
 
 def test_fill_must_precede_a_backbone_action(megatron):
     def fn(r):
         r[0].append(EF(0, 0, 0, 0, 0, 1, fill=0))
+
     expect(mutate(megatron, fn), "fill", 0, len(megatron.ranks[0]))
 
 
@@ -96,7 +99,8 @@ def test_fills_go_in_bubble_order():
 
     def fn(r):
         i = index(r, 0, f"EF:e0p0s0m1k0-{k}")
-        r[0][i:i + 1] = [EF(0, 0, 0, 1, 0, 1, fill=1), EF(0, 0, 0, 1, 1, k, fill=0)]
+        r[0][i : i + 1] = [EF(0, 0, 0, 1, 0, 1, fill=1), EF(0, 0, 0, 1, 1, k, fill=0)]
+
     expect(mutate(schedule, fn), "fill", 0)
 
 
@@ -115,6 +119,7 @@ def test_kernel_cover(optimus):
                 if a.kind == "EF" and a.k1 - a.k0 > 1:
                     acts[i] = replace(a, k1=a.k1 - 1)
                     return
+
     expect(mutate(optimus, fn), "kernel-cover")
 
 
@@ -144,6 +149,7 @@ def test_dependency_made_later(megatron):
     def fn(r):
         b = r[1].pop(index(r, 1, "B:s1v0m0"))
         r[1].insert(index(r, 1, "F:s1v0m0"), b)
+
     expect(mutate(megatron, fn), "order", 1)
 
 
@@ -151,15 +157,18 @@ def test_missing_recv(megatron):
     def fn(r):
         r[0].pop(index(r, 0, "SEND:act.s1v0.m1"))
         r[1].pop(index(r, 1, "RECV:act.s1v0.m1"))
+
     err = expect(mutate(megatron, fn), "order", 1)
     assert "no RECV:act.s1v0.m1" in err.summary
 
 
 def test_encoder_output_before_backbone_stage0(megatron):
     """The encoder-to-backbone rule: F of stage 0 needs the encoder output of its micro-batch."""
+
     def fn(r):
         ef = r[0].pop(index(r, 0, "EF:e0p0s0m1k0-" + str(megatron.meta.encoders[0].fwd_kernels[0])))
         r[0].insert(index(r, 0, "F:s0v0m1") + 1, ef)
+
     err = expect(mutate(megatron, fn), "order", 0)
     assert "encoder output" in err.summary
 
@@ -169,6 +178,7 @@ def test_fill_cannot_feed_its_own_backbone_action(megatron):
         i = index(r, 0, "EF:e0p0s0m0k0-" + str(megatron.meta.encoders[0].fwd_kernels[0]))
         a = r[0][i]
         r[0][i] = EF(a.enc, a.pipe, a.stage, a.mb, a.k0, a.k1, fill=0)
+
     err = expect(mutate(megatron, fn), "order", 0)
     assert "same time" in err.summary
 
@@ -177,6 +187,7 @@ def test_deadlock(megatron):
     def fn(r):
         recv = r[0].pop(index(r, 0, "RECV:grad.s0v0.m0"))
         r[0].insert(index(r, 0, "F:s0v0m0") - 1, recv)
+
     err = expect(mutate(megatron, fn), "deadlock", 0)
     assert "rank 1" in err.summary  # every stuck rank is named
 
@@ -188,6 +199,7 @@ def test_backward_needs_its_gradient(megatron):
     def fn(r):
         eb = r[0].pop(index(r, 0, f"EB:e0p0s0m0k0-{k}"))
         r[0].insert(index(r, 0, "B:s0v0m0"), eb)
+
     err = expect(mutate(megatron, fn), "order", 0)
     assert "gradient" in err.summary
 
@@ -196,6 +208,7 @@ def test_reduce_scatter_after_backward(megatron):
     def fn(r):
         rs = r[1].pop(len(r[1]) - 1)
         r[1].insert(1, rs)
+
     expect(mutate(megatron, fn), "order", 1, 1)
 
 

@@ -34,12 +34,24 @@ PAPER = {  # GPUs: (Megatron-LM, Megatron balanced, Optimus) step seconds
 
 def job_for(gpus: int, efficiency: float, vpp: int = 1) -> MLLMJob:
     hw = get_profile("h100").with_efficiency(efficiency)
-    return MLLMJob((BUILTIN_MODELS["vit-22b"],), BUILTIN_MODELS["gpt-175b"], gpus, tp=8, pp=8,
-                   global_batch=1536, micro_batch=2, seq_len=2048, hw=hw, vpp=vpp)
+    return MLLMJob(
+        (BUILTIN_MODELS["vit-22b"],),
+        BUILTIN_MODELS["gpt-175b"],
+        gpus,
+        tp=8,
+        pp=8,
+        global_batch=1536,
+        micro_batch=2,
+        seq_len=2048,
+        hw=hw,
+        vpp=vpp,
+    )
 
 
 def megatron_step(gpus: int, efficiency: float) -> float:
-    return run("megatron", megatron_schedule(JobCosts(job_for(gpus, efficiency)))).result.step_time_s
+    return run(
+        "megatron", megatron_schedule(JobCosts(job_for(gpus, efficiency)))
+    ).result.step_time_s
 
 
 def fit_efficiency(target_s: float = 5.91, gpus: int = 3072) -> float:
@@ -71,43 +83,56 @@ def main() -> int:
         opt12, _, _ = plan_optimus(costs12)
         t2 = time.process_time()
         best = min((opt1, opt12), key=lambda p: p.result.step_time_s)
-        rows.append({
-            "gpus": gpus,
-            "megatron_s": meg.step_time_s, "paper_megatron_s": p_meg,
-            "balanced_vpp12_s": bal.step_time_s, "paper_balanced_s": p_bal,
-            "optimus_vpp1_s": opt1.result.step_time_s,
-            "optimus_vpp12_s": opt12.result.step_time_s,
-            "optimus_s": best.result.step_time_s, "paper_optimus_s": p_opt,
-            "optimus_encoder_plan": str(best.options.encoder_plan),
-            "optimus_vpp": best.schedule.meta.vpp,
-            "speedup_vs_megatron": meg.step_time_s / best.result.step_time_s,
-            "speedup_vs_balanced": bal.step_time_s / best.result.step_time_s,
-            "paper_speedup_vs_megatron": p_meg / p_opt,
-            "optimus_vpp1_speedup_vs_megatron": meg.step_time_s / opt1.result.step_time_s,
-            "limit_s": best.result.limit_s,
-            "planner_seconds": max(t1 - t0, t2 - t1),
-        })
+        rows.append(
+            {
+                "gpus": gpus,
+                "megatron_s": meg.step_time_s,
+                "paper_megatron_s": p_meg,
+                "balanced_vpp12_s": bal.step_time_s,
+                "paper_balanced_s": p_bal,
+                "optimus_vpp1_s": opt1.result.step_time_s,
+                "optimus_vpp12_s": opt12.result.step_time_s,
+                "optimus_s": best.result.step_time_s,
+                "paper_optimus_s": p_opt,
+                "optimus_encoder_plan": str(best.options.encoder_plan),
+                "optimus_vpp": best.schedule.meta.vpp,
+                "speedup_vs_megatron": meg.step_time_s / best.result.step_time_s,
+                "speedup_vs_balanced": bal.step_time_s / best.result.step_time_s,
+                "paper_speedup_vs_megatron": p_meg / p_opt,
+                "optimus_vpp1_speedup_vs_megatron": meg.step_time_s / opt1.result.step_time_s,
+                "limit_s": best.result.limit_s,
+                "planner_seconds": max(t1 - t0, t2 - t1),
+            }
+        )
     if args.json:
         print(json.dumps({"efficiency": eff, "rows": rows}))
         return 0
-    print(f"H100 efficiency factor: {eff:.4f} ({'stored' if args.no_fit else 'fitted once'}"
-          " on Megatron @ 3072 GPUs = 5.91 s)")
-    print(f"{'GPUs':>5} | {'Megatron s (paper, err)':>25} | {'balanced s (paper, err)':>25} | "
-          f"{'Optimus s (paper, err)':>25} | {'Opt VPP1':>8} | {'x Meg':>6} {'paper':>6} | "
-          f"{'x bal':>6} | {'limit s':>7} | {'plan s':>6}")
+    print(
+        f"H100 efficiency factor: {eff:.4f} ({'stored' if args.no_fit else 'fitted once'}"
+        " on Megatron @ 3072 GPUs = 5.91 s)"
+    )
+    print(
+        f"{'GPUs':>5} | {'Megatron s (paper, err)':>25} | {'balanced s (paper, err)':>25} | "
+        f"{'Optimus s (paper, err)':>25} | {'Opt VPP1':>8} | {'x Meg':>6} {'paper':>6} | "
+        f"{'x bal':>6} | {'limit s':>7} | {'plan s':>6}"
+    )
 
     def cell(ours: float, paper: float) -> str:
         return f"{ours:6.2f} ({paper:5.2f}, {100 * (ours - paper) / paper:+5.1f}%)"
 
     for r in rows:
-        print(f"{r['gpus']:>5} | {cell(r['megatron_s'], r['paper_megatron_s']):>25} | "
-              f"{cell(r['balanced_vpp12_s'], r['paper_balanced_s']):>25} | "
-              f"{cell(r['optimus_s'], r['paper_optimus_s']):>25} | {r['optimus_vpp1_s']:8.2f} | "
-              f"{r['speedup_vs_megatron']:5.2f}x {r['paper_speedup_vs_megatron']:5.2f}x | "
-              f"{r['speedup_vs_balanced']:5.2f}x | {r['limit_s']:7.2f} | "
-              f"{r['planner_seconds']:6.1f}")
-    print("Optimus column: the better of the backbone at VPP 1 and VPP 12 (chosen plan in --json);"
-          " 'Opt VPP1' keeps the backbone at VPP 1 like the Megatron baseline.")
+        print(
+            f"{r['gpus']:>5} | {cell(r['megatron_s'], r['paper_megatron_s']):>25} | "
+            f"{cell(r['balanced_vpp12_s'], r['paper_balanced_s']):>25} | "
+            f"{cell(r['optimus_s'], r['paper_optimus_s']):>25} | {r['optimus_vpp1_s']:8.2f} | "
+            f"{r['speedup_vs_megatron']:5.2f}x {r['paper_speedup_vs_megatron']:5.2f}x | "
+            f"{r['speedup_vs_balanced']:5.2f}x | {r['limit_s']:7.2f} | "
+            f"{r['planner_seconds']:6.1f}"
+        )
+    print(
+        "Optimus column: the better of the backbone at VPP 1 and VPP 12 (chosen plan in --json);"
+        " 'Opt VPP1' keeps the backbone at VPP 1 like the Megatron baseline."
+    )
     return 0
 
 

@@ -27,8 +27,12 @@ class ParallelPlan:
 
 def backbone_plan(world_size: int, tp: int, pp: int, vpp: int = 1) -> ParallelPlan:
     """The backbone plan for `world_size` GPUs; DP is what TP x PP leaves."""
-    for name, value in (("tensor parallel size", tp), ("pipeline parallel size", pp),
-                        ("virtual pipeline size", vpp), ("GPU count", world_size)):
+    for name, value in (
+        ("tensor parallel size", tp),
+        ("pipeline parallel size", pp),
+        ("virtual pipeline size", vpp),
+        ("GPU count", world_size),
+    ):
         if value < 1:
             raise ConfigError(f"{name} is {value}; it must be a positive integer")
     if world_size % (tp * pp):
@@ -65,11 +69,15 @@ def colocated_encoder_plan(backbone: ParallelPlan, tp: int, pp: int) -> Parallel
     if tp < 1 or pp < 1:
         raise ConfigError(f"encoder TP {tp} and PP {pp} must be positive integers")
     if backbone.tp % tp:
-        raise ConfigError(f"encoder TP {tp} does not divide backbone TP {backbone.tp}; "
-                          f"use a divisor of {backbone.tp}")
+        raise ConfigError(
+            f"encoder TP {tp} does not divide backbone TP {backbone.tp}; "
+            f"use a divisor of {backbone.tp}"
+        )
     if backbone.pp % pp:
-        raise ConfigError(f"encoder PP {pp} does not divide backbone PP {backbone.pp}; "
-                          f"use a divisor of {backbone.pp}")
+        raise ConfigError(
+            f"encoder PP {pp} does not divide backbone PP {backbone.pp}; "
+            f"use a divisor of {backbone.pp}"
+        )
     return ParallelPlan(dp=backbone.world_size // (tp * pp), tp=tp, pp=pp)
 
 

@@ -68,11 +68,15 @@ def B(stage: int, mb: int, chunk: int = 0) -> Action:
     return Action("B", stage=stage, chunk=chunk, mb=mb)
 
 
-def EF(enc: int, pipe: int, stage: int, mb: int, k0: int, k1: int, fill: int | None = None) -> Action:
+def EF(
+    enc: int, pipe: int, stage: int, mb: int, k0: int, k1: int, fill: int | None = None
+) -> Action:
     return Action("EF", stage=stage, mb=mb, enc=enc, pipe=pipe, k0=k0, k1=k1, fill=fill)
 
 
-def EB(enc: int, pipe: int, stage: int, mb: int, k0: int, k1: int, fill: int | None = None) -> Action:
+def EB(
+    enc: int, pipe: int, stage: int, mb: int, k0: int, k1: int, fill: int | None = None
+) -> Action:
     return Action("EB", stage=stage, mb=mb, enc=enc, pipe=pipe, k0=k0, k1=k1, fill=fill)
 
 
@@ -108,8 +112,16 @@ def parse_action(text: str) -> Action:
         if k1 <= k0:
             raise ConfigError(f"action '{s}': empty kernel range k{k0}-{k1}; need k0 < k1")
         fill = None if m[8] is None else int(m[8])
-        return Action(m[1], stage=int(m[4]), mb=int(m[5]), enc=int(m[2]), pipe=int(m[3]),
-                      k0=k0, k1=k1, fill=fill)
+        return Action(
+            m[1],
+            stage=int(m[4]),
+            mb=int(m[5]),
+            enc=int(m[2]),
+            pipe=int(m[3]),
+            k0=k0,
+            k1=k1,
+            fill=fill,
+        )
     if m := _KEY_RE.match(s):
         return Action(m[1], key=m[2])
     if m := _DP_RE.match(s):

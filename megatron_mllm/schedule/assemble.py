@@ -68,18 +68,24 @@ def assemble(
         blocks = [backbone[(s, v)] for v in range(plan.vpp)]
         wl.dp_s[(s, "AG", "bb")] = cm.dp_gather_s(sum(b.params for b in blocks), plan.dp)
         wl.dp_s[(s, "RS", "bb")] = cm.dp_reduce_scatter_s(
-            sum(b.trainable_params for b in blocks), plan.dp)
+            sum(b.trainable_params for b in blocks), plan.dp
+        )
         state[s] += sum(state_bytes(b, plan.dp) for b in blocks)
     for e, lay in enumerate(encoders):
         seq = job.encoder_seq(job.encoders[e])
         enc_h = job.encoders[e].hidden_size
-        wl.transfer_s[f"eout.e{e}"] = wl.transfer_s[f"egrad.e{e}"] = cm.p2p_s(llm_h, seq, lay.plan.tp)
-        wl.transfer_s[f"eact.e{e}"] = wl.transfer_s[f"egin.e{e}"] = cm.p2p_s(enc_h, seq, lay.plan.tp)
+        wl.transfer_s[f"eout.e{e}"] = wl.transfer_s[f"egrad.e{e}"] = cm.p2p_s(
+            llm_h, seq, lay.plan.tp
+        )
+        wl.transfer_s[f"eact.e{e}"] = wl.transfer_s[f"egin.e{e}"] = cm.p2p_s(
+            enc_h, seq, lay.plan.tp
+        )
         for j, block in enumerate(lay.stages):
             for r in {pipe[j][0] for pipe in lay.placement}:
                 wl.dp_s[(r, "AG", f"e{e}")] = cm.dp_gather_s(block.params, lay.plan.dp)
                 wl.dp_s[(r, "RS", f"e{e}")] = cm.dp_reduce_scatter_s(
-                    block.trainable_params, lay.plan.dp)
+                    block.trainable_params, lay.plan.dp
+                )
                 state[r] += state_bytes(block, lay.plan.dp)
     for r, extra in (state_blocks or {}).items():
         state[r] += sum(state_bytes(b, dp) for b, dp in extra)
@@ -87,10 +93,12 @@ def assemble(
     return meta, wl
 
 
-def stages_from_sizes(pp: int, blocks: list[Block], sizes: list[int]) -> dict[tuple[int, int], Block]:
+def stages_from_sizes(
+    pp: int, blocks: list[Block], sizes: list[int]
+) -> dict[tuple[int, int], Block]:
     """Virtual stage v = chunk * PP + stage gets the next `sizes[v]` blocks (kernels coalesced)."""
     out, i = {}, 0
     for v, n in enumerate(sizes):
-        out[(v % pp, v // pp)] = concat(blocks[i:i + n], coalesce=True)
+        out[(v % pp, v // pp)] = concat(blocks[i : i + n], coalesce=True)
         i += n
     return out

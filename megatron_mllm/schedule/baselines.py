@@ -24,16 +24,24 @@ from megatron_mllm.schedule.workload import Workload
 def megatron_schedule(costs: JobCosts) -> tuple[Schedule, Workload]:
     """Encoders on stage 0's pre-process, then Megatron's (interleaved) 1F1B."""
     job, plan = costs.job, costs.job.plan
-    encoders = [concat(costs.encoder_blocks(e, plan.tp), coalesce=True)
-                for e in range(len(job.encoders))]
+    encoders = [
+        concat(costs.encoder_blocks(e, plan.tp), coalesce=True) for e in range(len(job.encoders))
+    ]
     layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
     sizes = megatron_split(
-        job.backbone.num_layers, plan.pp, plan.vpp, JobCosts.fwd_bwd_seconds(layer),
-        sum(JobCosts.fwd_bwd_seconds(b) for b in encoders), JobCosts.fwd_bwd_seconds(head))
+        job.backbone.num_layers,
+        plan.pp,
+        plan.vpp,
+        JobCosts.fwd_bwd_seconds(layer),
+        sum(JobCosts.fwd_bwd_seconds(b) for b in encoders),
+        JobCosts.fwd_bwd_seconds(head),
+    )
     blocks = [layer] * job.backbone.num_layers + [head]
     sizes[-1] += 1  # the head rides with the last virtual stage
     backbone = stages_from_sizes(plan.pp, blocks, sizes)
-    layouts = [EncoderLayout([b], ParallelPlan(plan.dp, plan.tp, 1), (((0, 0),),)) for b in encoders]
+    layouts = [
+        EncoderLayout([b], ParallelPlan(plan.dp, plan.tp, 1), (((0, 0),),)) for b in encoders
+    ]
     meta, workload = assemble("megatron", costs, backbone, layouts, slots=1)
     return add_transfers(meta, _stage0_encoder_lists(meta)), workload
 
@@ -47,12 +55,17 @@ def _stage0_encoder_lists(meta: ScheduleMeta) -> list[list[Action]]:
         for main in backbone_actions(r, order):
             first = r == 0 and main.chunk == 0
             if first and main.kind == "F":
-                acts += [EF(e, 0, 0, main.mb, 0, enc.fwd_kernels[0])
-                         for e, enc in enumerate(meta.encoders)]
+                acts += [
+                    EF(e, 0, 0, main.mb, 0, enc.fwd_kernels[0])
+                    for e, enc in enumerate(meta.encoders)
+                ]
             acts.append(main)
             if first and main.kind == "B":
-                acts += [EB(e, 0, 0, main.mb, 0, enc.bwd_kernels[0])
-                         for e, enc in enumerate(meta.encoders) if enc.trainable]
+                acts += [
+                    EB(e, 0, 0, main.mb, 0, enc.bwd_kernels[0])
+                    for e, enc in enumerate(meta.encoders)
+                    if enc.trainable
+                ]
         acts += [RS("bb")] + ([RS(p) for p in trained] if r == 0 else [])
         ranks.append(acts)
     return ranks
@@ -66,6 +79,8 @@ def balanced_schedule(costs: JobCosts) -> tuple[Schedule, Workload]:
     sizes = balanced_partition([JobCosts.fwd_bwd_seconds(b) for b in blocks], plan.pp * plan.vpp)
     backbone = stages_from_sizes(plan.pp, blocks, sizes)
     meta, workload = assemble("balanced", costs, backbone, [], slots=1)
-    ranks = [[AG("bb"), *backbone_actions(r, order), RS("bb")]
-             for r, order in enumerate(backbone_orders(meta))]
+    ranks = [
+        [AG("bb"), *backbone_actions(r, order), RS("bb")]
+        for r, order in enumerate(backbone_orders(meta))
+    ]
     return add_transfers(meta, ranks), workload

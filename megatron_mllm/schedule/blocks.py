@@ -32,8 +32,13 @@ def concat(blocks: list[Block], coalesce: bool) -> Block:
     if coalesce:
         fwd, bwd = coalesce_kernels(fwd), coalesce_kernels(bwd)
     return Block(
-        "+".join(b.name for b in blocks) if len(blocks) < 4 else f"{blocks[0].name}..{blocks[-1].name}",
-        fwd, bwd, sum(b.act_bytes for b in blocks), sum(b.params for b in blocks),
+        "+".join(b.name for b in blocks)
+        if len(blocks) < 4
+        else f"{blocks[0].name}..{blocks[-1].name}",
+        fwd,
+        bwd,
+        sum(b.act_bytes for b in blocks),
+        sum(b.params for b in blocks),
         set().union(*(b.tags for b in blocks)) - {"frozen"} if blocks else set(),
         sum(b.trainable_params for b in blocks),
     )
@@ -74,9 +79,14 @@ class JobCosts:
     def head(self, tp: int) -> Block:
         spec, s = self.job.backbone, self.job.seq_len
         act = self.job.micro_batch * s * spec.vocab_size * 4 / tp  # fp32 logits for the loss
-        return Block("head", self.cm.head_kernels(spec, s, tp, False),
-                     self.cm.head_kernels(spec, s, tp, True), act,
-                     2 * spec.vocab_size * spec.hidden_size / tp, {"backbone"})
+        return Block(
+            "head",
+            self.cm.head_kernels(spec, s, tp, False),
+            self.cm.head_kernels(spec, s, tp, True),
+            act,
+            2 * spec.vocab_size * spec.hidden_size / tp,
+            {"backbone"},
+        )
 
     def encoder_layer(self, e: int, tp: int) -> Block:
         spec = self.job.encoders[e]
@@ -108,7 +118,9 @@ class JobCosts:
         return [self.encoder_layer(e, tp) for _ in range(spec.num_layers)] + [self.projector(e, tp)]
 
     def backbone_blocks(self, tp: int) -> list[Block]:
-        return [self.backbone_layer(tp) for _ in range(self.job.backbone.num_layers)] + [self.head(tp)]
+        return [self.backbone_layer(tp) for _ in range(self.job.backbone.num_layers)] + [
+            self.head(tp)
+        ]
 
     @staticmethod
     def fwd_bwd_seconds(block: Block) -> float:

@@ -63,7 +63,7 @@ def encoder_layouts(costs: JobCosts, enc_plan: ParallelPlan) -> tuple[list[Encod
         stages, i = [], 0
         for j in range(enc_plan.pp):
             n = base + (1 if j < rest else 0)
-            part = layers[i:i + n] + ([projector] if j == enc_plan.pp - 1 else [])
+            part = layers[i : i + n] + ([projector] if j == enc_plan.pp - 1 else [])
             stages.append(concat(part, coalesce=False))
             i += n
         layouts.append(EncoderLayout(stages, enc_plan, placement))
@@ -79,9 +79,11 @@ def encoder_dp_seconds(costs: JobCosts, enc_plan: ParallelPlan) -> float:
     layouts, _ = encoder_layouts(costs, enc_plan)
     cm = costs.cm
     return sum(
-        max(cm.dp_gather_s(b.params, enc_plan.dp) + cm.dp_reduce_scatter_s(b.trainable_params,
-                                                                           enc_plan.dp)
-            for b in lay.stages)
+        max(
+            cm.dp_gather_s(b.params, enc_plan.dp)
+            + cm.dp_reduce_scatter_s(b.trainable_params, enc_plan.dp)
+            for b in lay.stages
+        )
         for lay in layouts
     )
 
@@ -91,8 +93,9 @@ def backbone_step_seconds(cache: dict) -> float:
     return min(t.step_time_s for t in cache.values())
 
 
-def optimus_schedule(costs: JobCosts, opts: OptimusOptions, cache: dict | None = None
-                     ) -> tuple[Schedule, Workload]:
+def optimus_schedule(
+    costs: JobCosts, opts: OptimusOptions, cache: dict | None = None
+) -> tuple[Schedule, Workload]:
     """Build the Optimus schedule for one encoder plan and options (not yet validated).
 
     `cache` (any dict, reused across calls for the same job) keeps the backbone timeline, which
@@ -101,8 +104,14 @@ def optimus_schedule(costs: JobCosts, opts: OptimusOptions, cache: dict | None =
     job, plan = costs.job, costs.job.plan
     layouts, slots = encoder_layouts(costs, opts.encoder_plan)
     layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
-    sizes = megatron_split(job.backbone.num_layers, plan.pp, plan.vpp,
-                           JobCosts.fwd_bwd_seconds(layer), 0.0, JobCosts.fwd_bwd_seconds(head))
+    sizes = megatron_split(
+        job.backbone.num_layers,
+        plan.pp,
+        plan.vpp,
+        JobCosts.fwd_bwd_seconds(layer),
+        0.0,
+        JobCosts.fwd_bwd_seconds(head),
+    )
     sizes[-1] += 1
     blocks = [layer] * job.backbone.num_layers + [head]
     backbone = stages_from_sizes(plan.pp, blocks, sizes)
@@ -117,22 +126,29 @@ def optimus_schedule(costs: JobCosts, opts: OptimusOptions, cache: dict | None =
         timeline = cache[key]
     # The encoders' parameter all-gathers run first on each rank's DP stream and push the
     # backbone back by as much.
-    delay = max((t for (r, kind, part), t in workload.dp_s.items()
-                 if kind == "AG" and part != "bb"), default=0.0)
+    delay = max(
+        (t for (r, kind, part), t in workload.dp_s.items() if kind == "AG" and part != "bb"),
+        default=0.0,
+    )
     placer = _Placer(meta, workload, steps, timeline, delay)
     placer.place_forwards(opts.split)
     placer.place_backwards()
     schedule = add_transfers(meta, placer.lists())
-    schedule.notes.update(encoder_plan=opts.encoder_plan, split=opts.split,
-                          extra_warmup=opts.extra_warmup, fine=opts.fine)
+    schedule.notes.update(
+        encoder_plan=opts.encoder_plan,
+        split=opts.split,
+        extra_warmup=opts.extra_warmup,
+        fine=opts.fine,
+    )
     return schedule, workload
 
 
 class _BackboneTimeline:
     """The backbone alone, simulated: dependency points and the idle time around its actions."""
 
-    def __init__(self, meta: ScheduleMeta, workload: Workload, steps: list[list[Action]],
-                 fine: bool) -> None:
+    def __init__(
+        self, meta: ScheduleMeta, workload: Workload, steps: list[list[Action]], fine: bool
+    ) -> None:
         bb_meta = replace(meta, encoders=())
         bb_wl = replace(workload, encoder_fwd=[], encoder_bwd=[], encoder_act_bytes=[])
         bb = add_transfers(bb_meta, [[AG("bb"), *s, RS("bb")] for s in steps])
@@ -164,7 +180,7 @@ class _BackboneTimeline:
                 # An encoder collective started after this bubble must hide under the compute
                 # before the backbone's next collective.
                 cover = 0.0
-                for nxt in kernels[i + 1:]:
+                for nxt in kernels[i + 1 :]:
                     cover += nxt.compute_s
                     if nxt.comm_s > 0:
                         break
@@ -177,8 +193,14 @@ class _BackboneTimeline:
 class _Placer:
     """Packs encoder kernels around one fixed backbone timeline."""
 
-    def __init__(self, meta: ScheduleMeta, workload: Workload, steps: list[list[Action]],
-                 timeline: _BackboneTimeline, delay: float) -> None:
+    def __init__(
+        self,
+        meta: ScheduleMeta,
+        workload: Workload,
+        steps: list[list[Action]],
+        timeline: _BackboneTimeline,
+        delay: float,
+    ) -> None:
         self.meta, self.wl, self.steps = meta, workload, steps
         self.f_start = {m: t + delay for m, t in timeline.f_start.items()}
         self.b_end = {m: t + delay for m, t in timeline.b_end.items()}
@@ -204,8 +226,9 @@ class _Placer:
         for j in range(last, -1, -1):
             rank, slot = enc.placement[pipe][j]
             # A TP-bubble fill cannot wait for a RECV (it would hold up the backbone action).
-            placed = self.pool.place_alap(rank, slot, self.wl.encoder_fwd[e][j], deadline,
-                                          first_in_tp=j == 0)
+            placed = self.pool.place_alap(
+                rank, slot, self.wl.encoder_fwd[e][j], deadline, first_in_tp=j == 0
+            )
             out.append(placed)
             if j > 0:
                 prev = enc.placement[pipe][j - 1][0]
@@ -252,13 +275,17 @@ class _Placer:
                         break
                     rank, slot = enc.placement[pipe][j]
                     remote = j < last or lane != 0
-                    placed = self.pool.place_asap(rank, slot, kernels, earliest,
-                                                  first_in_tp=not remote)
+                    placed = self.pool.place_asap(
+                        rank, slot, kernels, earliest, first_in_tp=not remote
+                    )
                     self._commit("EB", e, pipe, j, mb, placed)
                     if j > 0:
                         nxt = enc.placement[pipe][j - 1][0]
-                        earliest = placed[-1].end + kernels[-1].comm_s + self._transfer(
-                            f"egin.e{e}.s{j - 1}.m{mb}", rank, nxt)
+                        earliest = (
+                            placed[-1].end
+                            + kernels[-1].comm_s
+                            + self._transfer(f"egin.e{e}.s{j - 1}.m{mb}", rank, nxt)
+                        )
 
     def _commit(self, kind: str, e: int, pipe: int, stage: int, mb: int, placed: list[Placed]):
         rank, slot = self.meta.encoders[e].placement[pipe][stage]

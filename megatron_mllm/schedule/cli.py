@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import replace
 
 from megatron_mllm.errors import ConfigError, exit_on_config_error
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
@@ -28,8 +27,12 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description=__doc__)
-    p.add_argument("--encoder", action="append", required=True,
-                   help="encoder model name or YAML (repeat for several encoders)")
+    p.add_argument(
+        "--encoder",
+        action="append",
+        required=True,
+        help="encoder model name or YAML (repeat for several encoders)",
+    )
     p.add_argument("--backbone", required=True, help="backbone model name or YAML")
     p.add_argument("--gpus", type=int, required=True)
     p.add_argument("--tp", type=int, default=1, help="backbone tensor-parallel size")
@@ -38,18 +41,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--global-batch", type=int, required=True)
     p.add_argument("--micro-batch", type=int, default=1)
     p.add_argument("--seq-len", type=int, required=True, help="backbone sequence length")
-    p.add_argument("--encoder-seq-len", type=int, default=None,
-                   help="tokens per sample in the encoder (default: --seq-len)")
+    p.add_argument(
+        "--encoder-seq-len",
+        type=int,
+        default=None,
+        help="tokens per sample in the encoder (default: --seq-len)",
+    )
     p.add_argument("--gpu", default="h100", help="hardware profile: h100 or a100")
-    p.add_argument("--efficiency", type=float, default=None,
-                   help="override the profile's achievable fraction of peak")
-    p.add_argument("--frozen-encoder", action="store_true",
-                   help="encoders run forward only (the projector still trains)")
+    p.add_argument(
+        "--efficiency",
+        type=float,
+        default=None,
+        help="override the profile's achievable fraction of peak",
+    )
+    p.add_argument(
+        "--frozen-encoder",
+        action="store_true",
+        help="encoders run forward only (the projector still trains)",
+    )
     p.add_argument("--no-sequence-parallel", action="store_true")
     p.add_argument("--encoder-tp", type=int, default=None, help="force the encoder TP size")
     p.add_argument("--encoder-pp", type=int, default=None, help="force the encoder PP size")
-    p.add_argument("--measured-times", default=None,
-                   help="JSON of measured per-kernel seconds replacing the analytic ones")
+    p.add_argument(
+        "--measured-times",
+        default=None,
+        help="JSON of measured per-kernel seconds replacing the analytic ones",
+    )
     p.add_argument("--trace", default=None, help="write the Optimus Chrome trace JSON here")
     p.add_argument("--png", default=None, help="write a PNG timeline of all three schedules")
     p.add_argument("--save-schedule", default=None, help="write the Optimus schedule as CSV")
@@ -65,15 +82,26 @@ def job_from_args(args: argparse.Namespace) -> tuple[MLLMJob, dict | None]:
         hw = hw.with_efficiency(args.efficiency)
     encoders = tuple(load_model(e, encoder=True) for e in args.encoder)
     backbone = load_model(args.backbone, encoder=False)
-    job = MLLMJob(encoders, backbone, args.gpus, args.tp, args.pp, args.global_batch,
-                  args.micro_batch, args.seq_len, hw, vpp=args.vpp,
-                  frozen_encoders=args.frozen_encoder,
-                  sequence_parallel=not args.no_sequence_parallel,
-                  encoder_seq_len=args.encoder_seq_len)
+    job = MLLMJob(
+        encoders,
+        backbone,
+        args.gpus,
+        args.tp,
+        args.pp,
+        args.global_batch,
+        args.micro_batch,
+        args.seq_len,
+        hw,
+        vpp=args.vpp,
+        frozen_encoders=args.frozen_encoder,
+        sequence_parallel=not args.no_sequence_parallel,
+        encoder_seq_len=args.encoder_seq_len,
+    )
     measured = None
     if args.measured_times:
-        measured = load_measured_times(args.measured_times, [e.name for e in encoders] +
-                                       [backbone.name])
+        measured = load_measured_times(
+            args.measured_times, [e.name for e in encoders] + [backbone.name]
+        )
     return job, measured
 
 
@@ -83,8 +111,10 @@ def forced_encoder_plan(args: argparse.Namespace, job: MLLMJob) -> ParallelPlan 
     plan = colocated_encoder_plan(job.plan, args.encoder_tp or 1, args.encoder_pp or 1)
     min_layers = min(e.num_layers for e in job.encoders)
     if plan.pp > min_layers:
-        raise ConfigError(f"encoder PP {plan.pp} is more stages than the encoder's {min_layers} "
-                          f"layers; use at most {min_layers}")
+        raise ConfigError(
+            f"encoder PP {plan.pp} is more stages than the encoder's {min_layers} "
+            f"layers; use at most {min_layers}"
+        )
     return plan
 
 
@@ -116,8 +146,11 @@ def report_dict(report: PlanReport) -> dict:
 
 def format_table(report: PlanReport, memory_gb: float) -> str:
     base = report.megatron.result.step_time_s
-    head = (f"{'schedule':<10}{'step s':>9}{'speedup':>9}{'bubbles':>9}"
-            + "".join(f"{c:>12}" for c in BUBBLE_CAUSES) + f"{'peak GB':>9}  plan")
+    head = (
+        f"{'schedule':<10}{'step s':>9}{'speedup':>9}{'bubbles':>9}"
+        + "".join(f"{c:>12}" for c in BUBBLE_CAUSES)
+        + f"{'peak GB':>9}  plan"
+    )
     lines = [head, "-" * len(head)]
     for name, planned in report.schedules.items():
         r = planned.result
@@ -128,10 +161,13 @@ def format_table(report: PlanReport, memory_gb: float) -> str:
         lines.append(
             f"{name:<10}{r.step_time_s:>9.3f}{base / r.step_time_s:>8.2f}x{r.bubble_ratio:>9.1%}"
             + "".join(f"{r.bubbles_s[c]:>12.3f}" for c in BUBBLE_CAUSES)
-            + f"{r.peak_memory_gb:>8.1f}{over}  {plan}")
-    lines.append(f"zero-bubble limit {report.optimus.result.limit_s:.3f} s; bubble columns are "
-                 f"idle seconds per GPU; '!' marks a peak over {memory_gb:.0f} GB; planner "
-                 f"{report.planner_seconds:.1f} s CPU over {len(report.candidates)} candidate(s)")
+            + f"{r.peak_memory_gb:>8.1f}{over}  {plan}"
+        )
+    lines.append(
+        f"zero-bubble limit {report.optimus.result.limit_s:.3f} s; bubble columns are "
+        f"idle seconds per GPU; '!' marks a peak over {memory_gb:.0f} GB; planner "
+        f"{report.planner_seconds:.1f} s CPU over {len(report.candidates)} candidate(s)"
+    )
     return "\n".join(lines)
 
 
@@ -146,8 +182,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.trace or args.png:
         from megatron_mllm.schedule.trace import write_chrome_trace, write_png
 
-        full = {name: simulate(p.schedule, p.workload, keep_spans=True)
-                for name, p in report.schedules.items()}
+        full = {
+            name: simulate(p.schedule, p.workload, keep_spans=True)
+            for name, p in report.schedules.items()
+        }
         if args.trace:
             write_chrome_trace(full["optimus"], args.trace, "optimus")
         if args.png:
@@ -168,8 +206,8 @@ def check_schedule_main(argv: list[str] | None = None) -> int:
     schedule = Schedule.from_csv(args.csv)
     validate(schedule)
     counts = [len(a) for a in schedule.ranks]
-    print(f"valid: {schedule.meta.pp} ranks, {schedule.meta.num_microbatches} micro-batches, "
-          f"{len(schedule.meta.encoders)} encoder(s), {sum(counts)} actions")
+    print(
+        f"valid: {schedule.meta.pp} ranks, {schedule.meta.num_microbatches} micro-batches, "
+        f"{len(schedule.meta.encoders)} encoder(s), {sum(counts)} actions"
+    )
     return 0
-
-

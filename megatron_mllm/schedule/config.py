@@ -48,8 +48,11 @@ class MLLMJob:
 
     def validate(self) -> None:
         """Raise ConfigError (one line) for a job that cannot run."""
-        for name, value in (("global batch", self.global_batch), ("micro-batch", self.micro_batch),
-                            ("sequence length", self.seq_len)):
+        for name, value in (
+            ("global batch", self.global_batch),
+            ("micro-batch", self.micro_batch),
+            ("sequence length", self.seq_len),
+        ):
             if value < 1:
                 raise ConfigError(f"{name} is {value}; it must be a positive integer")
         if not self.encoders:

@@ -94,20 +94,30 @@ class CostModel:
             factor = {"attn": 2.5}
             comm_after = {"fc1": reduce, "ln2": gather, "qkv": reduce, "ln1": gather}
             kernels = [
-                Kernel(k.name + "_b", k.compute_s * factor.get(k.name, 2.0), comm_after.get(k.name, 0.0))
+                Kernel(
+                    k.name + "_b",
+                    k.compute_s * factor.get(k.name, 2.0),
+                    comm_after.get(k.name, 0.0),
+                )
                 for k in reversed(fwd)
             ]
         else:
             kernels = fwd
         return self._apply_measured(spec.name, "backward" if backward else "forward", kernels)
 
-    def head_kernels(self, spec: TransformerSpec, seq: int, tp: int, backward: bool) -> list[Kernel]:
+    def head_kernels(
+        self, spec: TransformerSpec, seq: int, tp: int, backward: bool
+    ) -> list[Kernel]:
         """The LM head (logits and cross entropy) on the last backbone stage."""
         b, v, h = self.b, spec.vocab_size, spec.hidden_size
         if v == 0:
             return []
         logits = Kernel("logits", self._flops_s(2 * b * seq * h * v / tp) * (2 if backward else 1))
-        loss = Kernel("xent", self._mem_s(2 * b * seq * v * FP32 / tp), self._collective_s(b * seq * FP32, tp, 2))
+        loss = Kernel(
+            "xent",
+            self._mem_s(2 * b * seq * v * FP32 / tp),
+            self._collective_s(b * seq * FP32, tp, 2),
+        )
         return [loss, logits] if backward else [logits, loss]
 
     def projector_kernels(
@@ -163,7 +173,9 @@ def model_state_bytes_per_param(dp: int) -> float:
     return BF16 + FP32 + 12 / dp
 
 
-def load_measured_times(path: str, model_names: list[str]) -> dict[str, dict[str, dict[str, float]]]:
+def load_measured_times(
+    path: str, model_names: list[str]
+) -> dict[str, dict[str, dict[str, float]]]:
     """Measured per-kernel times: {model: {"forward"|"backward": {kernel: seconds}}}."""
     p = Path(path)
     try:
@@ -191,5 +203,7 @@ def load_measured_times(path: str, model_names: list[str]) -> dict[str, dict[str
                 )
             for k, v in times.items():
                 if not isinstance(v, (int, float)) or v < 0:
-                    raise ConfigError(f"{path}: time of {model} {direction} {k} must be >= 0 seconds")
+                    raise ConfigError(
+                        f"{path}: time of {model} {direction} {k} must be >= 0 seconds"
+                    )
     return raw

@@ -37,8 +37,10 @@ RULES = {
 }
 
 TRANSFER_PREFIXES = ("act", "grad", "eout", "egrad", "eact", "egin")
-_KEY_RE = re.compile(r"^(act|grad)\.s(\d+)v(\d+)\.m(\d+)$|^(eout|egrad)\.e(\d+)\.m(\d+)$"
-                     r"|^(eact|egin)\.e(\d+)\.s(\d+)\.m(\d+)$")
+_KEY_RE = re.compile(
+    r"^(act|grad)\.s(\d+)v(\d+)\.m(\d+)$|^(eout|egrad)\.e(\d+)\.m(\d+)$"
+    r"|^(eact|egin)\.e(\d+)\.s(\d+)\.m(\d+)$"
+)
 
 
 def key_prefix(key: str) -> str:
@@ -128,14 +130,18 @@ class Dataflow:
             if v > 0:
                 out.append(f"grad.{_sv(*meta.stage_chunk(v - 1))}.m{a.mb}")
             else:
-                out += [f"egrad.e{e}.m{a.mb}" for e, enc in enumerate(meta.encoders) if enc.trainable]
+                out += [
+                    f"egrad.e{e}.m{a.mb}" for e, enc in enumerate(meta.encoders) if enc.trainable
+                ]
             return out
         if a.kind == "EF":
             enc = meta.encoders[a.enc]
             out = [f"ek.e{a.enc}.s{a.stage}.m{a.mb}.k{a.k1}"]
             if a.k1 == enc.fwd_kernels[a.stage]:
                 last = a.stage == enc.num_stages - 1
-                out.append(f"eout.e{a.enc}.m{a.mb}" if last else f"eact.e{a.enc}.s{a.stage + 1}.m{a.mb}")
+                out.append(
+                    f"eout.e{a.enc}.m{a.mb}" if last else f"eact.e{a.enc}.s{a.stage + 1}.m{a.mb}"
+                )
             return out
         if a.kind == "EB":
             enc = meta.encoders[a.enc]

@@ -52,8 +52,9 @@ class GapPool:
         for gaps in self.gaps.values():
             gaps.sort(key=lambda g: g.start)
 
-    def place_alap(self, rank: int, slot: int, kernels: list[Kernel], deadline: float,
-                   first_in_tp: bool = True) -> list[Placed]:
+    def place_alap(
+        self, rank: int, slot: int, kernels: list[Kernel], deadline: float, first_in_tp: bool = True
+    ) -> list[Placed]:
         """Kernels as late as possible, the last one's output (after its comm) by `deadline`."""
         gaps = self.gaps[(rank, slot)]
         i = bisect.bisect_left(gaps, deadline, key=_start) - 1
@@ -65,8 +66,10 @@ class GapPool:
                 g = gaps[i]
                 # A kernel's TP collective waits for the backbone's to finish (it must not
                 # share the bubble's link), so in a TP gap it only counts from the gap's end.
-                usable = not g.is_tp or ((idx > 0 or first_in_tp) and (
-                    k.comm_s == 0 or (g.end <= limit and k.comm_s <= g.cover_s)))
+                usable = not g.is_tp or (
+                    (idx > 0 or first_in_tp)
+                    and (k.comm_s == 0 or (g.end <= limit and k.comm_s <= g.cover_s))
+                )
                 # Between backbone actions a collective must end before the next one starts.
                 end = min(g.end - (0.0 if g.is_tp else k.comm_s), limit)
                 if usable and end - g.start >= k.compute_s - 1e-12:
@@ -77,8 +80,9 @@ class GapPool:
         out.reverse()
         return out
 
-    def place_asap(self, rank: int, slot: int, kernels: list[Kernel], earliest: float,
-                   first_in_tp: bool = True) -> list[Placed]:
+    def place_asap(
+        self, rank: int, slot: int, kernels: list[Kernel], earliest: float, first_in_tp: bool = True
+    ) -> list[Placed]:
         """Kernels as early as possible, the first one starting no earlier than `earliest`."""
         gaps = self.gaps[(rank, slot)]
         i = bisect.bisect_right(gaps, earliest, key=_end)
@@ -117,7 +121,7 @@ class GapPool:
             pos = bisect.bisect_left(gaps, g.start, key=_start)
             while gaps[pos] is not g:
                 pos += 1
-            gaps[pos:pos + 1] = pieces
+            gaps[pos : pos + 1] = pieces
 
 
 def _start(g: Gap) -> float:

@@ -43,6 +43,4 @@ def get_profile(name: str) -> HardwareProfile:
     try:
         return GPU_PROFILES[name.lower()]
     except KeyError:
-        raise ConfigError(
-            f"unknown GPU '{name}'; use one of {', '.join(GPU_PROFILES)}"
-        ) from None
+        raise ConfigError(f"unknown GPU '{name}'; use one of {', '.join(GPU_PROFILES)}") from None

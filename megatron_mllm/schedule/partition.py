@@ -62,8 +62,11 @@ def megatron_split(
                 if middle < pp - 2 or middle % (pp - 2):
                     continue
                 sizes = [first] + [middle // (pp - 2)] * (pp - 2) + [last]
-            cost = max(first_extra + first * layer_cost, last_extra + last * layer_cost,
-                       max(sizes[1:-1], default=0) * layer_cost)
+            cost = max(
+                first_extra + first * layer_cost,
+                last_extra + last * layer_cost,
+                max(sizes[1:-1], default=0) * layer_cost,
+            )
             if cost < best - 1e-15:
                 best, best_sizes = cost, sizes
     assert best_sizes is not None

@@ -46,8 +46,10 @@ def interleaved_one_f_one_b(pp: int, vpp: int, rank: int, num_microbatches: int)
 def backbone_orders(meta: ScheduleMeta, extra_warmup: int = 0) -> list[list[Step]]:
     """The order of every rank: interleaved when VPP > 1."""
     if meta.vpp > 1:
-        return [interleaved_one_f_one_b(meta.pp, meta.vpp, r, meta.num_microbatches)
-                for r in range(meta.pp)]
+        return [
+            interleaved_one_f_one_b(meta.pp, meta.vpp, r, meta.num_microbatches)
+            for r in range(meta.pp)
+        ]
     return [one_f_one_b(meta.pp, r, meta.num_microbatches, extra_warmup) for r in range(meta.pp)]
 
 

@@ -48,8 +48,12 @@ class PlanReport:
         return {"megatron": self.megatron, "balanced": self.balanced, "optimus": self.optimus}
 
 
-def run(name: str, built: tuple[Schedule, Workload], options: OptimusOptions | None = None,
-        check: bool = True) -> Planned:
+def run(
+    name: str,
+    built: tuple[Schedule, Workload],
+    options: OptimusOptions | None = None,
+    check: bool = True,
+) -> Planned:
     """Validate (unless `check` is False) and simulate one schedule."""
     schedule, workload = built
     if check:
@@ -76,13 +80,17 @@ def _no_plan_fits(dropped: list[tuple[ParallelPlan, float]], memory: float) -> C
     )
 
 
-def plan_optimus(costs: JobCosts, encoder_plan: ParallelPlan | None = None,
-                 refine: int = 1) -> tuple[Planned, list, list]:
+def plan_optimus(
+    costs: JobCosts, encoder_plan: ParallelPlan | None = None, refine: int = 1
+) -> tuple[Planned, list, list]:
     """Search encoder plans (or just `encoder_plan`) and return the best Optimus schedule."""
     job = costs.job
     memory = job.hw.memory_gb
-    plans = [encoder_plan] if encoder_plan else enumerate_encoder_plans(
-        job.plan, min(e.num_layers for e in job.encoders))
+    plans = (
+        [encoder_plan]
+        if encoder_plan
+        else enumerate_encoder_plans(job.plan, min(e.num_layers for e in job.encoders))
+    )
     fitting, dropped = [], []
     for p in plans:
         need = model_state_gb(costs, p)
@@ -119,15 +127,20 @@ def plan_optimus(costs: JobCosts, encoder_plan: ParallelPlan | None = None,
     # its encoder AG/RS) cannot beat the best so far is skipped.
     bounds = sorted((encoder_dp_seconds(costs, p), i, p) for i, (p, _) in enumerate(fitting))
     for extra, _, p in bounds:
-        if best is not None and cache and \
-                backbone_step_seconds(cache) + extra >= best.result.step_time_s:
+        if (
+            best is not None
+            and cache
+            and backbone_step_seconds(cache) + extra >= best.result.step_time_s
+        ):
             pruned.append(p)
             continue
         consider(OptimusOptions(p, split="even"))
     # Refine the most promising plans: the other split, the coarse schedule alone (a fine
     # schedule is kept only where it beats the coarse one), one more warm-up micro-batch.
-    ranked = sorted({c[0].encoder_plan: c[1] for c in candidates
-                     if c[0].placement == "colocated"}.items(), key=lambda x: x[1])
+    ranked = sorted(
+        {c[0].encoder_plan: c[1] for c in candidates if c[0].placement == "colocated"}.items(),
+        key=lambda x: x[1],
+    )
     for p, _ in ranked[:refine]:
         variants = [OptimusOptions(p, split="greedy"), OptimusOptions(p, split="even", fine=False)]
         if job.plan.vpp == 1:

@@ -120,7 +120,7 @@ class Schedule:
         if not lines or not lines[0].startswith("# meta "):
             raise ConfigError(f"{where}: first line must be '# meta {{...}}' as written by to_csv")
         try:
-            meta = ScheduleMeta.from_json(lines[0][len("# meta "):])
+            meta = ScheduleMeta.from_json(lines[0][len("# meta ") :])
         except (ValueError, KeyError, TypeError):
             raise ConfigError(f"{where}: line 1 has malformed schedule metadata") from None
         ranks: list[list[Action]] = []
@@ -139,11 +139,16 @@ class Schedule:
             raise ConfigError(f"{where}: {len(ranks)} rank rows but the metadata says PP={meta.pp}")
         return Schedule(meta, ranks)
 
-    def grid(self, center: int | None = None, radius: int = 3, mark: tuple[int, int] | None = None
-             ) -> str:
+    def grid(
+        self, center: int | None = None, radius: int = 3, mark: tuple[int, int] | None = None
+    ) -> str:
         """The action lists side by side, one column per rank (rows around `center` if given)."""
         depth = max((len(a) for a in self.ranks), default=0)
-        lo, hi = (0, depth) if center is None else (max(0, center - radius), min(depth, center + radius + 1))
+        lo, hi = (
+            (0, depth)
+            if center is None
+            else (max(0, center - radius), min(depth, center + radius + 1))
+        )
         cells = [[str(a) for a in actions] for actions in self.ranks]
         width = max([len(c) for col in cells for c in col] + [8]) + 2
         out = ["step  " + "".join(f"rank {r}".ljust(width) for r in range(len(self.ranks)))]

@@ -1,20 +1,18 @@
 """Event-driven simulation of a schedule on every rank: step time, bubbles by cause, memory.
 
-A RECV blocks its rank's list until the data is there (nothing after it starts earlier); other
-actions are issued asynchronously. Each rank has, per slot, a compute stream and a TP communication stream (NVLink), and one
-data-parallel stream (the network) for AG/RS; p2p transfers are asynchronous. Ranks run their lists in
-order; an action starts when its inputs are there (a RECV when its SEND's data has arrived) and
-its streams are free. A backbone action runs its kernels one by one: after a kernel with a TP
-collective, the compute stream waits for the collective (a TP bubble) unless encoder work queued
-for that bubble (`@tpN`) runs in it.
+Each rank has, per slot, a compute stream and a TP communication stream (NVLink), and one
+data-parallel stream (the network) for AG/RS; p2p transfers are asynchronous. Ranks run their
+lists in order: an action starts when its inputs are there and its streams are free, and a RECV
+blocks the rest of its rank's list until its data has arrived. A backbone action runs its
+kernels one by one: after a kernel with a TP collective, the compute stream waits for the
+collective (a TP bubble) unless encoder work queued for that bubble (`@tpN`) runs in it.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-
-import math
 
 import numpy as np
 
@@ -105,7 +103,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
         """Run one encoder chunk; return when its compute stream part ends."""
         nonlocal compute_total
         slot = flow.slot(a)
-        kernels = workload.kernels(a.kind, a.stage, enc=a.enc)[a.k0:a.k1]
+        kernels = workload.kernels(a.kind, a.stage, enc=a.enc)[a.k0 : a.k1]
         t = start = max(not_before, cursor[r], cfree[r][slot], ready(r, flow.needs(a)))
         compute_end = t
         for k in kernels:
@@ -123,7 +121,9 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
             avail[r][key] = t
         times[(r, step)] = (start, t)
         enc = meta.encoders[a.enc]
-        stage_bytes = workload.encoder_act_bytes[a.enc][a.stage] if workload.encoder_act_bytes else 0
+        stage_bytes = (
+            workload.encoder_act_bytes[a.enc][a.stage] if workload.encoder_act_bytes else 0
+        )
         if a.kind == "EF":
             share = stage_bytes * (a.k1 - a.k0) / enc.fwd_kernels[a.stage]
             mem_events[r].append((start, slot, share))
@@ -217,7 +217,8 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
             stuck = ", ".join(
                 f"rank {r} waits at step {groups[r][ptr[r]][-1]} "
                 f"({schedule.ranks[r][groups[r][ptr[r]][-1]]})"
-                for r in range(n) if ptr[r] < len(groups[r])
+                for r in range(n)
+                if ptr[r] < len(groups[r])
             )
             raise DeadlockError(f"simulation deadlocked: {stuck}")
 
@@ -226,9 +227,15 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
     causes = dict.fromkeys(BUBBLE_CAUSES, 0.0)
     for r in range(n):
         for slot in range(slots):
-            for cause, seconds in _classify_idle(busy[r][slot], backbone_busy[r], tp_gaps[r],
-                                                 dp_spans[r], first_bb[r], last_bb[r],
-                                                 step_time).items():
+            for cause, seconds in _classify_idle(
+                busy[r][slot],
+                backbone_busy[r],
+                tp_gaps[r],
+                dp_spans[r],
+                first_bb[r],
+                last_bb[r],
+                step_time,
+            ).items():
                 causes[cause] += seconds
     groups = n * slots
     idle_total = sum(causes.values())

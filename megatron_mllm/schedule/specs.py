@@ -79,7 +79,8 @@ def load_model(name_or_path: str, *, encoder: bool) -> TransformerSpec:
     unknown = set(raw) - allowed
     if unknown:
         raise ConfigError(
-            f"{path}: unknown key(s) {', '.join(sorted(unknown))}; allowed: {', '.join(sorted(allowed))}"
+            f"{path}: unknown key(s) {', '.join(sorted(unknown))}; "
+            f"allowed: {', '.join(sorted(allowed))}"
         )
     missing = [k for k in _REQUIRED if k not in raw]
     if missing:

@@ -11,8 +11,15 @@ from pathlib import Path
 
 from megatron_mllm.schedule.simulator import SimResult, Span
 
-COLORS = {"F": "#4c72b0", "B": "#55a868", "EF": "#dd8452", "EB": "#c44e52", "tp": "#8c8c8c",
-          "dp": "#8172b3", "p2p": "#64b5cd"}
+COLORS = {
+    "F": "#4c72b0",
+    "B": "#55a868",
+    "EF": "#dd8452",
+    "EB": "#c44e52",
+    "tp": "#8c8c8c",
+    "dp": "#8172b3",
+    "p2p": "#64b5cd",
+}
 
 
 def _track(span: Span) -> str:
@@ -31,21 +38,44 @@ def chrome_trace_events(spans: list[Span], label: str = "") -> list[dict]:
         key = (s.rank, _track(s))
         if key not in tids:
             tids[key] = len([k for k in tids if k[0] == s.rank])
-            events.append({"ph": "M", "name": "thread_name", "pid": s.rank, "tid": tids[key],
-                           "args": {"name": key[1]}})
-        events.append({
-            "ph": "X", "name": s.name, "cat": s.category, "pid": s.rank, "tid": tids[key],
-            "ts": s.start * 1e6, "dur": max(s.end - s.start, 0.0) * 1e6,
-        })
+            events.append(
+                {
+                    "ph": "M",
+                    "name": "thread_name",
+                    "pid": s.rank,
+                    "tid": tids[key],
+                    "args": {"name": key[1]},
+                }
+            )
+        events.append(
+            {
+                "ph": "X",
+                "name": s.name,
+                "cat": s.category,
+                "pid": s.rank,
+                "tid": tids[key],
+                "ts": s.start * 1e6,
+                "dur": max(s.end - s.start, 0.0) * 1e6,
+            }
+        )
     for rank in sorted({s.rank for s in spans}):
-        events.append({"ph": "M", "name": "process_name", "pid": rank,
-                       "args": {"name": f"{label} rank {rank}".strip()}})
+        events.append(
+            {
+                "ph": "M",
+                "name": "process_name",
+                "pid": rank,
+                "args": {"name": f"{label} rank {rank}".strip()},
+            }
+        )
     return events
 
 
 def write_chrome_trace(result: SimResult, path: str | Path, label: str = "") -> None:
-    Path(path).write_text(json.dumps({"traceEvents": chrome_trace_events(result.spans, label),
-                                      "displayTimeUnit": "ms"}))
+    Path(path).write_text(
+        json.dumps(
+            {"traceEvents": chrome_trace_events(result.spans, label), "displayTimeUnit": "ms"}
+        )
+    )
 
 
 def _color(span: Span) -> str:
@@ -65,7 +95,7 @@ def write_png(results: dict[str, SimResult], path: str | Path) -> None:
     names = list(results)
     horizon = max(r.step_time_s for r in results.values())
     fig, axes = plt.subplots(len(names), 1, figsize=(14, 2.2 * len(names) + 0.6), squeeze=False)
-    for ax, name in zip(axes[:, 0], names):
+    for ax, name in zip(axes[:, 0], names, strict=False):
         res = results[name]
         rows: dict[tuple[int, str], int] = {}
         for s in res.spans:
@@ -89,8 +119,11 @@ def write_png(results: dict[str, SimResult], path: str | Path) -> None:
         ax.set_yticklabels([f"r{r} {t}" for r, t in order], fontsize=6)
         ax.invert_yaxis()
         ax.set_xlim(0, horizon * 1.01)
-        ax.set_title(f"{name}: step {res.step_time_s:.3f} s, bubbles {res.bubble_ratio:.1%}",
-                     fontsize=9, loc="left")
+        ax.set_title(
+            f"{name}: step {res.step_time_s:.3f} s, bubbles {res.bubble_ratio:.1%}",
+            fontsize=9,
+            loc="left",
+        )
     axes[-1, 0].set_xlabel("seconds")
     legend = [Patch(color=c, label=k) for k, c in COLORS.items() if k != "p2p"]
     fig.legend(handles=legend, loc="upper right", ncol=len(legend), fontsize=7)

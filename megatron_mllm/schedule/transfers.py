@@ -1,4 +1,4 @@
-"""Insert the SEND/RECV pairs a schedule needs: every tensor made on one rank and used on another."""
+"""Insert the SEND/RECV pairs a schedule needs: each tensor made on one rank, used on another."""
 
 from __future__ import annotations
 
@@ -30,8 +30,9 @@ def add_transfers(meta: ScheduleMeta, ranks: list[list[Action]]) -> Schedule:
         for group in backbone_groups(acts):
             members = [acts[i] for i in group]
             made_here = {k for a in members for k in flow.makes(a)}
-            recvs = [k for a in members for k in crossing(flow.needs(a), r, True)
-                     if k not in made_here]
+            recvs = [
+                k for a in members for k in crossing(flow.needs(a), r, True) if k not in made_here
+            ]
             sends = [k for a in members for k in crossing(flow.makes(a), r, False)]
             out += [RECV(k) for k in dict.fromkeys(recvs)] + members
             out += [SEND(k) for k in dict.fromkeys(sends)]

@@ -60,17 +60,30 @@ def validate(schedule: Schedule) -> None:
                 if a.fill is None and a.kind not in ("F", "B"):
                     fail(r, i, "fill", "a TP-bubble fill must be followed by a backbone F or B")
                 if a.fill is not None and a.fill < prev.fill:
-                    fail(r, i, "fill", f"fills of one action go in bubble order; @tp{a.fill} "
-                         f"after @tp{prev.fill}")
+                    fail(
+                        r,
+                        i,
+                        "fill",
+                        f"fills of one action go in bubble order; @tp{a.fill} after @tp{prev.fill}",
+                    )
             home = flow.home_rank(a)
             if home is None:
-                fail(r, i, "unknown", f"{a} names a stage, micro-batch, encoder or pipeline "
-                     "that this schedule does not have")
+                fail(
+                    r,
+                    i,
+                    "unknown",
+                    f"{a} names a stage, micro-batch, encoder or pipeline "
+                    "that this schedule does not have",
+                )
             if a.kind in ("SEND", "RECV"):
                 producer, consumer = flow.transfer_ranks(a.key)
                 if producer == consumer:
-                    fail(r, i, "local-transfer", f"{a.key} is made and used on rank {producer}; "
-                         "drop the SEND/RECV pair")
+                    fail(
+                        r,
+                        i,
+                        "local-transfer",
+                        f"{a.key} is made and used on rank {producer}; drop the SEND/RECV pair",
+                    )
             if home != -1 and home != r:
                 fail(r, i, "wrong-rank", f"{a} belongs on rank {home}")
             if a.fill is not None and a.kind not in ("EF", "EB"):
@@ -81,7 +94,9 @@ def validate(schedule: Schedule) -> None:
             if a.kind in ("AG", "RS"):
                 continue  # one per rank; counted in _check_counts
             if text in seen:
-                fail(r, i, "duplicate", f"{a} already at rank {seen[text][0]}, step {seen[text][1]}")
+                fail(
+                    r, i, "duplicate", f"{a} already at rank {seen[text][0]}, step {seen[text][1]}"
+                )
             seen[text] = (r, i)
 
     _check_counts(schedule, flow, fail)
@@ -113,22 +128,36 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
         for m in range(meta.num_microbatches):
             if len(pipes[(e, m)]) > 1:
                 r, i = min((c[2], c[3]) for c in cover[("EF", e, 0, m)] or [(0, 0, host, 0)])
-                fail(r, i, "pipe", f"encoder {e} micro-batch {m} runs on pipelines "
-                     f"{sorted(pipes[(e, m)])}; one pipeline must do all its stages")
+                fail(
+                    r,
+                    i,
+                    "pipe",
+                    f"encoder {e} micro-batch {m} runs on pipelines "
+                    f"{sorted(pipes[(e, m)])}; one pipeline must do all its stages",
+                )
             for s in range(enc.num_stages):
                 for kind, total in (("EF", enc.fwd_kernels[s]), ("EB", enc.bwd_kernels[s])):
                     chunks = sorted(cover[(kind, e, s, m)])
                     pos = 0
                     for k0, k1, r, i in chunks:
                         if k0 != pos or k1 > total:
-                            fail(r, i, "kernel-cover", f"{kind} e{e} s{s} m{m} kernels must tile "
-                                 f"[0, {total}) without gap or overlap; expected k{pos}-..")
+                            fail(
+                                r,
+                                i,
+                                "kernel-cover",
+                                f"{kind} e{e} s{s} m{m} kernels must tile "
+                                f"[0, {total}) without gap or overlap; expected k{pos}-..",
+                            )
                         pos = k1
                     if pos != total:
                         r = flow.encoder_rank(e, m, s)
                         r = host if r is None else r
-                        fail(r, last_step[r], "missing" if pos == 0 else "kernel-cover",
-                             f"{kind} e{e} s{s} m{m} covers kernels [0, {pos}) of [0, {total})")
+                        fail(
+                            r,
+                            last_step[r],
+                            "missing" if pos == 0 else "kernel-cover",
+                            f"{kind} e{e} s{s} m{m} covers kernels [0, {pos}) of [0, {total})",
+                        )
 
     # Data-parallel collectives: each rank gathers and reduces what it holds.
     for r, acts in enumerate(schedule.ranks):
@@ -138,17 +167,35 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
         trained = {f"e{a.enc}" for a in acts if a.kind == "EB"}
         for part in {"bb"} | hosted:
             if parts[part] != 1:
-                fail(r, last_step[r], "missing", f"rank {r} needs exactly one AG:{part}, has {parts[part]}")
+                fail(
+                    r,
+                    last_step[r],
+                    "missing",
+                    f"rank {r} needs exactly one AG:{part}, has {parts[part]}",
+                )
         for part in {"bb"} | trained:
             if reds[part] != 1:
-                fail(r, last_step[r], "missing", f"rank {r} needs exactly one RS:{part}, has {reds[part]}")
+                fail(
+                    r,
+                    last_step[r],
+                    "missing",
+                    f"rank {r} needs exactly one RS:{part}, has {reds[part]}",
+                )
 
 
 def _check_pairs(schedule: Schedule, fail) -> None:
-    sends = {a.key: (r, i) for r, acts in enumerate(schedule.ranks) for i, a in enumerate(acts)
-             if a.kind == "SEND"}
-    recvs = {a.key: (r, i) for r, acts in enumerate(schedule.ranks) for i, a in enumerate(acts)
-             if a.kind == "RECV"}
+    sends = {
+        a.key: (r, i)
+        for r, acts in enumerate(schedule.ranks)
+        for i, a in enumerate(acts)
+        if a.kind == "SEND"
+    }
+    recvs = {
+        a.key: (r, i)
+        for r, acts in enumerate(schedule.ranks)
+        for i, a in enumerate(acts)
+        if a.kind == "RECV"
+    }
     for key, (r, i) in sends.items():
         if key not in recvs:
             fail(r, i, "unpaired", f"SEND:{key} has no matching RECV:{key}")
@@ -193,8 +240,13 @@ def _check_dataflow(schedule: Schedule, flow: Dataflow, fail) -> None:
                         rule = RULES.get(key_prefix(k), "dependency")
                         at = made_at[r].get(k)
                         if at is not None and at in group:
-                            fail(r, i, "order", f"{rule}: {k} is made by {acts[at]}, which runs "
-                                 "at the same time (TP-bubble fill)")
+                            fail(
+                                r,
+                                i,
+                                "order",
+                                f"{rule}: {k} is made by {acts[at]}, which runs "
+                                "at the same time (TP-bubble fill)",
+                            )
                         if at is not None:
                             fail(r, i, "order", f"{rule}: {k} is made later, at step {at}")
                         if key_prefix(k) in TRANSFER_PREFIXES:
@@ -211,7 +263,9 @@ def _check_dataflow(schedule: Schedule, flow: Dataflow, fail) -> None:
         if all(ptr[r] == len(groups[r]) for r in range(len(ranks))):
             return
         if not progressed:
-            stuck = [(r, groups[r][ptr[r]][-1]) for r in range(len(ranks)) if ptr[r] < len(groups[r])]
+            stuck = [
+                (r, groups[r][ptr[r]][-1]) for r in range(len(ranks)) if ptr[r] < len(groups[r])
+            ]
             waits = ", ".join(f"rank {r} on {ranks[r][i]}" for r, i in stuck)
             r, i = stuck[0]
             fail(r, i, "deadlock", f"no rank can make progress: {waits}")

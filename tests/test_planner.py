@@ -1,0 +1,161 @@
+import json
+
+import pytest
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
+from megatron_mllm.schedule.blocks import JobCosts
+from megatron_mllm.schedule.bubble_scheduler import OptimusOptions, optimus_schedule
+from megatron_mllm.schedule.config import MLLMJob
+from megatron_mllm.schedule.cost_model import CostModel, load_measured_times
+from megatron_mllm.schedule.hardware import get_profile
+from megatron_mllm.schedule.planner import plan_all, plan_optimus, run
+from megatron_mllm.schedule.simulator import simulate
+from megatron_mllm.schedule.specs import BUILTIN_MODELS
+from megatron_mllm.schedule.trace import chrome_trace_events
+from tests.conftest import tiny_encoder, tiny_job
+
+
+def paper_job(gpus=3072, **kw):
+    return MLLMJob(
+        (BUILTIN_MODELS["vit-22b"],),
+        BUILTIN_MODELS["gpt-175b"],
+        gpus,
+        8,
+        8,
+        1536,
+        2,
+        2048,
+        get_profile("h100"),
+        **kw,
+    )
+
+
+def test_memory_filter_drops_plans_that_cannot_fit():
+    costs = JobCosts(paper_job())
+    best, candidates, dropped = plan_optimus(costs)
+    dropped_plans = {p for p, _ in dropped}
+    assert ParallelPlan(3072, 1, 1) in dropped_plans  # a whole ViT-22B per GPU: ~150 GB
+    assert all(need >= 80 for _, need in dropped)
+    assert best.result.peak_memory_gb <= 80
+    with pytest.raises(ConfigError, match="fits in 80 GB"):
+        plan_optimus(costs, encoder_plan=ParallelPlan(3072, 1, 1))
+
+
+def test_optimus_beats_both_baselines_on_the_paper_job():
+    report = plan_all(JobCosts(paper_job()))
+    opt = report.optimus.result.step_time_s
+    assert opt < report.megatron.result.step_time_s
+    assert opt < report.balanced.result.step_time_s
+    assert report.optimus.result.limit_s <= opt
+
+
+def test_dependency_points_hold_in_simulation():
+    job = tiny_job(gpus=8, tp=2, pp=2, microbatches=6)
+    schedule, workload = optimus_schedule(JobCosts(job), OptimusOptions(ParallelPlan(4, 1, 2)))
+    res = simulate(schedule, workload)
+    enc = schedule.meta.encoders[0]
+    last = enc.num_stages - 1
+    done_fwd, start_bwd = {}, {}
+    for (r, i), (a, b) in res.action_times.items():
+        act = schedule.ranks[r][i]
+        if act.kind == "EF" and act.stage == last and act.k1 == enc.fwd_kernels[last]:
+            done_fwd[act.mb] = b
+        if act.kind == "EB" and act.stage == last and act.k0 == 0:
+            start_bwd[act.mb] = a
+    for m in range(job.num_microbatches):
+        assert done_fwd[m] <= res.mb_forward_start[m] + 1e-12  # F_i
+        assert start_bwd[m] >= res.mb_backward_end[m] - 1e-12  # B_i
+
+
+def test_fine_schedule_uses_tp_bubbles_and_is_kept_only_when_faster():
+    costs = JobCosts(
+        MLLMJob(
+            (BUILTIN_MODELS["vit-3b"],),
+            BUILTIN_MODELS["gpt-11b"],
+            64,
+            4,
+            4,
+            64,
+            1,
+            2048,
+            get_profile("h100"),
+        )
+    )
+    plan = ParallelPlan(4, 4, 4)
+    fine = run("o", optimus_schedule(costs, OptimusOptions(plan, split="even")))
+    coarse = run("o", optimus_schedule(costs, OptimusOptions(plan, split="even", fine=False)))
+    fills = [a for acts in fine.schedule.ranks for a in acts if a.fill is not None]
+    assert fills and not any(a.fill is not None for acts in coarse.schedule.ranks for a in acts)
+    assert fine.result.step_time_s < coarse.result.step_time_s
+    best, _, _ = plan_optimus(costs)
+    assert best.result.step_time_s <= min(fine.result.step_time_s, coarse.result.step_time_s)
+
+
+def test_frozen_encoder_runs_forward_only_but_trains_the_projector():
+    job = tiny_job(gpus=4, tp=1, pp=2, frozen=True)
+    schedule, workload = optimus_schedule(JobCosts(job), OptimusOptions(ParallelPlan(2, 1, 2)))
+    enc = schedule.meta.encoders[0]
+    assert enc.bwd_kernels[0] == 0 and enc.bwd_kernels[-1] == 2  # projector fc2, fc1
+    ebs = [a for acts in schedule.ranks for a in acts if a.kind == "EB"]
+    assert ebs and all(a.stage == enc.num_stages - 1 for a in ebs)
+    run("o", (schedule, workload))
+
+
+def test_several_encoders_share_the_bubbles():
+    encoders = (tiny_encoder(4, 256, "vit-a"), tiny_encoder(2, 512, "vit-b"))
+    job = tiny_job(gpus=8, tp=2, pp=2, encoders=encoders, microbatches=4)
+    best, _, _ = plan_optimus(JobCosts(job))
+    meta = best.schedule.meta
+    assert [e.name for e in meta.encoders] == ["vit-a", "vit-b"]
+    done = {(a.enc, a.mb) for acts in best.schedule.ranks for a in acts if a.kind == "EF"}
+    assert done == {(e, m) for e in range(2) for m in range(4)}
+
+
+def test_encoder_plan_rules():
+    backbone = paper_job().plan
+    assert colocated_encoder_plan(backbone, 2, 4) == ParallelPlan(384, 2, 4)
+    with pytest.raises(ConfigError, match="does not divide backbone PP 8"):
+        colocated_encoder_plan(backbone, 1, 3)
+
+
+def test_measured_times_replace_the_analytic_ones(tmp_path):
+    job = tiny_job()
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps({"tiny-vit": {"forward": {"fc1": 0.5}}}))
+    measured = load_measured_times(str(path), ["tiny-vit", "tiny-gpt"])
+    slow = JobCosts(job, measured).encoder_layer(0, 1)
+    assert [k.compute_s for k in slow.fwd if k.name == "fc1"] == [0.5]
+    fast = JobCosts(job).encoder_layer(0, 1)
+    assert next(k.compute_s for k in fast.fwd if k.name == "fc1") < 0.5
+    for bad, msg in (
+        ({"other": {}}, "not in this run"),
+        ({"tiny-vit": {"forward": {"fc9": 1.0}}}, "unknown forward kernel"),
+        ({"tiny-vit": {"sideways": {}}}, "use forward or backward"),
+    ):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=msg):
+            load_measured_times(str(path), ["tiny-vit", "tiny-gpt"])
+
+
+def test_sequence_parallel_splits_each_all_reduce():
+    spec = BUILTIN_MODELS["gpt-11b"]
+    sp = CostModel(get_profile("h100"), 1, sequence_parallel=True).layer_kernels(
+        spec, 2048, 4, False
+    )
+    ar = CostModel(get_profile("h100"), 1, sequence_parallel=False).layer_kernels(
+        spec, 2048, 4, False
+    )
+    assert sum(k.comm_s > 0 for k in sp) == 4 and sum(k.comm_s > 0 for k in ar) == 2
+    lat = get_profile("h100").latency_s  # per collective; the bytes moved are the same
+    assert sum(k.comm_s for k in sp) - 4 * lat == pytest.approx(sum(k.comm_s for k in ar) - 2 * lat)
+
+
+def test_chrome_trace_has_a_process_per_rank():
+    job = tiny_job(gpus=4, tp=1, pp=2)
+    best, _, _ = plan_optimus(JobCosts(job))
+    res = simulate(best.schedule, best.workload, keep_spans=True)
+    events = chrome_trace_events(res.spans, "optimus")
+    names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
+    assert names == {"optimus rank 0", "optimus rank 1"}
+    assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
