@@ -57,6 +57,11 @@ def test_bubble_causes_add_up():
     res = simulate(schedule, wl)
     assert sum(res.bubbles_s.values()) == pytest.approx(res.bubble_ratio * res.step_time_s)
     assert res.bubbles_s["pp_warmup"] > 0 and res.bubbles_s["pp_cooldown"] > 0
+    # 1F1B, uniform stages (tf=1, tb=2, p=4): every rank idles (p-1)(tf+tb) in all; rank r
+    # waits r forwards before its first one.
+    for r, causes in enumerate(res.bubbles_by_rank_s):
+        assert sum(causes.values()) == pytest.approx(3 * 3.0)
+        assert causes["pp_warmup"] == pytest.approx(r * 1.0)
 
 
 def test_simulator_detects_deadlock():

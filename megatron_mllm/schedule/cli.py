@@ -128,6 +128,7 @@ def report_dict(report: PlanReport) -> dict:
             "speedup_vs_megatron": base / r.step_time_s,
             "bubble_ratio": r.bubble_ratio,
             "bubbles_s": r.bubbles_s,
+            "bubbles_by_rank_s": r.bubbles_by_rank_s,
             "peak_memory_gb": r.peak_memory_gb,
         }
         if planned.options is not None:

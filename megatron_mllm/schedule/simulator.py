@@ -51,6 +51,7 @@ class SimResult:
     bubble_ratio: float
     bubbles_s: dict[str, float]  # mean idle seconds per GPU group, by cause
     peak_memory_bytes: float
+    bubbles_by_rank_s: list[dict[str, float]] = field(default_factory=list)  # mean over slots
     spans: list[Span] = field(default_factory=list)
     action_times: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     first_backbone_start: list[float] = field(default_factory=list)
@@ -225,6 +226,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
     step_time = max((b for _, b in times.values()), default=0.0)
     first_bb = [min(f, step_time) for f in first_bb]
     causes = dict.fromkeys(BUBBLE_CAUSES, 0.0)
+    by_rank = [dict.fromkeys(BUBBLE_CAUSES, 0.0) for _ in range(n)]
     for r in range(n):
         for slot in range(slots):
             for cause, seconds in _classify_idle(
@@ -237,6 +239,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
                 step_time,
             ).items():
                 causes[cause] += seconds
+                by_rank[r][cause] += seconds / slots
     groups = n * slots
     idle_total = sum(causes.values())
     peak = 0.0
@@ -261,6 +264,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
         limit_s=compute_total / groups,
         bubble_ratio=idle_total / (groups * step_time) if step_time else 0.0,
         bubbles_s={k: v / groups for k, v in causes.items()},
+        bubbles_by_rank_s=by_rank,
         peak_memory_bytes=peak,
         spans=spans,
         action_times=times,
