@@ -9,7 +9,9 @@ setup(
         "Train multimodal LLMs on megatron-core faster: encoder work scheduled into the "
         "backbone's pipeline and tensor-parallel bubbles."
     ),
-    packages=find_packages(include=["megatron_mllm", "megatron_mllm.*"]),
+    packages=find_packages(include=["megatron_mllm", "megatron_mllm.*"])
+    + ["megatron_mllm_patches"],
+    package_dir={"megatron_mllm_patches": "patches"},
     python_requires=">=3.10",
     install_requires=[
         # A bare "torch" pulls a multi-GB CUDA build; users on GPU install their own torch first.
@@ -17,6 +19,8 @@ setup(
         "megatron-core==0.16.1",
         "numpy",
         "pyyaml",
+        "einops",  # megatron-core's HyperCommGrid needs it
+        "psutil",  # megatron-core's dist_checkpointing needs it
     ],
     extras_require={
         "plot": ["matplotlib"],

@@ -25,7 +25,8 @@ def megatron_schedule(costs: JobCosts) -> tuple[Schedule, Workload]:
     """Encoders on stage 0's pre-process, then Megatron's (interleaved) 1F1B."""
     job, plan = costs.job, costs.job.plan
     encoders = [
-        concat(costs.encoder_blocks(e, plan.tp), coalesce=True) for e in range(len(job.encoders))
+        concat(costs.encoder_blocks(e, plan.tp), coalesce=costs.unit == "kernel")
+        for e in range(len(job.encoders))
     ]
     layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
     sizes = megatron_split(

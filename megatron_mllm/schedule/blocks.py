@@ -59,11 +59,37 @@ def coalesce_kernels(kernels: list[Kernel]) -> list[Kernel]:
 
 
 class JobCosts:
-    """Blocks for one job's models under a cost model."""
+    """Blocks for one job's models under a cost model.
 
-    def __init__(self, job: MLLMJob, measured: dict | None = None) -> None:
+    `unit` is the granularity of encoder work the schedule may split: "kernel" (norms, GEMMs,
+    attention, ... of each layer; for planning) or "layer" (patch embedding, each layer, final
+    norm + projector: what the runtime's encoder stages run one at a time).
+    """
+
+    def __init__(self, job: MLLMJob, measured: dict | None = None, unit: str = "kernel") -> None:
+        if unit not in ("kernel", "layer"):
+            raise ValueError(f"unit must be 'kernel' or 'layer', got {unit!r}")
         self.job = job
+        self.unit = unit
         self.cm = CostModel(job.hw, job.micro_batch, job.sequence_parallel, measured)
+
+    def _as_unit(self, block: Block, model: str, name: str) -> Block:
+        """In "layer" mode a block is one kernel forward and one backward (measured if given)."""
+        if self.unit == "kernel":
+            return block
+        measured = self.cm.measured.get(model, {})
+
+        def one(kernels: list[Kernel], direction: str, unit: str) -> list[Kernel]:
+            if not kernels:
+                return []
+            seconds = measured.get(direction, {}).get(unit)
+            if seconds is not None:
+                return [Kernel(unit, seconds, 0.0)]
+            return [Kernel(unit, sum(k.compute_s for k in kernels), sum(k.comm_s for k in kernels))]
+
+        block.fwd = one(block.fwd, "forward", name)
+        block.bwd = one(block.bwd, "backward", name + "_b")
+        return block
 
     def backbone_layer(self, tp: int) -> Block:
         spec, s = self.job.backbone, self.job.seq_len
@@ -88,34 +114,60 @@ class JobCosts:
             {"backbone"},
         )
 
+    def patch_embedding(self, e: int) -> Block:
+        """Patches -> encoder width (a replicated linear layer) on the first encoder stage."""
+        spec = self.job.encoders[e]
+        s, h = self.job.encoder_seq(spec), spec.hidden_size
+        patch_dim = 3 * 14 * 14
+        flops = 2 * self.job.micro_batch * s * patch_dim * h
+        block = Block(
+            f"e{e}.embed",
+            [Kernel("embed", self.cm._flops_s(flops))],
+            [] if self.job.frozen_encoders else [Kernel("embed_b", self.cm._flops_s(2 * flops))],
+            0.0,
+            patch_dim * h + s * h,
+            {"encoder", "frozen"} if self.job.frozen_encoders else {"encoder"},
+        )
+        return self._as_unit(block, spec.name, "embed")
+
     def encoder_layer(self, e: int, tp: int) -> Block:
         spec = self.job.encoders[e]
         s = self.job.encoder_seq(spec)
         frozen = self.job.frozen_encoders
-        return Block(
-            f"e{e}.layer",
-            self.cm.layer_kernels(spec, s, tp, backward=False),
-            [] if frozen else self.cm.layer_kernels(spec, s, tp, backward=True),
-            0.0 if frozen else self.cm.layer_activation_bytes(spec, s, tp),
-            spec.params_per_layer / tp,
-            {"encoder", "frozen"} if frozen else {"encoder"},
+        return self._as_unit(
+            Block(
+                f"e{e}.layer",
+                self.cm.layer_kernels(spec, s, tp, backward=False),
+                [] if frozen else self.cm.layer_kernels(spec, s, tp, backward=True),
+                0.0 if frozen else self.cm.layer_activation_bytes(spec, s, tp),
+                spec.params_per_layer / tp,
+                {"encoder", "frozen"} if frozen else {"encoder"},
+            ),
+            spec.name,
+            "layer",
         )
 
     def projector(self, e: int, tp: int) -> Block:
         spec, llm = self.job.encoders[e], self.job.backbone
         s = self.job.encoder_seq(spec)
-        return Block(
-            f"e{e}.projector",
-            self.cm.projector_kernels(spec, llm, s, tp, False),
-            self.cm.projector_kernels(spec, llm, s, tp, True),
-            2 * self.job.micro_batch * s * llm.hidden_size * 2 / tp,
-            (spec.hidden_size * llm.hidden_size + llm.hidden_size**2) / tp,
-            {"encoder"},
+        return self._as_unit(
+            Block(
+                f"e{e}.projector",
+                self.cm.projector_kernels(spec, llm, s, tp, False),
+                self.cm.projector_kernels(spec, llm, s, tp, True),
+                2 * self.job.micro_batch * s * llm.hidden_size * 2 / tp,
+                (spec.hidden_size * llm.hidden_size + llm.hidden_size**2) / tp,
+                {"encoder"},
+            ),
+            spec.name,
+            "projector",
         )
 
     def encoder_blocks(self, e: int, tp: int) -> list[Block]:
+        """Patch embedding, layers, projector (the projector includes the final norm)."""
         spec = self.job.encoders[e]
-        return [self.encoder_layer(e, tp) for _ in range(spec.num_layers)] + [self.projector(e, tp)]
+        layers = [self.encoder_layer(e, tp) for _ in range(spec.num_layers)]
+        return [self.patch_embedding(e), *layers, self.projector(e, tp)]
 
     def backbone_blocks(self, tp: int) -> list[Block]:
         return [self.backbone_layer(tp) for _ in range(self.job.backbone.num_layers)] + [

@@ -186,7 +186,11 @@ def load_measured_times(
         raise ConfigError(f"{path}: malformed JSON at line {err.lineno}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected {{model: {{forward|backward: {{kernel: seconds}}}}}}")
-    names = {"forward": set(FORWARD_KERNELS), "backward": set(BACKWARD_KERNELS)}
+    units = ("embed", "layer", "projector")  # per-unit times, for layer-granularity schedules
+    names = {
+        "forward": set(FORWARD_KERNELS) | set(units),
+        "backward": set(BACKWARD_KERNELS) | {u + "_b" for u in units},
+    }
     for model, dirs in raw.items():
         if model not in model_names:
             raise ConfigError(

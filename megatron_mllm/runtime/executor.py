@@ -1,0 +1,261 @@
+"""Runs one GPU's program on real megatron-core modules and torch.distributed.
+
+Handlers, one per action kind (DeepSpeed's instruction -> handler map): backbone forward and
+backward, encoder units forward and backward, tagged asynchronous p2p (never relying on the order
+in which two messages between the same pair of ranks were posted), gradient reduction over each
+plan's own DP group. What really ran is recorded as trace spans in the simulator's format.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.models.stages import BackboneStage, EncoderStage
+from megatron_mllm.runtime.program import Op
+from megatron_mllm.schedule.actions import Action
+from megatron_mllm.schedule.schedule import ScheduleMeta
+from megatron_mllm.schedule.simulator import Span
+
+
+class PeerFailure(RuntimeError):
+    """A message did not arrive: names this rank, the action waited on and the peer."""
+
+
+@dataclass
+class StepResult:
+    losses: dict[int, float] = field(default_factory=dict)  # micro-batch -> loss (last stage)
+    spans: list[Span] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class Executor:
+    """Executes `program` (from `gpu_program`) once per training step."""
+
+    def __init__(
+        self,
+        program: list[Op],
+        meta: ScheduleMeta,
+        cfg: MLLMConfig,
+        rank: int,
+        backbone: BackboneStage,
+        encoder: EncoderStage | None,
+        data: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        micro_batch: int,
+        backbone_dp_group,
+        encoder_dp_group,
+        backbone_dp: int,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
+        self.backbone, self.encoder = backbone, encoder
+        self.data, self.micro_batch = data, micro_batch
+        self.bb_dp_group, self.enc_dp_group, self.bb_dp = (
+            backbone_dp_group,
+            encoder_dp_group,
+            backbone_dp,
+        )
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.handlers = {
+            "F": self._forward,
+            "B": self._backward,
+            "EF": self._encoder_forward,
+            "EB": self._encoder_backward,
+            "AG": self._all_gather,
+            "RS": self._reduce_scatter,
+        }
+
+    # -- one step ------------------------------------------------------------------------------
+    def run_step(self) -> StepResult:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.bb_ctx: dict[tuple, tuple] = {}
+        self.enc_units: dict[tuple, list] = {}
+        self.pending: list = []
+        self.result = StepResult()
+        self._batches: dict[int, tuple] = {}
+        t0 = time.perf_counter()
+        for op in self.program:
+            start = time.perf_counter() - t0
+            if op.kind == "run":
+                for fill in op.fills:  # TP-bubble fills run just before their action for now
+                    self._run(fill, t0)
+                self._run(op.action, t0)
+                continue
+            if op.kind == "send":
+                work = dist.isend(self.tensors[op.key].contiguous(), op.peer, tag=op.tag)
+                self.pending.append((work, op))
+            else:
+                buf = torch.empty(self._shape(op.key))
+                work = dist.irecv(buf, op.peer, tag=op.tag)
+                self._wait(work, op)
+                self.tensors[op.key] = buf
+            end = time.perf_counter() - t0
+            self.result.spans.append(
+                Span(
+                    self.rank,
+                    None,
+                    "p2p",
+                    Action(op.kind.upper(), key=op.key),
+                    "",
+                    start,
+                    end,
+                    "p2p",
+                )
+            )
+        for work, op in self.pending:
+            self._wait(work, op)
+        self.result.seconds = time.perf_counter() - t0
+        return self.result
+
+    def _run(self, action: Action, t0: float) -> None:
+        start = time.perf_counter() - t0
+        self.handlers[action.kind](action)
+        end = time.perf_counter() - t0
+        category = {"F": "backbone", "B": "backbone", "EF": "encoder", "EB": "encoder"}.get(
+            action.kind, "dp"
+        )
+        stream = "dp" if category == "dp" else "compute"
+        self.result.spans.append(Span(self.rank, None, stream, action, "", start, end, category))
+
+    def _wait(self, work, op: Op) -> None:
+        try:
+            ok = work.wait(self.timeout)
+        except RuntimeError as err:
+            raise PeerFailure(
+                f"rank {self.rank}: {op} failed while waiting on rank {op.peer}: "
+                f"{str(err).splitlines()[0]}"
+            ) from None
+        if ok is False:
+            raise PeerFailure(
+                f"rank {self.rank}: timed out after {self.timeout.total_seconds():.0f}"
+                f" s waiting on {op} (rank {op.peer})"
+            )
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        cfg, b = self.cfg, self.micro_batch
+        prefix = key.split(".", 1)[0]
+        if prefix in ("act", "grad"):
+            return (cfg.seq_len, b, cfg.llm_hidden)
+        if prefix in ("eout", "egrad"):
+            return (cfg.num_patches, b, cfg.llm_hidden)
+        return (cfg.num_patches, b, cfg.vit_hidden)
+
+    def _batch(self, mb: int):
+        if mb not in self._batches:
+            self._batches[mb] = self.data(mb)
+        return self._batches[mb]
+
+    # -- backbone --------------------------------------------------------------------------
+    def _forward(self, a: Action) -> None:
+        meta = self.meta
+        v = meta.virtual_index(a.stage, a.chunk)
+        last = v == meta.num_virtual_stages - 1
+        if v == 0:
+            eouts = [
+                self.tensors[f"eout.e{e}.m{a.mb}"].detach().requires_grad_()
+                for e in range(len(meta.encoders))
+            ]
+            _, text = self._batch(a.mb)
+            inputs = eouts
+            out = self.backbone(None, self.backbone.decoder_input(eouts, text))
+        else:
+            x = self.tensors.pop(f"act.s{a.stage}v{a.chunk}.m{a.mb}").detach().requires_grad_()
+            inputs = [x]
+            out = self.backbone(x)
+        if last:
+            _, text = self._batch(a.mb)
+            out = self.backbone.loss(out, text)
+            self.result.losses[a.mb] = out.item()
+        else:
+            s, c = meta.stage_chunk(v + 1)
+            self.tensors[f"act.s{s}v{c}.m{a.mb}"] = out.detach()
+        self.bb_ctx[(a.stage, a.chunk, a.mb)] = (inputs, out)
+
+    def _backward(self, a: Action) -> None:
+        meta = self.meta
+        v = meta.virtual_index(a.stage, a.chunk)
+        inputs, out = self.bb_ctx.pop((a.stage, a.chunk, a.mb))
+        if v == meta.num_virtual_stages - 1:
+            (out / meta.num_microbatches).backward()
+        else:
+            out.backward(self.tensors.pop(f"grad.s{a.stage}v{a.chunk}.m{a.mb}"))
+        if v > 0:
+            s, c = meta.stage_chunk(v - 1)
+            self.tensors[f"grad.s{s}v{c}.m{a.mb}"] = inputs[0].grad
+        else:
+            for e, x in enumerate(inputs):
+                if meta.encoders[e].trainable:
+                    self.tensors[f"egrad.e{e}.m{a.mb}"] = x.grad
+
+    # -- encoder ---------------------------------------------------------------------------
+    def _encoder_forward(self, a: Action) -> None:
+        enc_meta = self.meta.encoders[a.enc]
+        units = self.enc_units.setdefault((a.enc, a.stage, a.mb), [])
+        if a.k0 == 0:
+            x = (
+                self._batch(a.mb)[0]
+                if a.stage == 0
+                else self.tensors.pop(f"eact.e{a.enc}.s{a.stage}.m{a.mb}")
+            )
+        else:
+            x = units[-1][1].detach()
+        for u in range(a.k0, a.k1):
+            leaf = x.detach().requires_grad_(not (a.stage == 0 and u == 0))
+            y = self.encoder.run_unit(u, leaf)
+            units.append((leaf, y))
+            x = y
+        if a.k1 == enc_meta.fwd_kernels[a.stage]:
+            last = a.stage == enc_meta.num_stages - 1
+            key = f"eout.e{a.enc}.m{a.mb}" if last else f"eact.e{a.enc}.s{a.stage + 1}.m{a.mb}"
+            self.tensors[key] = x.detach()
+
+    def _encoder_backward(self, a: Action) -> None:
+        enc_meta = self.meta.encoders[a.enc]
+        units = self.enc_units[(a.enc, a.stage, a.mb)]
+        total = enc_meta.fwd_kernels[a.stage]
+        last = a.stage == enc_meta.num_stages - 1
+        for b in range(a.k0, a.k1):
+            u = total - 1 - b
+            if b == 0:
+                key = f"egrad.e{a.enc}.m{a.mb}" if last else f"egin.e{a.enc}.s{a.stage}.m{a.mb}"
+                grad = self.tensors.pop(key)
+            else:
+                grad = units[u + 1][0].grad
+            leaf, y = units[u]
+            y.backward(grad)
+        if a.k1 == enc_meta.bwd_kernels[a.stage]:
+            if a.stage > 0:
+                self.tensors[f"egin.e{a.enc}.s{a.stage - 1}.m{a.mb}"] = units[0][0].grad
+            del self.enc_units[(a.enc, a.stage, a.mb)]
+
+    # -- data parallel ---------------------------------------------------------------------
+    def _all_gather(self, a: Action) -> None:
+        """Parameters are replicated over DP (non-distributed optimizer): nothing to gather."""
+
+    def _reduce_scatter(self, a: Action) -> None:
+        """Average the part's gradients over its own DP group (one flat all-reduce)."""
+        module = self.backbone if a.key == "bb" else self.encoder
+        group = self.bb_dp_group if a.key == "bb" else self.enc_dp_group
+        if module is None or dist.get_world_size(group) == 1 and self.bb_dp == 1:
+            return
+        params = [p for p in module.parameters() if p.requires_grad]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        if dist.get_world_size(group) > 1:
+            dist.all_reduce(flat, group=group)
+        # The encoder's DP group holds m pipelines per backbone replica, each with its own
+        # micro-batches: their gradients add up, then average over backbone replicas.
+        flat /= self.bb_dp
+        i = 0
+        for p in params:
+            n = p.numel()
+            p.grad.copy_(flat[i : i + n].view_as(p))
+            i += n

@@ -1,0 +1,101 @@
+"""Schedules for the runtime's MLLM, planned by the schedule core at layer granularity."""
+
+from __future__ import annotations
+
+from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.schedule.baselines import megatron_schedule
+from megatron_mllm.schedule.blocks import JobCosts
+from megatron_mllm.schedule.bubble_scheduler import OptimusOptions, optimus_schedule
+from megatron_mllm.schedule.config import MLLMJob
+from megatron_mllm.schedule.hardware import HardwareProfile
+from megatron_mllm.schedule.planner import plan_optimus
+from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.specs import TransformerSpec
+from megatron_mllm.schedule.validator import validate
+from megatron_mllm.schedule.workload import Workload
+
+# One CPU core in fp32, over gloo on loopback: only the ratios matter for planning, and measured
+# unit times (see tools/bench_runtime.py) replace these where given.
+CPU = HardwareProfile(
+    "cpu",
+    peak_tflops=0.05,
+    hbm_gbps=10.0,
+    nvlink_gbps=2.0,
+    internode_gbps=2.0,
+    memory_gb=24.0,
+    gpus_per_node=64,
+    efficiency=1.0,
+    latency_s=50e-6,
+)
+
+
+def job_of(cfg: MLLMConfig, plan: ParallelPlan, micro_batch: int, num_microbatches: int) -> MLLMJob:
+    vit = TransformerSpec(
+        "vit",
+        cfg.vit_layers,
+        cfg.vit_hidden,
+        cfg.vit_ffn or 4 * cfg.vit_hidden,
+        cfg.vit_heads,
+        causal=False,
+        seq_len=cfg.num_patches,
+    )
+    llm = TransformerSpec(
+        "llm",
+        cfg.llm_layers,
+        cfg.llm_hidden,
+        cfg.llm_ffn or 4 * cfg.llm_hidden,
+        cfg.llm_heads,
+        causal=True,
+        vocab_size=cfg.vocab_size,
+    )
+    return MLLMJob(
+        (vit,),
+        llm,
+        plan.world_size,
+        plan.tp,
+        plan.pp,
+        global_batch=num_microbatches * micro_batch * plan.dp,
+        micro_batch=micro_batch,
+        seq_len=cfg.seq_len,
+        hw=CPU,
+        sequence_parallel=False,
+    )
+
+
+def runtime_schedule(
+    cfg: MLLMConfig,
+    plan: ParallelPlan,
+    micro_batch: int,
+    num_microbatches: int,
+    name: str,
+    encoder_plan: ParallelPlan | None = None,
+    measured: dict | None = None,
+    **options,
+) -> Schedule:
+    """ "megatron" (encoder on stage 0, 1F1B) or "optimus" (planned, or with `encoder_plan`)."""
+    return runtime_plan(
+        cfg, plan, micro_batch, num_microbatches, name, encoder_plan, measured, **options
+    )[0]
+
+
+def runtime_plan(
+    cfg: MLLMConfig,
+    plan: ParallelPlan,
+    micro_batch: int,
+    num_microbatches: int,
+    name: str,
+    encoder_plan: ParallelPlan | None = None,
+    measured: dict | None = None,
+    **options,
+) -> tuple[Schedule, Workload]:
+    costs = JobCosts(job_of(cfg, plan, micro_batch, num_microbatches), measured, unit="layer")
+    if name == "megatron":
+        built = megatron_schedule(costs)
+    elif encoder_plan is not None:
+        built = optimus_schedule(costs, OptimusOptions(encoder_plan, **options))
+    else:
+        best, _, _ = plan_optimus(costs)
+        built = best.schedule, best.workload
+    validate(built[0])
+    return built

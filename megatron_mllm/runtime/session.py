@@ -1,0 +1,236 @@
+"""One rank's life for a runtime job: process groups, modules, weights, program, steps.
+
+Modes:
+* "executor": our executor runs `job.schedule` (any validated schedule of the tiny MLLM);
+* "megatron_core": megatron-core's own forward_backward_pipelining_without_interleaving with
+  the encoder in stage 0's forward step (the baseline users have today);
+* "reference": one process, no parallelism, every micro-batch in turn.
+All load the same canonical weights (`full_state`), so losses and gradients can be compared.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.schedule.schedule import Schedule
+
+
+@dataclass
+class RuntimeJob:
+    cfg: MLLMConfig
+    backbone: ParallelPlan
+    micro_batch: int
+    num_microbatches: int
+    full_state: dict[str, torch.Tensor]
+    mode: str = "executor"
+    schedule: Schedule | None = None
+    steps: int = 1
+    seed: int = 0
+    collect_grads: bool = True
+    timeout_s: float = 60.0
+    fail_rank: int | None = None  # fault injection: this rank exits ...
+    fail_at_op: int = 0  # ... before its program's op with this index
+    backbone_first_stage_layers: int | None = None  # megatron_core mode: uneven first stage
+    extra: dict = field(default_factory=dict)
+
+
+def encoder_plan_of(schedule: Schedule, backbone: ParallelPlan) -> tuple[ParallelPlan, bool]:
+    """The encoder plan a schedule implies, and whether it is the stage-0 (Megatron) placement."""
+    meta = schedule.meta
+    if not meta.encoders:
+        raise ConfigError("the runtime needs a schedule with the encoder as its own actions")
+    enc = meta.encoders[0]
+    stages, pipes = enc.num_stages, enc.num_pipes
+    tp_e = backbone.tp // meta.slots
+    if pipes * stages == 1 and meta.slots == 1 and backbone.pp > 1:
+        return ParallelPlan(backbone.dp, backbone.tp, 1), True
+    if pipes != (backbone.pp // stages) * meta.slots:
+        raise ConfigError(
+            f"schedule's encoder layout ({pipes} pipelines x {stages} stages) does "
+            f"not colocate with backbone {backbone}"
+        )
+    return ParallelPlan(backbone.world_size // (tp_e * stages), tp_e, stages), False
+
+
+def check_job(job: RuntimeJob, world: int) -> None:
+    """Every configuration error, before any process group exists."""
+    if job.mode not in ("executor", "megatron_core", "reference"):
+        raise ConfigError(f"unknown mode {job.mode!r}; use executor, megatron_core or reference")
+    if job.mode != "reference" and job.backbone.world_size != world:
+        raise ConfigError(
+            f"plan {job.backbone} needs {job.backbone.world_size} ranks; "
+            f"the job was started with {world}"
+        )
+    job.cfg.validate(job.backbone.tp)
+    if job.cfg.llm_layers % job.backbone.pp:
+        raise ConfigError(
+            f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
+        )
+    if job.mode != "executor":
+        return
+    if job.schedule is None:
+        raise ConfigError("executor mode needs a schedule")
+    meta = job.schedule.meta
+    if meta.pp != job.backbone.pp or meta.num_microbatches != job.num_microbatches:
+        raise ConfigError(
+            f"schedule is for PP {meta.pp} x {meta.num_microbatches} micro-batches;"
+            f" the job has PP {job.backbone.pp} x {job.num_microbatches}"
+        )
+    if meta.vpp != 1:
+        raise ConfigError("the executor runs non-interleaved backbones (VPP 1) for now")
+    if len(meta.encoders) != 1:
+        raise ConfigError("the executor runs one encoder for now")
+    enc_plan, _ = encoder_plan_of(job.schedule, job.backbone)
+    job.cfg.validate(job.backbone.tp, enc_plan.tp)
+    if job.cfg.vit_layers % enc_plan.pp:
+        raise ConfigError(
+            f"{job.cfg.vit_layers} encoder layers do not split evenly over encoder PP {enc_plan.pp}"
+        )
+    enc = meta.encoders[0]
+    for j in range(enc.num_stages):
+        units = (j == 0) + job.cfg.vit_layers // enc_plan.pp + (j == enc.num_stages - 1)
+        if enc.fwd_kernels[j] != units:
+            raise ConfigError(
+                f"schedule's encoder stage {j} has {enc.fwd_kernels[j]} units; this "
+                f"model's has {units} (plan schedules with unit='layer')"
+            )
+
+
+def _init_rank(rank: int, world: int, seed: int, timeout_s: float) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    import megatron_mllm_patches
+
+    megatron_mllm_patches.apply_cpu_patches()
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+    )
+    from megatron.core import parallel_state
+
+    parallel_state._set_global_memory_buffer()  # attention's scratch buffer, not parallel state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    model_parallel_cuda_manual_seed(seed, tp_rank=0)
+
+
+def run_rank(rank: int, world: int, job: RuntimeJob) -> dict:
+    """Entry point of one rank (see `launch.spawn`)."""
+    check_job(job, world)
+    _init_rank(rank, world, job.seed, job.timeout_s)
+    if job.mode == "reference":
+        return _reference(job)
+    if job.mode == "megatron_core":
+        from megatron_mllm.runtime.megatron_baseline import run_megatron_core
+
+        return run_megatron_core(rank, job)
+    return _executor(rank, world, job)
+
+
+def _data(job: RuntimeJob, step: int):
+    from megatron_mllm.data.synthetic import microbatch
+
+    def get(mb: int, dp: int = 0):
+        index = (step * job.backbone.dp + dp) * job.num_microbatches + mb
+        return microbatch(job.cfg, index, job.micro_batch, job.seed)
+
+    return get
+
+
+def _reference(job: RuntimeJob) -> dict:
+    from megatron_mllm.models.stages import BackboneStage, EncoderStage
+    from megatron_mllm.models.weights import grad_shards, load_full_state
+    from megatron_mllm.parallel.groups import build_colocated_groups
+
+    one = ParallelPlan(1, 1, 1)
+    groups = build_colocated_groups(one, one, 1, 0)
+    encoder = EncoderStage(job.cfg, 0, 1, groups.encoder, 1)
+    backbone = BackboneStage(job.cfg, True, True, groups.backbone, 1, 1)
+    load_full_state(encoder, job.full_state, 0, 1)
+    load_full_state(backbone, job.full_state, 0, 1)
+    losses = {}
+    n = job.num_microbatches * job.backbone.dp
+    for dp in range(job.backbone.dp):
+        data = _data(job, 0)
+        for m in range(job.num_microbatches):
+            images, text = data(m, dp)
+            out = backbone(None, backbone.decoder_input([encoder(images)], text))
+            loss = backbone.loss(out, text)
+            (loss / n).backward()
+            losses[(dp, m)] = loss.item()
+    grads = {**grad_shards(encoder, 0), **grad_shards(backbone, 0)}
+    return {"losses": losses, "grads": grads}
+
+
+def _executor(rank: int, world: int, job: RuntimeJob) -> dict:
+    import torch.distributed as dist
+
+    from megatron_mllm.models.stages import BackboneStage, EncoderStage
+    from megatron_mllm.models.weights import grad_shards, load_full_state
+    from megatron_mllm.parallel.groups import build_colocated_groups
+    from megatron_mllm.runtime.executor import Executor
+    from megatron_mllm.runtime.program import gpu_program
+
+    plan = job.backbone
+    enc_plan, stage0 = encoder_plan_of(job.schedule, plan)
+    groups = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
+    c = groups.coords
+    backbone = BackboneStage(
+        job.cfg, c.stage == 0, c.stage == plan.pp - 1, groups.backbone, plan.tp, plan.pp
+    )
+    load_full_state(backbone, job.full_state, c.tp, plan.tp)
+    encoder = None
+    if not stage0 or c.stage == 0:
+        if stage0:
+            encoder = EncoderStage(job.cfg, 0, 1, groups.stage0_encoder(), plan.tp)
+            load_full_state(encoder, job.full_state, c.tp, plan.tp)
+        else:
+            encoder = EncoderStage(job.cfg, c.enc_stage, enc_plan.pp, groups.encoder, enc_plan.tp)
+            load_full_state(encoder, job.full_state, c.enc_tp, enc_plan.tp)
+    program = gpu_program(job.schedule, groups, plan.tp if stage0 else enc_plan.tp)
+    if job.fail_rank == rank:
+        program = program[: job.fail_at_op]
+    enc_dp_group = groups.backbone.dp if stage0 else groups.encoder.dp
+    results = []
+    for step in range(job.steps):
+        data = _data(job, step)
+        executor = Executor(
+            program,
+            job.schedule.meta,
+            job.cfg,
+            rank,
+            backbone,
+            encoder,
+            lambda m, d=data: d(m, c.dp),
+            job.micro_batch,
+            groups.backbone.dp,
+            enc_dp_group,
+            plan.dp,
+            job.timeout_s,
+        )
+        if job.fail_rank == rank:
+            executor.run_step()
+            os._exit(3)  # die mid-step, as a crashed rank would
+        results.append(executor.run_step())
+    out = {
+        "losses": {(c.dp, m): v for m, v in results[-1].losses.items()},
+        "spans": results[-1].spans,
+        "seconds": [r.seconds for r in results],
+        "coords": c,
+    }
+    if job.collect_grads:
+        out["grads"] = grad_shards(backbone, c.tp)
+        if encoder is not None and (stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)):
+            out["grads"].update(grad_shards(encoder, c.tp if stage0 else c.enc_tp))
+    dist.barrier()
+    return out
