@@ -1,0 +1,110 @@
+"""The baseline users run today: megatron-core's own 1F1B (forward_backward_pipelining_without_
+interleaving, or no pipelining for PP 1) with the encoder and projector in stage 0's forward.
+
+megatron-core's schedules read their groups from `parallel_state`, so this mode initialises it
+(in its own processes); our executor never does.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+
+import torch
+from torch import nn
+
+
+class _Stage0Model(nn.Module):
+    """Encoder + projector + backbone stage, with what megatron-core's schedules expect."""
+
+    def __init__(self, encoder, backbone) -> None:
+        super().__init__()
+        self.encoder, self.backbone = encoder, backbone
+        self.config = backbone.gpt.config
+        from megatron.core.enums import ModelType
+
+        self.model_type = ModelType.encoder_or_decoder
+
+    def set_input_tensor(self, tensor) -> None:
+        tensor = tensor[0] if isinstance(tensor, list) else tensor
+        self._input = tensor
+        if not self.backbone.pre_process:
+            self.backbone.set_input_tensor(tensor)
+
+    def forward(self, images, text):
+        if self.backbone.pre_process:
+            embeds = self.encoder(images)
+            return self.backbone(None, self.backbone.decoder_input([embeds], text))
+        return self.backbone(self._input)
+
+
+def run_megatron_core(rank: int, job) -> dict:
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_mllm.models.stages import BackboneStage, EncoderStage
+    from megatron_mllm.models.weights import grad_shards, load_full_state
+    from megatron_mllm.runtime.session import _data
+
+    plan = job.backbone
+    ps.destroy_global_memory_buffer()  # initialize_model_parallel makes its own
+    ps.initialize_model_parallel(plan.tp, plan.pp, create_gloo_process_groups=False)
+    pg = ProcessGroupCollection.use_mpu_process_groups()
+    tp_rank, stage = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+    overrides = {}
+    if job.backbone_first_stage_layers is not None and plan.pp > 1:
+        overrides["num_layers_in_first_pipeline_stage"] = job.backbone_first_stage_layers
+    backbone = BackboneStage(job.cfg, stage == 0, stage == plan.pp - 1, pg, plan.tp, plan.pp,
+                             **overrides)
+    load_full_state(backbone, job.full_state, tp_rank, plan.tp)
+    encoder = None
+    if stage == 0:
+        enc_pg = ProcessGroupCollection()
+        enc_pg.tp, enc_pg.cp, enc_pg.dp, enc_pg.pp = pg.tp, pg.cp, pg.dp, solo
+        encoder = EncoderStage(job.cfg, 0, 1, enc_pg, plan.tp)
+        load_full_state(encoder, job.full_state, tp_rank, plan.tp)
+    model = _Stage0Model(encoder, backbone)
+
+    def loss_func(text, logits):
+        loss = backbone.loss(logits, text)
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+
+    def forward_step(data_iterator, model):
+        images, text = next(data_iterator)
+        out = model(images, text)
+        return out, partial(loss_func, text)
+
+    dp_rank = ps.get_data_parallel_rank()
+    fb = get_forward_backward_func()
+    seconds, losses = [], {}
+    for step in range(job.steps):
+        for p in model.parameters():
+            p.grad = None
+        data = _data(job, step)
+        batches = iter([data(m, dp_rank) for m in range(job.num_microbatches)])
+        t0 = time.perf_counter()
+        reduced = fb(forward_step_func=forward_step, data_iterator=batches, model=[model],
+                     num_microbatches=job.num_microbatches, seq_length=job.cfg.seq_len,
+                     micro_batch_size=job.micro_batch, forward_only=False)
+        _all_reduce_dp(model, ps.get_data_parallel_group(), plan.dp)
+        seconds.append(time.perf_counter() - t0)
+        losses = {(dp_rank, m): float(r["lm loss"]) for m, r in enumerate(reduced)}
+    grads = grad_shards(backbone, tp_rank)
+    if encoder is not None:
+        grads.update(grad_shards(encoder, tp_rank))
+    dist.barrier()
+    return {"losses": losses, "grads": grads, "seconds": seconds}
+
+
+def _all_reduce_dp(model: nn.Module, group, dp: int) -> None:
+    if dp == 1:
+        return
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad, group=group)
+            p.grad /= dp
