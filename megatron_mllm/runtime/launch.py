@@ -82,13 +82,23 @@ def spawn(
     results: dict[int, Any] = {}
     errors: dict[int, str] = {}
     import queue as queue_mod
+    import time
 
-    deadline_each = timeout_s
-    for _ in range(world):
+    deadline = time.monotonic() + timeout_s
+    dead_since: dict[int, float] = {}
+    while len(results) + len(errors) < world and time.monotonic() < deadline:
         try:
-            rank, status, value = queue.get(timeout=deadline_each)
+            rank, status, value = queue.get(timeout=0.2)
         except queue_mod.Empty:
-            break
+            # A rank that died without a word (os._exit, a signal) is reported once its
+            # process has been gone for a moment and nothing more is in the queue.
+            now = time.monotonic()
+            for r, p in enumerate(procs):
+                if r in results or r in errors or p.exitcode is None:
+                    continue
+                if now - dead_since.setdefault(r, now) > 1.0:
+                    errors[r] = f"process exited with code {p.exitcode} without a result"
+            continue
         if status == "ok":
             import torch
 

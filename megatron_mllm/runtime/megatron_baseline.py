@@ -10,7 +10,6 @@ from __future__ import annotations
 import time
 from functools import partial
 
-import torch
 from torch import nn
 
 
@@ -57,8 +56,9 @@ def run_megatron_core(rank: int, job) -> dict:
     overrides = {}
     if job.backbone_first_stage_layers is not None and plan.pp > 1:
         overrides["num_layers_in_first_pipeline_stage"] = job.backbone_first_stage_layers
-    backbone = BackboneStage(job.cfg, stage == 0, stage == plan.pp - 1, pg, plan.tp, plan.pp,
-                             **overrides)
+    backbone = BackboneStage(
+        job.cfg, stage == 0, stage == plan.pp - 1, pg, plan.tp, plan.pp, **overrides
+    )
     load_full_state(backbone, job.full_state, tp_rank, plan.tp)
     encoder = None
     if stage == 0:
@@ -86,9 +86,15 @@ def run_megatron_core(rank: int, job) -> dict:
         data = _data(job, step)
         batches = iter([data(m, dp_rank) for m in range(job.num_microbatches)])
         t0 = time.perf_counter()
-        reduced = fb(forward_step_func=forward_step, data_iterator=batches, model=[model],
-                     num_microbatches=job.num_microbatches, seq_length=job.cfg.seq_len,
-                     micro_batch_size=job.micro_batch, forward_only=False)
+        reduced = fb(
+            forward_step_func=forward_step,
+            data_iterator=batches,
+            model=[model],
+            num_microbatches=job.num_microbatches,
+            seq_length=job.cfg.seq_len,
+            micro_batch_size=job.micro_batch,
+            forward_only=False,
+        )
         _all_reduce_dp(model, ps.get_data_parallel_group(), plan.dp)
         seconds.append(time.perf_counter() - t0)
         losses = {(dp_rank, m): float(r["lm loss"]) for m, r in enumerate(reduced)}

@@ -148,6 +148,7 @@ def _data(job: RuntimeJob, step: int):
 
 
 def _reference(job: RuntimeJob) -> dict:
+    """Every micro-batch of every DP replica in turn, in one process (no parallelism)."""
     from megatron_mllm.models.stages import BackboneStage, EncoderStage
     from megatron_mllm.models.weights import grad_shards, load_full_state
     from megatron_mllm.parallel.groups import build_colocated_groups
