@@ -14,7 +14,7 @@ import megatron.core
 import torch
 
 SUPPORTED_MEGATRON_CORE = ("0.16.1",)
-CPU_PATCHES = ("cuda_device_on_cpu", "cpu_rng_tracker", "schedules_cuda_allocations")
+CPU_PATCHES = ("cuda_device_on_cpu", "cpu_rng_tracker", "cuda_allocations_on_cpu")
 
 
 def check_version() -> None:

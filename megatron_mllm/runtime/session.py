@@ -38,6 +38,8 @@ class RuntimeJob:
     fail_rank: int | None = None  # fault injection: this rank exits ...
     fail_at_op: int = 0  # ... before its program's op with this index
     backbone_first_stage_layers: int | None = None  # megatron_core mode: uneven first stage
+    lr: float = 0.0  # > 0: take an optimizer step (AdamW) after every step
+    clip_grad: float = 1.0
     extra: dict = field(default_factory=dict)
 
 
@@ -152,6 +154,7 @@ def _reference(job: RuntimeJob) -> dict:
     from megatron_mllm.models.stages import BackboneStage, EncoderStage
     from megatron_mllm.models.weights import grad_shards, load_full_state
     from megatron_mllm.parallel.groups import build_colocated_groups
+    from megatron_mllm.runtime.optimizer import build_optimizer, clip_by_global_norm
 
     one = ParallelPlan(1, 1, 1)
     groups = build_colocated_groups(one, one, 1, 0)
@@ -159,18 +162,28 @@ def _reference(job: RuntimeJob) -> dict:
     backbone = BackboneStage(job.cfg, True, True, groups.backbone, 1, 1)
     load_full_state(encoder, job.full_state, 0, 1)
     load_full_state(backbone, job.full_state, 0, 1)
-    losses = {}
+    optimizer = build_optimizer([encoder, backbone], job.lr) if job.lr > 0 else None
     n = job.num_microbatches * job.backbone.dp
-    for dp in range(job.backbone.dp):
-        data = _data(job, 0)
-        for m in range(job.num_microbatches):
-            images, text = data(m, dp)
-            out = backbone(None, backbone.decoder_input([encoder(images)], text))
-            loss = backbone.loss(out, text)
-            (loss / n).backward()
-            losses[(dp, m)] = loss.item()
-    grads = {**grad_shards(encoder, 0), **grad_shards(backbone, 0)}
-    return {"losses": losses, "grads": grads}
+    history = []
+    for step in range(job.steps):
+        for p in [*encoder.parameters(), *backbone.parameters()]:
+            p.grad = None
+        losses = {}
+        data = _data(job, step)
+        for dp in range(job.backbone.dp):
+            for m in range(job.num_microbatches):
+                images, text = data(m, dp)
+                out = backbone(None, backbone.decoder_input([encoder(images)], text))
+                loss = backbone.loss(out, text)
+                (loss / n).backward()
+                losses[(dp, m)] = loss.item()
+        history.append(losses)
+        if step == 0:
+            grads = {**grad_shards(encoder, 0), **grad_shards(backbone, 0)}
+        if optimizer is not None:
+            clip_by_global_norm([(encoder, None, None), (backbone, None, None)], job.clip_grad)
+            optimizer.step()
+    return {"losses": history[0], "history": history, "grads": grads}
 
 
 def _executor(rank: int, world: int, job: RuntimeJob) -> dict:
@@ -180,6 +193,7 @@ def _executor(rank: int, world: int, job: RuntimeJob) -> dict:
     from megatron_mllm.models.weights import grad_shards, load_full_state
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.runtime.executor import Executor
+    from megatron_mllm.runtime.optimizer import build_optimizer, clip_by_global_norm
     from megatron_mllm.runtime.program import gpu_program
 
     plan = job.backbone
@@ -202,8 +216,19 @@ def _executor(rank: int, world: int, job: RuntimeJob) -> dict:
     if job.fail_rank == rank:
         program = program[: job.fail_at_op]
     enc_dp_group = groups.backbone.dp if stage0 else groups.encoder.dp
-    results = []
+    optimizer = build_optimizer([backbone, encoder], job.lr) if job.lr > 0 else None
+    # Clipping norm: each part once, summed over its own plan's model-parallel group.
+    enc_groups = (
+        (groups.backbone.mp, groups.backbone.tp)
+        if stage0
+        else (groups.encoder.mp, groups.encoder.tp)
+    )
+    parts = [(backbone, groups.backbone.mp, groups.backbone.tp), (encoder, *enc_groups)]
+    results, history = [], []
     for step in range(job.steps):
+        for m in (backbone, encoder):
+            for p in m.parameters() if m is not None else ():
+                p.grad = None
         data = _data(job, step)
         executor = Executor(
             program,
@@ -223,15 +248,22 @@ def _executor(rank: int, world: int, job: RuntimeJob) -> dict:
             executor.run_step()
             os._exit(3)  # die mid-step, as a crashed rank would
         results.append(executor.run_step())
+        history.append({(c.dp, m): v for m, v in results[-1].losses.items()})
+        if job.collect_grads and step == 0:
+            grads = grad_shards(backbone, c.tp)
+            if encoder is not None and (stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)):
+                grads.update(grad_shards(encoder, c.tp if stage0 else c.enc_tp))
+        if optimizer is not None:
+            clip_by_global_norm(parts, job.clip_grad)
+            optimizer.step()
     out = {
-        "losses": {(c.dp, m): v for m, v in results[-1].losses.items()},
+        "losses": history[0],
+        "history": history,
         "spans": results[-1].spans,
         "seconds": [r.seconds for r in results],
         "coords": c,
     }
     if job.collect_grads:
-        out["grads"] = grad_shards(backbone, c.tp)
-        if encoder is not None and (stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)):
-            out["grads"].update(grad_shards(encoder, c.tp if stage0 else c.enc_tp))
+        out["grads"] = grads
     dist.barrier()
     return out

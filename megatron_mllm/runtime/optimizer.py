@@ -1,0 +1,61 @@
+"""megatron-core's FP32Optimizer over one rank's parameters, with gradient clipping by the norm
+of the whole model: backbone and encoder shards each summed over their own model-parallel group
+(so replicas are counted once)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def build_optimizer(modules: list[torch.nn.Module], lr: float, weight_decay: float = 0.0):
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    params = [p for m in modules if m is not None for p in m.parameters() if p.requires_grad]
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=0.0,
+        bf16=False,
+        fp16=False,
+        params_dtype=torch.float32,
+    )
+    inner = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
+    return FP32Optimizer(inner, config, init_state_fn=None)
+
+
+def clip_by_global_norm(
+    parts: list[tuple[torch.nn.Module | None, object, object]], max_norm: float
+) -> float:
+    """Scale every gradient so the whole model's norm is at most `max_norm`; return the norm.
+
+    `parts` are (module, model-parallel group, TP group): the first group's shards together make
+    the model part once; a parameter not split by TP counts on TP rank 0 only (megatron-core's
+    rule). Modules may be None on ranks without them (they add nothing).
+    """
+    total = torch.zeros(1, dtype=torch.float64)
+    for module, group, tp_group in parts:
+        sq = torch.zeros(1, dtype=torch.float64)
+        if module is not None:
+            tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
+            for p in module.parameters():
+                duplicate = not getattr(p, "tensor_model_parallel", False) and tp_rank > 0
+                if p.grad is not None and not duplicate:
+                    sq += p.grad.double().pow(2).sum()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(sq, group=group)
+        total += sq
+    norm = float(total.sqrt())
+    if max_norm > 0 and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        grads = [
+            p.grad
+            for m, _, _ in parts
+            if m is not None
+            for p in m.parameters()
+            if p.grad is not None
+        ]
+        torch._foreach_mul_(grads, scale)
+    return norm
