@@ -77,6 +77,7 @@ class Executor:
         self.bb_ctx: dict[tuple, tuple] = {}
         self.enc_units: dict[tuple, list] = {}
         self.pending: list = []
+        self.reductions: list[Callable[[], None]] = []  # gradient all-reduces still in flight
         self.result = StepResult()
         self._batches: dict[int, tuple] = {}
         t0 = time.perf_counter()
@@ -110,6 +111,8 @@ class Executor:
             )
         for work, op in self.pending:
             self._wait(work, op)
+        for finish in self.reductions:
+            finish()
         self.result.seconds = time.perf_counter() - t0
         return self.result
 

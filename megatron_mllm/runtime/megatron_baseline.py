@@ -37,72 +37,91 @@ class _Stage0Model(nn.Module):
         return self.backbone(self._input)
 
 
-def run_megatron_core(rank: int, job) -> dict:
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.process_groups_config import ProcessGroupCollection
+class MegatronCoreRun:
+    """megatron-core's schedule on one job: built once, then `step()` as often as wanted."""
 
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
-    from megatron_mllm.models.weights import grad_shards, load_full_state
-    from megatron_mllm.runtime.session import _data
+    def __init__(self, rank: int, job) -> None:
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.process_groups_config import ProcessGroupCollection
 
-    plan = job.backbone
-    ps.destroy_global_memory_buffer()  # initialize_model_parallel makes its own
-    ps.initialize_model_parallel(plan.tp, plan.pp, create_gloo_process_groups=False)
-    pg = ProcessGroupCollection.use_mpu_process_groups()
-    tp_rank, stage = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-    solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
-    overrides = {}
-    if job.backbone_first_stage_layers is not None and plan.pp > 1:
-        overrides["num_layers_in_first_pipeline_stage"] = job.backbone_first_stage_layers
-    backbone = BackboneStage(
-        job.cfg, stage == 0, stage == plan.pp - 1, pg, plan.tp, plan.pp, **overrides
-    )
-    load_full_state(backbone, job.full_state, tp_rank, plan.tp)
-    encoder = None
-    if stage == 0:
-        enc_pg = ProcessGroupCollection()
-        enc_pg.tp, enc_pg.cp, enc_pg.dp, enc_pg.pp = pg.tp, pg.cp, pg.dp, solo
-        encoder = EncoderStage(job.cfg, 0, 1, enc_pg, plan.tp)
-        load_full_state(encoder, job.full_state, tp_rank, plan.tp)
-    model = _Stage0Model(encoder, backbone)
+        from megatron_mllm.models.stages import BackboneStage, EncoderStage
+        from megatron_mllm.models.weights import load_full_state
+        from megatron_mllm.runtime.session import layer_overrides
 
-    def loss_func(text, logits):
-        loss = backbone.loss(logits, text)
-        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+        self.job, plan = job, job.backbone
+        if not ps.model_parallel_is_initialized():
+            ps.destroy_global_memory_buffer()  # initialize_model_parallel makes its own
+            ps.initialize_model_parallel(plan.tp, plan.pp, create_gloo_process_groups=False)
+        pg = ProcessGroupCollection.use_mpu_process_groups()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        stage = ps.get_pipeline_model_parallel_rank()
+        solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
+        overrides = {}
+        if job.backbone_first_stage_layers is not None and plan.pp > 1:
+            rest = job.cfg.llm_layers - job.backbone_first_stage_layers
+            layers = [job.backbone_first_stage_layers] + [rest // (plan.pp - 1)] * (plan.pp - 1)
+            overrides = layer_overrides(layers, plan.pp)
+        self.backbone = BackboneStage(
+            job.cfg, stage == 0, stage == plan.pp - 1, pg, plan.tp, plan.pp, **overrides
+        )
+        load_full_state(self.backbone, job.full_state, self.tp_rank, plan.tp)
+        self.encoder = None
+        if stage == 0:
+            enc_pg = ProcessGroupCollection()
+            enc_pg.tp, enc_pg.cp, enc_pg.dp, enc_pg.pp = pg.tp, pg.cp, pg.dp, solo
+            self.encoder = EncoderStage(job.cfg, 0, 1, enc_pg, plan.tp)
+            load_full_state(self.encoder, job.full_state, self.tp_rank, plan.tp)
+        self.model = _Stage0Model(self.encoder, self.backbone)
+        self.dp_rank, self.dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+        self.fb = get_forward_backward_func()
+        self.seconds, self.history, self.grads = [], [], None
 
-    def forward_step(data_iterator, model):
-        images, text = next(data_iterator)
-        out = model(images, text)
-        return out, partial(loss_func, text)
+    def step(self, step: int) -> None:
+        from megatron_mllm.models.weights import grad_shards
+        from megatron_mllm.runtime.session import _data
 
-    dp_rank = ps.get_data_parallel_rank()
-    fb = get_forward_backward_func()
-    seconds, losses = [], {}
-    for step in range(job.steps):
-        for p in model.parameters():
+        job, backbone = self.job, self.backbone
+
+        def loss_func(text, logits):
+            loss = backbone.loss(logits, text)
+            return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+
+        def forward_step(data_iterator, model):
+            images, text = next(data_iterator)
+            return model(images, text), partial(loss_func, text)
+
+        for p in self.model.parameters():
             p.grad = None
         data = _data(job, step)
-        batches = iter([data(m, dp_rank) for m in range(job.num_microbatches)])
+        batches = iter([data(m, self.dp_rank) for m in range(job.num_microbatches)])
         t0 = time.perf_counter()
-        reduced = fb(
+        reduced = self.fb(
             forward_step_func=forward_step,
             data_iterator=batches,
-            model=[model],
+            model=[self.model],
             num_microbatches=job.num_microbatches,
             seq_length=job.cfg.seq_len,
             micro_batch_size=job.micro_batch,
             forward_only=False,
         )
-        _all_reduce_dp(model, ps.get_data_parallel_group(), plan.dp)
-        seconds.append(time.perf_counter() - t0)
-        losses = {(dp_rank, m): float(r["lm loss"]) for m, r in enumerate(reduced)}
-    grads = grad_shards(backbone, tp_rank)
-    if encoder is not None:
-        grads.update(grad_shards(encoder, tp_rank))
-    dist.barrier()
-    return {"losses": losses, "grads": grads, "seconds": seconds}
+        _all_reduce_dp(self.model, self.dp_group, job.backbone.dp)
+        self.seconds.append(time.perf_counter() - t0)
+        self.history.append({(self.dp_rank, m): float(r["lm loss"]) for m, r in enumerate(reduced)})
+        if step == 0:
+            self.grads = grad_shards(backbone, self.tp_rank)
+            if self.encoder is not None:
+                self.grads.update(grad_shards(self.encoder, self.tp_rank))
+
+    def result(self) -> dict:
+        return {
+            "losses": self.history[0],
+            "history": self.history,
+            "grads": self.grads,
+            "seconds": self.seconds,
+            "spans": [],
+        }
 
 
 def _all_reduce_dp(model: nn.Module, group, dp: int) -> None:

@@ -43,6 +43,16 @@ class RuntimeJob:
     extra: dict = field(default_factory=dict)
 
 
+def layer_overrides(layers: tuple[int, ...] | list[int], pp: int) -> dict:
+    """TransformerConfig fields for an uneven first/last stage (Megatron's own knobs)."""
+    if not layers or pp == 1 or len(set(layers)) == 1:
+        return {}
+    out = {"num_layers_in_first_pipeline_stage": layers[0]}
+    if pp > 2:
+        out["num_layers_in_last_pipeline_stage"] = layers[-1]
+    return out
+
+
 def encoder_plan_of(schedule: Schedule, backbone: ParallelPlan) -> tuple[ParallelPlan, bool]:
     """The encoder plan a schedule implies, and whether it is the stage-0 (Megatron) placement."""
     meta = schedule.meta
@@ -87,6 +97,11 @@ def check_job(job: RuntimeJob, world: int) -> None:
         )
     if meta.vpp != 1:
         raise ConfigError("the executor runs non-interleaved backbones (VPP 1) for now")
+    if meta.backbone_layers and sum(meta.backbone_layers) != job.cfg.llm_layers:
+        raise ConfigError(
+            f"schedule splits {sum(meta.backbone_layers)} backbone layers; the "
+            f"model has {job.cfg.llm_layers}"
+        )
     if len(meta.encoders) != 1:
         raise ConfigError("the executor runs one encoder for now")
     enc_plan, _ = encoder_plan_of(job.schedule, job.backbone)
@@ -132,11 +147,13 @@ def run_rank(rank: int, world: int, job: RuntimeJob) -> dict:
     _init_rank(rank, world, job.seed, job.timeout_s)
     if job.mode == "reference":
         return _reference(job)
-    if job.mode == "megatron_core":
-        from megatron_mllm.runtime.megatron_baseline import run_megatron_core
+    import torch.distributed as dist
 
-        return run_megatron_core(rank, job)
-    return _executor(rank, world, job)
+    run = make_run(rank, world, job)
+    for step in range(job.steps):
+        run.step(step)
+    dist.barrier()
+    return run.result()
 
 
 def _data(job: RuntimeJob, step: int):
@@ -186,84 +203,134 @@ def _reference(job: RuntimeJob) -> dict:
     return {"losses": history[0], "history": history, "grads": grads}
 
 
-def _executor(rank: int, world: int, job: RuntimeJob) -> dict:
-    import torch.distributed as dist
+class ExecutorRun:
+    """Our executor on one job: built once, then `step()` as often as wanted."""
 
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
-    from megatron_mllm.models.weights import grad_shards, load_full_state
-    from megatron_mllm.parallel.groups import build_colocated_groups
-    from megatron_mllm.runtime.executor import Executor
-    from megatron_mllm.runtime.optimizer import build_optimizer, clip_by_global_norm
-    from megatron_mllm.runtime.program import gpu_program
+    def __init__(self, rank: int, world: int, job: RuntimeJob) -> None:
+        from megatron_mllm.models.stages import BackboneStage, EncoderStage
+        from megatron_mllm.models.weights import load_full_state
+        from megatron_mllm.parallel.groups import build_colocated_groups
+        from megatron_mllm.runtime.optimizer import build_optimizer
+        from megatron_mllm.runtime.program import gpu_program
 
-    plan = job.backbone
-    enc_plan, stage0 = encoder_plan_of(job.schedule, plan)
-    groups = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
-    c = groups.coords
-    backbone = BackboneStage(
-        job.cfg, c.stage == 0, c.stage == plan.pp - 1, groups.backbone, plan.tp, plan.pp
-    )
-    load_full_state(backbone, job.full_state, c.tp, plan.tp)
-    encoder = None
-    if not stage0 or c.stage == 0:
-        if stage0:
-            encoder = EncoderStage(job.cfg, 0, 1, groups.stage0_encoder(), plan.tp)
-            load_full_state(encoder, job.full_state, c.tp, plan.tp)
-        else:
-            encoder = EncoderStage(job.cfg, c.enc_stage, enc_plan.pp, groups.encoder, enc_plan.tp)
-            load_full_state(encoder, job.full_state, c.enc_tp, enc_plan.tp)
-    program = gpu_program(job.schedule, groups, plan.tp if stage0 else enc_plan.tp)
-    if job.fail_rank == rank:
-        program = program[: job.fail_at_op]
-    enc_dp_group = groups.backbone.dp if stage0 else groups.encoder.dp
-    optimizer = build_optimizer([backbone, encoder], job.lr) if job.lr > 0 else None
-    # Clipping norm: each part once, summed over its own plan's model-parallel group.
-    enc_groups = (
-        (groups.backbone.mp, groups.backbone.tp)
-        if stage0
-        else (groups.encoder.mp, groups.encoder.tp)
-    )
-    parts = [(backbone, groups.backbone.mp, groups.backbone.tp), (encoder, *enc_groups)]
-    results, history = [], []
-    for step in range(job.steps):
-        for m in (backbone, encoder):
-            for p in m.parameters() if m is not None else ():
+        self.rank, self.job = rank, job
+        plan = job.backbone
+        enc_plan, self.stage0 = encoder_plan_of(job.schedule, plan)
+        groups = build_colocated_groups(plan, plan if self.stage0 else enc_plan, world, rank)
+        self.groups, c = groups, groups.coords
+        self.backbone = BackboneStage(
+            job.cfg,
+            c.stage == 0,
+            c.stage == plan.pp - 1,
+            groups.backbone,
+            plan.tp,
+            plan.pp,
+            **layer_overrides(job.schedule.meta.backbone_layers, plan.pp),
+        )
+        load_full_state(self.backbone, job.full_state, c.tp, plan.tp)
+        self.encoder = None
+        if self.stage0 and c.stage == 0:
+            self.encoder = EncoderStage(job.cfg, 0, 1, groups.stage0_encoder(), plan.tp)
+            load_full_state(self.encoder, job.full_state, c.tp, plan.tp)
+        elif not self.stage0:
+            self.encoder = EncoderStage(
+                job.cfg, c.enc_stage, enc_plan.pp, groups.encoder, enc_plan.tp
+            )
+            load_full_state(self.encoder, job.full_state, c.enc_tp, enc_plan.tp)
+        self.enc_tp = plan.tp if self.stage0 else enc_plan.tp
+        self.program = gpu_program(job.schedule, groups, self.enc_tp)
+        if job.fail_rank == rank:
+            self.program = self.program[: job.fail_at_op]
+        self.enc_dp_group = groups.backbone.dp if self.stage0 else groups.encoder.dp
+        self.optimizer = (
+            build_optimizer([self.backbone, self.encoder], job.lr) if job.lr > 0 else None
+        )
+        # Clipping norm: each part once, summed over its own plan's model-parallel group.
+        enc_groups = (
+            (groups.backbone.mp, groups.backbone.tp)
+            if self.stage0
+            else (groups.encoder.mp, groups.encoder.tp)
+        )
+        self.parts = [
+            (self.backbone, groups.backbone.mp, groups.backbone.tp),
+            (self.encoder, *enc_groups),
+        ]
+        self.history, self.seconds, self.grads, self.spans = [], [], None, []
+
+    def step(self, step: int) -> None:
+        from megatron_mllm.models.weights import grad_shards
+        from megatron_mllm.runtime.executor import Executor
+        from megatron_mllm.runtime.optimizer import clip_by_global_norm
+
+        job, c = self.job, self.groups.coords
+        for module in (self.backbone, self.encoder):
+            for p in module.parameters() if module is not None else ():
                 p.grad = None
         data = _data(job, step)
         executor = Executor(
-            program,
+            self.program,
             job.schedule.meta,
             job.cfg,
-            rank,
-            backbone,
-            encoder,
-            lambda m, d=data: d(m, c.dp),
+            self.rank,
+            self.backbone,
+            self.encoder,
+            lambda m: data(m, c.dp),
             job.micro_batch,
-            groups.backbone.dp,
-            enc_dp_group,
-            plan.dp,
+            self.groups.backbone.dp,
+            self.enc_dp_group,
+            job.backbone.dp,
             job.timeout_s,
         )
-        if job.fail_rank == rank:
+        if job.fail_rank == self.rank:
             executor.run_step()
             os._exit(3)  # die mid-step, as a crashed rank would
-        results.append(executor.run_step())
-        history.append({(c.dp, m): v for m, v in results[-1].losses.items()})
+        result = executor.run_step()
+        self.seconds.append(result.seconds)
+        self.spans = result.spans
+        self.history.append({(c.dp, m): v for m, v in result.losses.items()})
         if job.collect_grads and step == 0:
-            grads = grad_shards(backbone, c.tp)
-            if encoder is not None and (stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)):
-                grads.update(grad_shards(encoder, c.tp if stage0 else c.enc_tp))
-        if optimizer is not None:
-            clip_by_global_norm(parts, job.clip_grad)
-            optimizer.step()
-    out = {
-        "losses": history[0],
-        "history": history,
-        "spans": results[-1].spans,
-        "seconds": [r.seconds for r in results],
-        "coords": c,
-    }
-    if job.collect_grads:
-        out["grads"] = grads
+            self.grads = grad_shards(self.backbone, c.tp)
+            if self.encoder is not None and (
+                self.stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)
+            ):
+                self.grads.update(grad_shards(self.encoder, c.enc_tp if not self.stage0 else c.tp))
+        if self.optimizer is not None:
+            clip_by_global_norm(self.parts, job.clip_grad)
+            self.optimizer.step()
+
+    def result(self) -> dict:
+        out = {
+            "losses": self.history[0],
+            "history": self.history,
+            "spans": self.spans,
+            "seconds": self.seconds,
+            "coords": self.groups.coords,
+        }
+        if self.job.collect_grads:
+            out["grads"] = self.grads
+        return out
+
+
+def make_run(rank: int, world: int, job: RuntimeJob):
+    """A built executor or megatron-core run for `job` (after `_init_rank`)."""
+    if job.mode == "megatron_core":
+        from megatron_mllm.runtime.megatron_baseline import MegatronCoreRun
+
+        return MegatronCoreRun(rank, job)
+    return ExecutorRun(rank, world, job)
+
+
+def run_interleaved(rank: int, world: int, jobs: list[RuntimeJob], steps: int) -> list[dict]:
+    """Several jobs in the same processes, taking steps in turn (A B C A B C ...): the fairest
+    comparison on a noisy machine. Returns each job's result."""
+    import torch.distributed as dist
+
+    for job in jobs:
+        check_job(job, world)
+    _init_rank(rank, world, jobs[0].seed, jobs[0].timeout_s)
+    runs = [make_run(rank, world, job) for job in jobs]
+    for step in range(steps):
+        for run in runs:
+            run.step(step)
     dist.barrier()
-    return out
+    return [run.result() for run in runs]

@@ -26,6 +26,7 @@ def assemble(
     encoders: list[EncoderLayout],
     slots: int,
     state_blocks: dict[int, list[tuple[Block, int]]] | None = None,
+    backbone_layers: tuple[int, ...] = (),
 ) -> tuple[ScheduleMeta, Workload]:
     """Metadata and costs for a schedule with these backbone stages and encoder layouts.
 
@@ -51,6 +52,7 @@ def assemble(
             for e, lay in enumerate(encoders)
         ),
         name=name,
+        backbone_layers=backbone_layers,
     )
     llm_h = job.backbone.hidden_size
     wl = Workload(
@@ -102,3 +104,30 @@ def stages_from_sizes(
         out[(v % pp, v // pp)] = concat(blocks[i : i + n], coalesce=True)
         i += n
     return out
+
+
+def megatron_backbone(
+    costs: JobCosts, first_extra: float, even: bool = False
+) -> tuple[dict[tuple[int, int], Block], tuple[int, ...]]:
+    """Backbone stages split as a Megatron user would (see `partition.megatron_split`), or
+    evenly; also the layers per virtual stage. The LM head rides with the last stage."""
+    from megatron_mllm.schedule.partition import megatron_split
+
+    job, plan = costs.job, costs.job.plan
+    layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
+    n = job.backbone.num_layers
+    if even:
+        base, rest = divmod(n, plan.pp * plan.vpp)
+        sizes = [base + (1 if i < rest else 0) for i in range(plan.pp * plan.vpp)]
+    else:
+        sizes = megatron_split(
+            n,
+            plan.pp,
+            plan.vpp,
+            JobCosts.fwd_bwd_seconds(layer),
+            first_extra,
+            JobCosts.fwd_bwd_seconds(head),
+        )
+    layers = tuple(sizes)
+    sizes[-1] += 1
+    return stages_from_sizes(plan.pp, [layer] * n + [head], sizes), layers

@@ -12,38 +12,37 @@ from __future__ import annotations
 
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.actions import AG, EB, EF, RS, Action
-from megatron_mllm.schedule.assemble import EncoderLayout, assemble, stages_from_sizes
+from megatron_mllm.schedule.assemble import (
+    EncoderLayout,
+    assemble,
+    megatron_backbone,
+    stages_from_sizes,
+)
 from megatron_mllm.schedule.blocks import JobCosts, concat
-from megatron_mllm.schedule.partition import balanced_partition, megatron_split
+from megatron_mllm.schedule.partition import balanced_partition
 from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_orders
 from megatron_mllm.schedule.schedule import Schedule, ScheduleMeta
 from megatron_mllm.schedule.transfers import add_transfers
 from megatron_mllm.schedule.workload import Workload
 
 
-def megatron_schedule(costs: JobCosts) -> tuple[Schedule, Workload]:
-    """Encoders on stage 0's pre-process, then Megatron's (interleaved) 1F1B."""
+def megatron_schedule(costs: JobCosts, even_split: bool = False) -> tuple[Schedule, Workload]:
+    """Encoders on stage 0's pre-process, then Megatron's (interleaved) 1F1B.
+
+    `even_split`: Megatron's default even layer split instead of the balancing first/last
+    stage sizes.
+    """
     job, plan = costs.job, costs.job.plan
     encoders = [
         concat(costs.encoder_blocks(e, plan.tp), coalesce=costs.unit == "kernel")
         for e in range(len(job.encoders))
     ]
-    layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
-    sizes = megatron_split(
-        job.backbone.num_layers,
-        plan.pp,
-        plan.vpp,
-        JobCosts.fwd_bwd_seconds(layer),
-        sum(JobCosts.fwd_bwd_seconds(b) for b in encoders),
-        JobCosts.fwd_bwd_seconds(head),
-    )
-    blocks = [layer] * job.backbone.num_layers + [head]
-    sizes[-1] += 1  # the head rides with the last virtual stage
-    backbone = stages_from_sizes(plan.pp, blocks, sizes)
+    encoder_cost = sum(JobCosts.fwd_bwd_seconds(b) for b in encoders)
+    backbone, layers = megatron_backbone(costs, encoder_cost, even=even_split)
     layouts = [
         EncoderLayout([b], ParallelPlan(plan.dp, plan.tp, 1), (((0, 0),),)) for b in encoders
     ]
-    meta, workload = assemble("megatron", costs, backbone, layouts, slots=1)
+    meta, workload = assemble("megatron", costs, backbone, layouts, slots=1, backbone_layers=layers)
     return add_transfers(meta, _stage0_encoder_lists(meta)), workload
 
 

@@ -93,7 +93,7 @@ class JobCosts:
 
     def backbone_layer(self, tp: int) -> Block:
         spec, s = self.job.backbone, self.job.seq_len
-        return Block(
+        block = Block(
             "layer",
             self.cm.layer_kernels(spec, s, tp, backward=False),
             self.cm.layer_kernels(spec, s, tp, backward=True),
@@ -101,11 +101,12 @@ class JobCosts:
             spec.params_per_layer / tp,
             {"backbone"},
         )
+        return self._as_unit(block, spec.name, "layer")
 
     def head(self, tp: int) -> Block:
         spec, s = self.job.backbone, self.job.seq_len
         act = self.job.micro_batch * s * spec.vocab_size * 4 / tp  # fp32 logits for the loss
-        return Block(
+        block = Block(
             "head",
             self.cm.head_kernels(spec, s, tp, False),
             self.cm.head_kernels(spec, s, tp, True),
@@ -113,6 +114,7 @@ class JobCosts:
             2 * spec.vocab_size * spec.hidden_size / tp,
             {"backbone"},
         )
+        return self._as_unit(block, spec.name, "head")
 
     def patch_embedding(self, e: int) -> Block:
         """Patches -> encoder width (a replicated linear layer) on the first encoder stage."""

@@ -20,10 +20,9 @@ from dataclasses import dataclass, replace
 
 from megatron_mllm.parallel.plans import ParallelPlan, check_colocated
 from megatron_mllm.schedule.actions import AG, EB, EF, RS, Action
-from megatron_mllm.schedule.assemble import EncoderLayout, assemble, stages_from_sizes
+from megatron_mllm.schedule.assemble import EncoderLayout, assemble, megatron_backbone
 from megatron_mllm.schedule.blocks import JobCosts, concat
 from megatron_mllm.schedule.gaps import Gap, GapPool, Placed
-from megatron_mllm.schedule.partition import megatron_split
 from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_orders
 from megatron_mllm.schedule.schedule import Schedule, ScheduleMeta
 from megatron_mllm.schedule.simulator import simulate
@@ -40,6 +39,7 @@ class OptimusOptions:
     extra_warmup: int = 0  # extra 1F1B warm-up micro-batches on every stage
     fine: bool = True  # False: the coarse schedule only (all encoder work outside the backbone)
     placement: str = "colocated"  # "stage0": the Megatron placement, kept when nothing beats it
+    even_backbone: bool = False  # Megatron's default even layer split (else balance the head)
 
 
 def encoder_layouts(costs: JobCosts, enc_plan: ParallelPlan) -> tuple[list[EncoderLayout], int]:
@@ -101,21 +101,11 @@ def optimus_schedule(
     `cache` (any dict, reused across calls for the same job) keeps the backbone timeline, which
     does not depend on the encoder plan.
     """
-    job, plan = costs.job, costs.job.plan
     layouts, slots = encoder_layouts(costs, opts.encoder_plan)
-    layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
-    sizes = megatron_split(
-        job.backbone.num_layers,
-        plan.pp,
-        plan.vpp,
-        JobCosts.fwd_bwd_seconds(layer),
-        0.0,
-        JobCosts.fwd_bwd_seconds(head),
+    backbone, layers = megatron_backbone(costs, 0.0, even=opts.even_backbone)
+    meta, workload = assemble(
+        "optimus", costs, backbone, layouts, slots=slots, backbone_layers=layers
     )
-    sizes[-1] += 1
-    blocks = [layer] * job.backbone.num_layers + [head]
-    backbone = stages_from_sizes(plan.pp, blocks, sizes)
-    meta, workload = assemble("optimus", costs, backbone, layouts, slots=slots)
     steps = [backbone_actions(r, o) for r, o in enumerate(backbone_orders(meta, opts.extra_warmup))]
     key = (opts.extra_warmup, opts.fine)
     if cache is None or key not in cache:

@@ -186,7 +186,7 @@ def load_measured_times(
         raise ConfigError(f"{path}: malformed JSON at line {err.lineno}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: expected {{model: {{forward|backward: {{kernel: seconds}}}}}}")
-    units = ("embed", "layer", "projector")  # per-unit times, for layer-granularity schedules
+    units = ("embed", "layer", "projector", "head")  # per-unit times (layer-granularity plans)
     names = {
         "forward": set(FORWARD_KERNELS) | set(units),
         "backward": set(BACKWARD_KERNELS) | {u + "_b" for u in units},

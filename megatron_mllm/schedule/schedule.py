@@ -50,6 +50,7 @@ class ScheduleMeta:
     slots: int = 1
     encoders: tuple[EncoderMeta, ...] = ()
     name: str = ""
+    backbone_layers: tuple[int, ...] = ()  # layers per virtual stage (the executor builds these)
 
     @property
     def num_virtual_stages(self) -> int:
@@ -76,6 +77,7 @@ class ScheduleMeta:
             )
             for e in raw.pop("encoders")
         )
+        raw["backbone_layers"] = tuple(raw.get("backbone_layers", ()))
         return ScheduleMeta(encoders=encoders, **raw)
 
 

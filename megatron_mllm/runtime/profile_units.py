@@ -1,0 +1,85 @@
+"""Measure the runtime model's unit times (forward and backward of the patch embedding, one
+encoder layer, the projector, one backbone layer, the LM head) for the planner.
+
+Returns the measured-times mapping that `JobCosts(..., unit="layer")` reads:
+{"vit": {"forward": {"embed": s, "layer": s, "projector": s}, "backward": {"embed_b": ...}},
+ "llm": {"forward": {"layer": s, "head": s}, "backward": {"layer_b": s, "head_b": s}}}.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from megatron_mllm.models.config import MLLMConfig
+
+
+def _time(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - t0)
+    return statistics.median(samples)
+
+
+def _fwd_bwd(unit, make_input, repeats: int) -> tuple[float, float]:
+    def forward():
+        return unit(make_input())
+
+    def both():
+        y = unit(make_input())
+        y.backward(torch.ones_like(y))
+
+    fwd = _time(forward, repeats)
+    return fwd, max(_time(both, repeats) - fwd, 0.0)
+
+
+def profile_units(
+    rank: int, world: int, cfg: MLLMConfig, micro_batch: int, repeats: int = 5
+) -> dict:
+    """Run in fresh processes (see `launch.spawn`). With several ranks they all profile at once,
+    so the times include the contention a real multi-rank step sees on a shared machine."""
+    from megatron_mllm.data.synthetic import microbatch
+    from megatron_mllm.models.stages import BackboneStage, EncoderStage
+    from megatron_mllm.parallel.groups import build_colocated_groups
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.session import _init_rank
+
+    _init_rank(rank, world, 0, 60.0)
+    plan = ParallelPlan(world, 1, 1)
+    groups = build_colocated_groups(plan, plan, world, rank)
+    enc = EncoderStage(cfg, 0, 1, groups.encoder, 1)
+    bb = BackboneStage(cfg, True, True, groups.backbone, 1, 1)
+    images, text = microbatch(cfg, 0, micro_batch)
+    b = micro_batch
+    vit_h = torch.randn(cfg.num_patches, b, cfg.vit_hidden)
+    llm_h = torch.randn(cfg.seq_len, b, cfg.llm_hidden)
+
+    def leaf(t):
+        return lambda: t.detach().requires_grad_()
+
+    out = {"vit": {"forward": {}, "backward": {}}, "llm": {"forward": {}, "backward": {}}}
+    units = {
+        ("vit", "embed"): (lambda x: enc.run_unit(0, x), lambda: images),
+        ("vit", "layer"): (lambda x: enc.run_unit(1, x), leaf(vit_h)),
+        ("vit", "projector"): (lambda x: enc.run_unit(enc.num_units - 1, x), leaf(vit_h)),
+        ("llm", "layer"): (
+            lambda x: bb.gpt.decoder.layers[0](hidden_states=x, attention_mask=bb.mask)[0],
+            leaf(llm_h),
+        ),
+        ("llm", "head"): (
+            lambda x: bb.loss(
+                bb.gpt.output_layer(bb.gpt.decoder.final_layernorm(x))[0].transpose(0, 1), text
+            ).reshape(1),
+            leaf(llm_h),
+        ),
+    }
+    for (model, name), (fn, make) in units.items():
+        fwd, bwd = _fwd_bwd(fn, make, repeats)
+        out[model]["forward"][name] = fwd
+        out[model]["backward"][name + "_b"] = bwd
+    return out

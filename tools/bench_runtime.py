@@ -1,0 +1,167 @@
+#!/usr/bin/env python
+"""Benchmark: real training steps on this machine, 2 ranks x 1 thread, PP=2, a tiny MLLM whose
+encoder is about 30% of the compute, 8 micro-batches.
+
+All four run in the same 2-process gloo job, from the same weights and data, taking steps in turn
+(A B C D A B C D ...) so machine noise hits them alike:
+  megatron_core_1f1b  megatron-core's own 1F1B, encoder on stage 0, Megatron's even layer split
+  balanced            the same with the balancing first-stage layer count
+  executor_megatron   our executor on the Megatron schedule (balanced split)
+  optimus             our executor on the Optimus schedule, planned from measured unit times
+and prints step times (median of the measured steps), the zero-bubble limit (both ranks'
+measured compute in the Optimus run, summed, divided by 2), the simulator's prediction for each
+and its error, and the largest loss difference between the runs.
+
+    python tools/bench_runtime.py [--steps 4] [--microbatches 8] [--json] [--device cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import warnings
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl|cuda_graph).*")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--steps", type=int, default=6, help="measured steps (one more warms up)")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument(
+        "--trace",
+        default=None,
+        help="write the Optimus run's measured trace and the simulator's prediction "
+        "as one Chrome trace JSON (processes 'measured rank r' / 'predicted')",
+    )
+    args = ap.parse_args()
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda but CUDA is not available", file=sys.stderr)
+            return 2
+        print(
+            "error: the runtime runs on CPU/gloo only so far; --device cuda is not wired yet",
+            file=sys.stderr,
+        )
+        return 2
+
+    from megatron_mllm.models.config import BENCH
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.profile_units import profile_units
+    from megatron_mllm.runtime.reference import make_full_state
+    from megatron_mllm.runtime.schedules import job_of
+    from megatron_mllm.runtime.session import RuntimeJob, run_interleaved
+    from megatron_mllm.schedule.baselines import megatron_schedule
+    from megatron_mllm.schedule.blocks import JobCosts
+    from megatron_mllm.schedule.planner import plan_optimus
+    from megatron_mllm.schedule.simulator import simulate
+
+    cfg, plan, n, mb = BENCH, ParallelPlan(1, 1, 2), args.microbatches, args.micro_batch
+    state = spawn(make_full_state, 1, cfg, 0)[0]
+    # Both ranks profile at once: the unit times then carry the two-process contention.
+    measured = spawn(profile_units, plan.world_size, cfg, mb)[0]
+    costs = JobCosts(job_of(cfg, plan, mb, n), measured, unit="layer")
+    even = megatron_schedule(costs, even_split=True)
+    balanced = megatron_schedule(costs)
+    best, _, _ = plan_optimus(costs)
+    predicted = {
+        "megatron_core_1f1b": simulate(*even).step_time_s,
+        "balanced": simulate(*balanced).step_time_s,
+        "executor_megatron": simulate(*balanced).step_time_s,
+        "optimus": best.result.step_time_s,
+    }
+    steps = args.steps + 1
+    common = dict(steps=steps, collect_grads=False)
+    jobs = {
+        "megatron_core_1f1b": RuntimeJob(cfg, plan, mb, n, state, mode="megatron_core", **common),
+        "balanced": RuntimeJob(
+            cfg,
+            plan,
+            mb,
+            n,
+            state,
+            mode="megatron_core",
+            backbone_first_stage_layers=balanced[0].meta.backbone_layers[0],
+            **common,
+        ),
+        "executor_megatron": RuntimeJob(cfg, plan, mb, n, state, schedule=balanced[0], **common),
+        "optimus": RuntimeJob(cfg, plan, mb, n, state, schedule=best.schedule, **common),
+    }
+    per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
+    measured_s, spread, losses, outs = {}, {}, {}, {}
+    for i, name in enumerate(jobs):
+        out = [rank_results[i] for rank_results in per_rank]
+        outs[name] = out
+        per_step = [max(o["seconds"][s] for o in out) for s in range(1, steps)]
+        measured_s[name] = statistics.median(per_step)
+        spread[name] = (min(per_step), max(per_step))
+        losses[name] = {k: v for o in out for k, v in o["losses"].items()}
+    compute = sum(
+        s.end - s.start for o in outs["optimus"] for s in o["spans"] if s.stream == "compute"
+    )
+    limit = compute / plan.world_size
+    keys = losses["megatron_core_1f1b"].keys()
+    diff = max(abs(losses[a][k] - losses["megatron_core_1f1b"][k]) for a in losses for k in keys)
+    if args.trace:
+        from megatron_mllm.schedule.trace import chrome_trace_events
+
+        real = [sp for o in outs["optimus"] for sp in o["spans"]]
+        sim = simulate(best.schedule, best.workload, keep_spans=True)
+        events = chrome_trace_events(real, "measured")
+        for e in chrome_trace_events(sim.spans, "predicted"):
+            e["pid"] = e.get("pid", 0) + 100
+            events.append(e)
+        with open(args.trace, "w") as f:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+    result = {
+        "megatron_core_1f1b_s": measured_s["megatron_core_1f1b"],
+        "balanced_s": measured_s["balanced"],
+        "executor_megatron_s": measured_s["executor_megatron"],
+        "optimus_s": measured_s["optimus"],
+        "limit_s": limit,
+        "max_abs_loss_diff": diff,
+        "predicted_s": predicted,
+        "step_range_s": spread,
+        "encoder_plan": str(best.options.encoder_plan),
+        "encoder_placement": best.options.placement,
+        "balanced_first_stage_layers": balanced[0].meta.backbone_layers[0],
+        "microbatches": n,
+        "measured_steps": args.steps,
+    }
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    base = result["megatron_core_1f1b_s"]
+    print(
+        f"tiny MLLM (ViT {cfg.vit_layers}x{cfg.vit_hidden}, GPT {cfg.llm_layers}x"
+        f"{cfg.llm_hidden}), PP=2 on 2 ranks x 1 thread, {n} micro-batches; Optimus plan: "
+        f"encoder {result['encoder_plan']} ({result['encoder_placement']})"
+    )
+    print(
+        f"{'run':<20}{'step s':>9}{'min-max':>14}{'vs mcore':>10}{'predicted s':>13}"
+        f"{'pred. err':>10}"
+    )
+    for name in jobs:
+        s, p, (lo, hi) = measured_s[name], predicted[name], spread[name]
+        print(
+            f"{name:<20}{s:>9.3f}{lo:>7.3f}-{hi:<6.3f}{base / s:>9.2f}x{p:>13.3f}"
+            f"{100 * (p - s) / s:>9.1f}%"
+        )
+    print(f"{'zero-bubble limit':<20}{limit:>9.3f}{base / limit:>9.2f}x")
+    print(
+        f"optimus / limit = {measured_s['optimus'] / limit:.3f}; optimus vs balanced "
+        f"{measured_s['balanced'] / measured_s['optimus']:.2f}x; max |loss diff| {diff:.2e}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
