@@ -116,3 +116,10 @@ def test_configuration_errors_come_before_any_process_group():
         check_job(RuntimeJob(TINY, plan, 1, N, {}, schedule=other), world=2)
     with pytest.raises(RankFailed, match="needs 2 ranks"):
         spawn(run_rank, 1, RuntimeJob(TINY, plan, 1, N, {}, schedule=schedule))
+
+
+def test_megatron_core_interleaved_schedule_runs_on_cpu(reference):
+    """The patches also carry megatron-core's interleaved 1F1B (PP=2, VPP=2) on gloo."""
+    plan = ParallelPlan(1, 1, 2, 2)
+    outs = spawn(run_rank, 2, RuntimeJob(TINY, plan, 1, N, reference[0], mode="megatron_core"))
+    check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from functools import partial
 
+import torch
 from torch import nn
 
 
@@ -18,7 +19,7 @@ class _Stage0Model(nn.Module):
 
     def __init__(self, encoder, backbone) -> None:
         super().__init__()
-        self.encoder, self.backbone = encoder, backbone
+        self.encoder, self.backbone = encoder, backbone  # encoder: None except on chunk 0
         self.config = backbone.gpt.config
         from megatron.core.enums import ModelType
 
@@ -51,9 +52,15 @@ class MegatronCoreRun:
         from megatron_mllm.runtime.session import layer_overrides
 
         self.job, plan = job, job.backbone
+        vpp = plan.vpp if plan.vpp > 1 else None
         if not ps.model_parallel_is_initialized():
             ps.destroy_global_memory_buffer()  # initialize_model_parallel makes its own
-            ps.initialize_model_parallel(plan.tp, plan.pp, create_gloo_process_groups=False)
+            ps.initialize_model_parallel(
+                plan.tp,
+                plan.pp,
+                virtual_pipeline_model_parallel_size=vpp,
+                create_gloo_process_groups=False,
+            )
         pg = ProcessGroupCollection.use_mpu_process_groups()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
         stage = ps.get_pipeline_model_parallel_rank()
@@ -63,17 +70,35 @@ class MegatronCoreRun:
             rest = job.cfg.llm_layers - job.backbone_first_stage_layers
             layers = [job.backbone_first_stage_layers] + [rest // (plan.pp - 1)] * (plan.pp - 1)
             overrides = layer_overrides(layers, plan.pp)
-        self.backbone = BackboneStage(
-            job.cfg, stage == 0, stage == plan.pp - 1, pg, plan.tp, plan.pp, **overrides
-        )
-        load_full_state(self.backbone, job.full_state, self.tp_rank, plan.tp)
+        if vpp:  # interleaved: one model chunk per virtual stage, layers spread evenly
+            overrides["virtual_pipeline_model_parallel_size"] = vpp
+        chunks = range(plan.vpp)
+        self.chunks = [
+            BackboneStage(
+                job.cfg,
+                stage == 0 and v == 0,
+                stage == plan.pp - 1 and v == plan.vpp - 1,
+                pg,
+                plan.tp,
+                plan.pp,
+                vp_stage=v if vpp else None,
+                **overrides,
+            )
+            for v in chunks
+        ]
+        for chunk in self.chunks:
+            load_full_state(chunk, job.full_state, self.tp_rank, plan.tp)
+        self.backbone = self.chunks[-1]  # the one holding the loss on the last stage
         self.encoder = None
         if stage == 0:
             enc_pg = ProcessGroupCollection()
             enc_pg.tp, enc_pg.cp, enc_pg.dp, enc_pg.pp = pg.tp, pg.cp, pg.dp, solo
             self.encoder = EncoderStage(job.cfg, 0, 1, enc_pg, plan.tp)
             load_full_state(self.encoder, job.full_state, self.tp_rank, plan.tp)
-        self.model = _Stage0Model(self.encoder, self.backbone)
+        self.models = [
+            _Stage0Model(self.encoder if v == 0 else None, c) for v, c in enumerate(self.chunks)
+        ]
+        self.model = torch.nn.ModuleList(self.models)
         self.dp_rank, self.dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
         self.fb = get_forward_backward_func()
         self.seconds, self.history, self.grads = [], [], None
@@ -95,12 +120,13 @@ class MegatronCoreRun:
         for p in self.model.parameters():
             p.grad = None
         data = _data(job, step)
-        batches = iter([data(m, self.dp_rank) for m in range(job.num_microbatches)])
+        batches = [data(m, self.dp_rank) for m in range(job.num_microbatches)]
+        iterators = [iter(batches) for _ in self.models]  # every chunk reads its own copy
         t0 = time.perf_counter()
         reduced = self.fb(
             forward_step_func=forward_step,
-            data_iterator=batches,
-            model=[self.model],
+            data_iterator=iterators if len(self.models) > 1 else iterators[0],
+            model=self.models,
             num_microbatches=job.num_microbatches,
             seq_length=job.cfg.seq_len,
             micro_batch_size=job.micro_batch,
@@ -110,7 +136,9 @@ class MegatronCoreRun:
         self.seconds.append(time.perf_counter() - t0)
         self.history.append({(self.dp_rank, m): float(r["lm loss"]) for m, r in enumerate(reduced)})
         if step == 0:
-            self.grads = grad_shards(backbone, self.tp_rank)
+            self.grads = {}
+            for chunk in self.chunks:
+                self.grads.update(grad_shards(chunk, self.tp_rank))
             if self.encoder is not None:
                 self.grads.update(grad_shards(self.encoder, self.tp_rank))
 
