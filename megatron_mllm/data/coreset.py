@@ -1,0 +1,273 @@
+"""Coreset mini-batch selection (DESIGN 2.3): from a pool of r x B examples pick B whose gradient
+acts like the pool's.
+
+1. Sources with fewer pool examples than the mean per source are kept whole.
+2. The rest of the budget goes to the big sources in proportion to their pool counts.
+3. Each big-source example gets a low-dimensional gradient feature on a small last-layer
+   parameter block: zeroth-order (two-sided perturbations along k fresh random directions,
+   replaying only the last layer, no autograd) or exact (per-example gradient of the block).
+4. Features are normalised with the selector's own Adam-style running moments, then sparsified
+   to the top-h coordinates by |mean of the source's normalised features|.
+5. Per source, greedy facility location with l1 distance picks the examples (lazy greedy,
+   vectorised in torch, on the features' device).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from megatron_mllm.errors import ConfigError
+
+# loss(hidden [n, ...], targets [n, ...], block) -> per-example loss [n]
+LastLayerLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class CoresetConfig:
+    """How the selector works. `batch_size` is B; the pool holds `pool_ratio` x B examples."""
+
+    batch_size: int
+    pool_ratio: float = 2.0
+    features: str = "zo"  # "zo" (zeroth-order) or "exact"
+    num_directions: int = 16  # k, zeroth-order only
+    epsilon: float = 1e-3  # zeroth-order perturbation size
+    top_h: int = 32  # coordinates kept per source after normalisation
+    beta1: float = 0.9
+    beta2: float = 0.999
+    adam_eps: float = 1e-8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.batch_size < 1:
+            raise ConfigError(f"coreset batch size {self.batch_size} must be at least 1")
+        if self.pool_ratio < 1:
+            raise ConfigError(
+                f"--coreset-pool-ratio {self.pool_ratio} must be >= 1 (the pool "
+                "holds ratio x B examples)"
+            )
+        if self.features not in ("zo", "exact"):
+            raise ConfigError(f"--coreset-features {self.features!r}: use zo or exact")
+        if self.features == "zo" and self.num_directions < 16:
+            raise ConfigError(
+                f"{self.num_directions} zeroth-order directions; use at least 16 "
+                "(fewer makes the selection close to one-dimensional)"
+            )
+
+    @property
+    def pool_size(self) -> int:
+        return int(round(self.pool_ratio * self.batch_size))
+
+
+def source_budgets(source_ids: torch.Tensor, batch_size: int) -> dict[int, int]:
+    """How many examples each source keeps: small sources whole, the rest proportionally."""
+    if source_ids.numel() < batch_size:
+        raise ConfigError(
+            f"pool of {source_ids.numel()} examples is smaller than the batch "
+            f"{batch_size}; the pool must hold at least B examples"
+        )
+    if (source_ids < 0).any():
+        raise ConfigError("every pool example needs a source id >= 0")
+    ids, counts = torch.unique(source_ids, return_counts=True)
+    counts_of = {int(i): int(c) for i, c in zip(ids, counts, strict=True)}
+    mean = source_ids.numel() / len(counts_of)
+    small = {s: c for s, c in counts_of.items() if c < mean}
+    if sum(small.values()) > batch_size:  # too many small sources to keep them all whole
+        small = {}
+    budgets = dict(small)
+    big = {s: c for s, c in counts_of.items() if s not in small}
+    left = batch_size - sum(small.values())
+    total = sum(big.values())
+    shares = {s: left * c / total for s, c in big.items()}
+    for s in big:
+        budgets[s] = min(big[s], int(shares[s]))
+    # Largest remainders get the leftover slots (never above a source's count).
+    rest = batch_size - sum(budgets.values())
+    for s in sorted(big, key=lambda s: (-(shares[s] - int(shares[s])), s)):
+        if rest == 0:
+            break
+        if budgets[s] < big[s]:
+            budgets[s] += 1
+            rest -= 1
+    return budgets
+
+
+def facility_location(features: torch.Tensor, k: int) -> list[int]:
+    """Greedy facility location with l1 distances: k indices maximising
+    sum_i max_{j in S} (d_max - |x_i - x_j|_1). Lazy greedy: a candidate's gain only shrinks,
+    so stale upper bounds are re-evaluated (in vectorised batches) only while they could win.
+    Ties go to the lowest index, as in `facility_location_brute_force`."""
+    n = features.shape[0]
+    if k >= n:
+        return list(range(n))
+    dist = torch.cdist(features, features, p=1)
+    sim = dist.max() - dist  # [i, j]: how well j represents i
+    best = torch.zeros(n, dtype=sim.dtype, device=sim.device)
+    bound = (sim - best[:, None]).clamp(min=0).sum(0)  # exact gains at the start
+    fresh = torch.ones(n, dtype=torch.bool, device=sim.device)
+    chosen: list[int] = []
+    taken = torch.zeros(n, dtype=torch.bool, device=sim.device)
+    while len(chosen) < k:
+        masked = bound.masked_fill(taken, -float("inf"))
+        top = int(torch.argmax(masked))  # first index among equal bounds
+        if bool(fresh[top]):
+            chosen.append(top)
+            taken[top] = True
+            best = torch.maximum(best, sim[:, top])
+            fresh[:] = False
+            continue
+        # Re-evaluate every stale candidate whose bound ties or beats the leader's.
+        cand = (~taken) & (~fresh) & (masked >= masked[top])
+        idx = cand.nonzero().squeeze(1)
+        bound[idx] = (sim[:, idx] - best[:, None]).clamp(min=0).sum(0)
+        fresh[idx] = True
+    return chosen
+
+
+def facility_location_brute_force(features: torch.Tensor, k: int) -> list[int]:
+    """Plain greedy (every gain every round); the reference the lazy one must equal."""
+    n = features.shape[0]
+    if k >= n:
+        return list(range(n))
+    dist = torch.cdist(features, features, p=1)
+    sim = dist.max() - dist
+    best = torch.zeros(n, dtype=sim.dtype)
+    chosen: list[int] = []
+    for _ in range(k):
+        gains = (sim - best[:, None]).clamp(min=0).sum(0)
+        gains[chosen] = -float("inf")
+        j = int(torch.argmax(gains))
+        chosen.append(j)
+        best = torch.maximum(best, sim[:, j])
+    return chosen
+
+
+@torch.no_grad()
+def zeroth_order_features(
+    loss: LastLayerLoss,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    block: torch.Tensor,
+    num_directions: int,
+    epsilon: float,
+    generator: torch.Generator,
+) -> torch.Tensor:
+    """[n, k] directional derivatives of each example's loss along k fresh random directions,
+    by two-sided perturbation of `block` (only the last layer is replayed; no autograd)."""
+    feats = []
+    for _ in range(num_directions):
+        z = torch.randn(block.shape, generator=generator, dtype=block.dtype).to(block.device)
+        plus = loss(hidden, targets, block + epsilon * z)
+        minus = loss(hidden, targets, block - epsilon * z)
+        feats.append((plus - minus) / (2 * epsilon))
+    return torch.stack(feats, dim=1)
+
+
+def exact_features(
+    loss: LastLayerLoss, hidden: torch.Tensor, targets: torch.Tensor, block: torch.Tensor
+) -> torch.Tensor:
+    """[n, block.numel()] per-example gradients of the loss with respect to `block`."""
+    from torch.func import grad, vmap
+
+    def one(h, t, b):
+        return loss(h.unsqueeze(0), t.unsqueeze(0), b).sum()
+
+    g = vmap(grad(one, argnums=2), in_dims=(0, 0, None))(hidden, targets, block.detach())
+    return g.reshape(hidden.shape[0], -1)
+
+
+class CoresetSelector:
+    """Stateful selection: running feature moments and the direction RNG are its state, so a
+    resumed run (`load_state_dict`) selects exactly what an uninterrupted one would."""
+
+    def __init__(self, config: CoresetConfig) -> None:
+        self.config = config
+        self.generator = torch.Generator().manual_seed(config.seed)
+        self.m: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+        self.t = 0
+
+    def features(
+        self, loss: LastLayerLoss, hidden: torch.Tensor, targets: torch.Tensor, block: torch.Tensor
+    ) -> torch.Tensor:
+        c = self.config
+        if c.features == "zo":
+            return zeroth_order_features(
+                loss, hidden, targets, block, c.num_directions, c.epsilon, self.generator
+            )
+        return exact_features(loss, hidden, targets, block)
+
+    def normalise(self, feats: torch.Tensor) -> torch.Tensor:
+        """Adam-style: divide by the bias-corrected running RMS of each coordinate."""
+        c = self.config
+        mean, sq = feats.mean(0), feats.pow(2).mean(0)
+        if self.m is None or self.m.shape != mean.shape:
+            self.m, self.v, self.t = torch.zeros_like(mean), torch.zeros_like(sq), 0
+        self.t += 1
+        self.m = c.beta1 * self.m + (1 - c.beta1) * mean
+        self.v = c.beta2 * self.v + (1 - c.beta2) * sq
+        v_hat = self.v / (1 - c.beta2**self.t)
+        return feats / (v_hat.sqrt() + c.adam_eps)
+
+    def select(
+        self,
+        source_ids: torch.Tensor,
+        loss: LastLayerLoss,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        block: torch.Tensor,
+    ) -> torch.Tensor:
+        """Indices (into the pool) of the B chosen examples, sorted."""
+        c = self.config
+        budgets = source_budgets(source_ids, c.batch_size)
+        chosen: list[int] = []
+        big = [s for s, b in budgets.items() if b < int((source_ids == s).sum())]
+        for s, b in budgets.items():
+            if s not in big:
+                chosen += (source_ids == s).nonzero().squeeze(1).tolist()
+        if big:
+            rows = torch.cat([(source_ids == s).nonzero().squeeze(1) for s in big])
+            feats = self.normalise(self.features(loss, hidden[rows], targets[rows], block))
+            start = 0
+            for s in big:
+                n = int((source_ids == s).sum())
+                f = feats[start : start + n]
+                start += n
+                h = min(c.top_h, f.shape[1])
+                keep = f.mean(0).abs().topk(h).indices
+                picked = facility_location(f[:, keep], budgets[s])
+                chosen += rows[start - n : start][picked].tolist()
+        return torch.tensor(sorted(chosen), dtype=torch.long)
+
+    def state_dict(self) -> dict:
+        return {
+            "generator": self.generator.get_state(),
+            "m": self.m,
+            "v": self.v,
+            "t": self.t,
+            "config": self.config,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        if state["config"] != self.config:
+            raise ConfigError(
+                "coreset state was saved with a different configuration "
+                f"({state['config']}); resume with the same --coreset-* options"
+            )
+        self.generator.set_state(state["generator"])
+        self.m, self.v, self.t = state["m"], state["v"], state["t"]
+
+
+def resolve_block(model: torch.nn.Module, name: str, rows: int | None = None) -> torch.Tensor:
+    """The parameter `name` of `model` (its first `rows` rows), as the feature block."""
+    params = dict(model.named_parameters())
+    if name not in params:
+        last = [n for n in params if n.endswith(".weight")][-3:]
+        raise ConfigError(
+            f"feature block '{name}' is not a parameter of the model; "
+            f"last-layer candidates: {', '.join(last)}"
+        )
+    p = params[name]
+    return p if rows is None else p[:rows]
