@@ -224,7 +224,7 @@ class CoresetSelector:
         budgets = source_budgets(source_ids, c.batch_size)
         chosen: list[int] = []
         big = [s for s, b in budgets.items() if b < int((source_ids == s).sum())]
-        for s, b in budgets.items():
+        for s in budgets:
             if s not in big:
                 chosen += (source_ids == s).nonzero().squeeze(1).tolist()
         if big:
