@@ -21,6 +21,8 @@ setup(
         "pyyaml",
         "einops",  # megatron-core's HyperCommGrid needs it
         "psutil",  # megatron-core's dist_checkpointing needs it
+        "mathgenerator",  # offline math problems for the data mixture
+        "scikit-learn",  # its bundled handwritten digits, captioned, for the data mixture
     ],
     extras_require={
         "plot": ["matplotlib"],

@@ -1,0 +1,129 @@
+"""A real multi-source text mixture made here, offline: procedural math problems by topic
+(the `mathgenerator` package) and captions of scikit-learn's handwritten digits. Imbalanced the
+way real mixtures are (a few big sources, several small ones), with a held-out split per source.
+Character-level tokens; each example is "question=answer" and the loss is on the answer."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from megatron_mllm.errors import ConfigError
+
+# name -> share of the training pool (a few big, several small)
+DEFAULT_SOURCES = {
+    "addition": 0.30,
+    "multiplication": 0.22,
+    "subtraction": 0.16,
+    "digits": 0.12,
+    "division": 0.06,
+    "square": 0.05,
+    "factorial": 0.05,
+    "binary_to_decimal": 0.04,
+}
+VOCAB = sorted(set("0123456789+-*/=!^ abcdefghijklmnopqrstuvwxyz.,:") | {"#", "?"})
+PAD, UNK = "#", "?"
+_DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
+
+
+def _clean(text: str) -> str:
+    return (
+        text.replace("$", "")
+        .replace("\\cdot", "*")
+        .replace("\\div", "/")
+        .replace(" ", "")
+        .replace("\\", "")
+    )
+
+
+def _digit_captions(rng: random.Random, n: int) -> list[tuple[str, str]]:
+    from sklearn.datasets import load_digits
+
+    digits = load_digits()
+    out = []
+    for _ in range(n):
+        i = rng.randrange(len(digits.target))
+        rows = digits.images[i].sum(axis=1)
+        ink = "".join(str(min(9, int(r) // 8)) for r in rows)  # 8 row-ink levels, one digit each
+        out.append((f"ink{ink}=", _DIGIT_WORDS[int(digits.target[i])]))
+    return out
+
+
+def _math(topic: str, rng: random.Random, n: int) -> list[tuple[str, str]]:
+    import mathgenerator
+
+    gen = getattr(mathgenerator, topic)
+    random.seed(rng.random())  # mathgenerator draws from the global RNG
+    out = []
+    for _ in range(n):
+        q, a = gen()
+        q, a = _clean(q), _clean(a)
+        out.append((q if q.endswith("=") else q + "=", a))
+    return out
+
+
+@dataclass
+class Mixture:
+    """Tokenised examples: `tokens` [n, seq_len], `answer_mask` [n, seq_len] (positions whose
+    next token is part of the answer), `source` [n], and the source names."""
+
+    tokens: torch.Tensor
+    answer_mask: torch.Tensor
+    source: torch.Tensor
+    names: list[str]
+
+    def __len__(self) -> int:
+        return self.tokens.shape[0]
+
+    def subset(self, idx: torch.Tensor) -> Mixture:
+        return Mixture(self.tokens[idx], self.answer_mask[idx], self.source[idx], self.names)
+
+
+def encode(pairs: list[tuple[str, str]], seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    index = {c: i for i, c in enumerate(VOCAB)}
+    toks = torch.full((len(pairs), seq_len), index[PAD], dtype=torch.long)
+    mask = torch.zeros((len(pairs), seq_len), dtype=torch.bool)
+    for row, (q, a) in enumerate(pairs):
+        text = (q + a)[:seq_len]
+        ids = [index.get(c, index[UNK]) for c in text.lower()]
+        toks[row, : len(ids)] = torch.tensor(ids)
+        start, end = min(len(q), seq_len) - 1, len(ids) - 1  # predict answer chars
+        mask[row, start:end] = True
+    return toks, mask
+
+
+def build_mixture(
+    total: int,
+    seed: int = 0,
+    seq_len: int = 32,
+    sources: dict[str, float] | None = None,
+    heldout_per_source: int = 64,
+) -> tuple[Mixture, Mixture]:
+    """(train, held-out): `total` training examples split by share, plus a held-out set with
+    the same number of examples from every source."""
+    sources = sources or DEFAULT_SOURCES
+    for name, share in sources.items():
+        if share <= 0 or int(round(share * total)) == 0:
+            raise ConfigError(
+                f"source '{name}' would be empty ({share} of {total} examples); "
+                "give every source a positive share of at least one example"
+            )
+    rng = random.Random(seed)
+    train_pairs, train_src, held_pairs, held_src = [], [], [], []
+    for s, (name, share) in enumerate(sources.items()):
+        n = int(round(share * total))
+        make = _digit_captions if name == "digits" else (lambda r, k, t=name: _math(t, r, k))
+        pairs = make(rng, n + heldout_per_source)
+        train_pairs += pairs[:n]
+        train_src += [s] * n
+        held_pairs += pairs[n:]
+        held_src += [s] * heldout_per_source
+    names = list(sources)
+    tt, tm = encode(train_pairs, seq_len)
+    ht, hm = encode(held_pairs, seq_len)
+    return (
+        Mixture(tt, tm, torch.tensor(train_src), names),
+        Mixture(ht, hm, torch.tensor(held_src), names),
+    )

@@ -1,0 +1,94 @@
+"""The coreset sampler hook for a Megatron-style data pipeline.
+
+`PoolSampler` is a batch sampler that yields pools of r x B example indices (consumed samples
+count the whole pool). `CoresetHook.select` runs the model without gradients over a pool,
+captures the input of the last layer (the output projection), computes the selector's features
+by replaying only that layer, and returns the B pool positions to train on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from megatron_mllm.data.coreset import CoresetConfig, CoresetSelector
+from megatron_mllm.errors import ConfigError
+
+
+class PoolSampler:
+    """Deterministic pools of `pool_size` indices over `total` examples, epoch after epoch."""
+
+    def __init__(self, total: int, pool_size: int, seed: int = 0, consumed_samples: int = 0):
+        if pool_size > total:
+            raise ConfigError(f"pool of {pool_size} examples but the data set has {total}")
+        self.total, self.pool_size, self.seed = total, pool_size, seed
+        self.consumed_samples = consumed_samples
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        while True:
+            per_epoch = self.total // self.pool_size
+            epoch, k = divmod(self.consumed_samples // self.pool_size, per_epoch)
+            perm = torch.randperm(
+                self.total, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)
+            )
+            self.consumed_samples += self.pool_size
+            yield perm[k * self.pool_size : (k + 1) * self.pool_size]
+
+    def state_dict(self) -> dict:
+        return {"consumed_samples": self.consumed_samples, "seed": self.seed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.consumed_samples, self.seed = state["consumed_samples"], state["seed"]
+
+
+def answer_loss(logits: torch.Tensor, tokens: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-example mean next-token loss over answer positions; logits [b, s, V]."""
+    targets = tokens[:, 1:]
+    ce = torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="none"
+    )
+    ce = ce.view(targets.shape) * mask[:, :-1]
+    return ce.sum(1) / mask[:, :-1].sum(1).clamp(min=1)
+
+
+class CoresetHook:
+    """Selection step: gradient-free pool forward, last-layer features, B indices out."""
+
+    def __init__(self, config: CoresetConfig, output_layer: torch.nn.Module) -> None:
+        if not hasattr(output_layer, "weight"):
+            raise ConfigError("the coreset feature block must be a layer with a weight")
+        self.selector = CoresetSelector(config)
+        self.output_layer = output_layer
+
+    @torch.no_grad()
+    def last_layer_inputs(self, forward, tokens: torch.Tensor) -> torch.Tensor:
+        """Run `forward(tokens)` without gradients; return the output layer's input [b, s, h]."""
+        captured = {}
+
+        def hook(module, args, kwargs):
+            captured["h"] = args[0] if args else kwargs["input_"]
+
+        handle = self.output_layer.register_forward_pre_hook(hook, with_kwargs=True)
+        try:
+            forward(tokens)
+        finally:
+            handle.remove()
+        return captured["h"].transpose(0, 1).detach()  # megatron-core is [s, b, h]
+
+    def select(
+        self, forward, tokens: torch.Tensor, mask: torch.Tensor, source: torch.Tensor
+    ) -> torch.Tensor:
+        hidden = self.last_layer_inputs(forward, tokens)
+        targets = torch.stack([tokens, mask.long()], dim=-1)
+
+        def loss(h, t, block):
+            return answer_loss(h @ block.T, t[..., 0], t[..., 1].bool())
+
+        return self.selector.select(source, loss, hidden, targets, self.output_layer.weight)
+
+    def state_dict(self) -> dict:
+        return self.selector.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.selector.load_state_dict(state)

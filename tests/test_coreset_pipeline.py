@@ -1,0 +1,67 @@
+import pytest
+import torch
+
+from megatron_mllm.data.coreset import CoresetConfig
+from megatron_mllm.data.mixture import VOCAB, build_mixture
+from megatron_mllm.data.sampler import CoresetHook, PoolSampler, answer_loss
+from megatron_mllm.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def mixture():
+    return build_mixture(600, seed=0, seq_len=32, heldout_per_source=8)
+
+
+def test_mixture_is_imbalanced_deterministic_and_held_out(mixture):
+    train, held = mixture
+    counts = torch.bincount(train.source)
+    assert counts.max() >= 5 * counts.min()  # a few big sources, several small
+    again, _ = build_mixture(600, seed=0, seq_len=32, heldout_per_source=8)
+    assert torch.equal(again.tokens, train.tokens)
+    assert torch.equal(torch.bincount(held.source), torch.full((len(held.names),), 8))
+    assert train.answer_mask.any(1).all()  # every example has answer tokens to learn
+
+
+def test_empty_source_is_refused():
+    with pytest.raises(ConfigError, match="would be empty"):
+        build_mixture(100, sources={"addition": 0.999, "square": 0.001})
+
+
+def test_pool_sampler_counts_the_whole_pool_and_resumes():
+    sampler = PoolSampler(100, 32, seed=3)
+    it = iter(sampler)
+    pools = [next(it) for _ in range(5)]
+    assert sampler.consumed_samples == 5 * 32
+    resumed = PoolSampler(100, 32, seed=3)
+    resumed.load_state_dict({"consumed_samples": 2 * 32, "seed": 3})
+    it2 = iter(resumed)
+    assert all(torch.equal(next(it2), p) for p in pools[2:])
+    with pytest.raises(ConfigError, match="pool of 200"):
+        PoolSampler(100, 200)
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self, vocab: int, hidden: int = 16) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, hidden)
+        self.output_layer = torch.nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, tokens):
+        h = self.embed(tokens).transpose(0, 1)  # [s, b, h] like megatron-core
+        return self.output_layer(h).transpose(0, 1)
+
+
+def test_hook_selects_b_from_the_pool_with_the_models_last_layer(mixture):
+    train, _ = mixture
+    model = TinyLM(len(VOCAB))
+    pool = torch.arange(64)
+    hook = CoresetHook(CoresetConfig(batch_size=32, features="exact"), model.output_layer)
+    hidden = hook.last_layer_inputs(model, train.tokens[pool])
+    # The replayed last layer reproduces the model's own loss.
+    direct = answer_loss(model(train.tokens[pool]), train.tokens[pool], train.answer_mask[pool])
+    replay = answer_loss(
+        hidden @ model.output_layer.weight.T, train.tokens[pool], train.answer_mask[pool]
+    )
+    torch.testing.assert_close(direct, replay)
+    chosen = hook.select(model, train.tokens[pool], train.answer_mask[pool], train.source[pool])
+    assert len(chosen) == 32 and chosen.max() < 64 and len(set(chosen.tolist())) == 32
