@@ -139,7 +139,7 @@ def run(rank: int, world: int, args) -> dict:
                     batches = [pool[:b], pool[b:]]
                 else:
                     chosen = hook.select(
-                        lambda t: logits(model, t),
+                        lambda t, m=model: logits(m, t),
                         train.tokens[pool],
                         train.answer_mask[pool],
                         train.source[pool],
