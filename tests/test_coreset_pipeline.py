@@ -65,3 +65,26 @@ def test_hook_selects_b_from_the_pool_with_the_models_last_layer(mixture):
     torch.testing.assert_close(direct, replay)
     chosen = hook.select(model, train.tokens[pool], train.answer_mask[pool], train.source[pool])
     assert len(chosen) == 32 and chosen.max() < 64 and len(set(chosen.tolist())) == 32
+
+
+def test_dp_ranks_split_the_pool():
+    shares = [next(iter(PoolSampler(100, 32, seed=1, dp_rank=d, dp_size=2))) for d in range(2)]
+    whole = next(iter(PoolSampler(100, 32, seed=1)))
+    assert set(shares[0].tolist()).isdisjoint(shares[1].tolist())
+    assert sorted(torch.cat(shares).tolist()) == sorted(whole.tolist())
+
+
+def _broadcast(rank, world):
+    import torch.distributed as dist
+
+    from megatron_mllm.data.sampler import broadcast_selection
+
+    dist.init_process_group("gloo")
+    mine = torch.tensor([3, 1, 4, 1]) if rank == world - 1 else None
+    return broadcast_selection(mine, 4, None, src=world - 1).tolist()
+
+
+def test_pipeline_stages_get_the_last_stages_selection():
+    from megatron_mllm.runtime.launch import spawn
+
+    assert spawn(_broadcast, 2) == [[3, 1, 4, 1], [3, 1, 4, 1]]

@@ -17,13 +17,31 @@ from megatron_mllm.errors import ConfigError
 
 
 class PoolSampler:
-    """Deterministic pools of `pool_size` indices over `total` examples, epoch after epoch."""
+    """Deterministic pools of `pool_size` indices over `total` examples, epoch after epoch.
 
-    def __init__(self, total: int, pool_size: int, seed: int = 0, consumed_samples: int = 0):
+    With data parallelism each DP rank gets every `dp_size`-th example of the global pool and
+    selects from its own share (B / DP of them): no features or indices cross the DP group, the
+    pool forward stays local, and per-source budgets are taken on each share. The alternative,
+    gathering the whole pool's features, selects slightly better for rare sources but costs an
+    all-gather of features per step; we chose the local share (Megatron's data-parallel samplers
+    split a global batch the same way)."""
+
+    def __init__(
+        self,
+        total: int,
+        pool_size: int,
+        seed: int = 0,
+        consumed_samples: int = 0,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ):
         if pool_size > total:
             raise ConfigError(f"pool of {pool_size} examples but the data set has {total}")
+        if pool_size % dp_size:
+            raise ConfigError(f"pool of {pool_size} does not split over {dp_size} DP ranks")
         self.total, self.pool_size, self.seed = total, pool_size, seed
-        self.consumed_samples = consumed_samples
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.consumed_samples = consumed_samples  # counts the whole (global) pool
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:
@@ -33,7 +51,8 @@ class PoolSampler:
                 self.total, generator=torch.Generator().manual_seed(self.seed * 100_003 + epoch)
             )
             self.consumed_samples += self.pool_size
-            yield perm[k * self.pool_size : (k + 1) * self.pool_size]
+            pool = perm[k * self.pool_size : (k + 1) * self.pool_size]
+            yield pool[self.dp_rank :: self.dp_size]
 
     def state_dict(self) -> dict:
         return {"consumed_samples": self.consumed_samples, "seed": self.seed}
@@ -92,3 +111,15 @@ class CoresetHook:
 
     def load_state_dict(self, state: dict) -> None:
         self.selector.load_state_dict(state)
+
+
+def broadcast_selection(
+    indices: torch.Tensor | None, batch_size: int, group, src: int
+) -> torch.Tensor:
+    """Pipeline parallelism: the last stage (global rank `src`) selects, every stage of the
+    pipeline (`group`) gets the same B indices."""
+    import torch.distributed as dist
+
+    buf = indices.clone() if indices is not None else torch.empty(batch_size, dtype=torch.long)
+    dist.broadcast(buf, src=src, group=group)
+    return buf
