@@ -49,11 +49,11 @@ def run(rank: int, world: int, args) -> dict:
     import torch
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_mllm.data.coreset import CoresetConfig, source_budgets
     from megatron_mllm.data.mixture import VOCAB, build_mixture
     from megatron_mllm.data.sampler import CoresetHook, PoolSampler, answer_loss
+    from megatron_mllm.models.config import MLLMConfig, transformer_config
     from megatron_mllm.models.stages import causal_mask
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
@@ -72,16 +72,8 @@ def run(rank: int, world: int, args) -> dict:
         from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
         model_parallel_cuda_manual_seed(seed, tp_rank=0)
-        cfg = TransformerConfig(
-            num_layers=2,
-            hidden_size=64,
-            num_attention_heads=4,
-            use_cpu_initialization=True,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False,
+        cfg = transformer_config(
+            MLLMConfig(llm_layers=2, llm_hidden=64, llm_heads=4, vocab_size=len(VOCAB)), "llm", 1, 1
         )
         return GPTModel(
             cfg,

@@ -145,9 +145,15 @@ def facility_location_brute_force(features: torch.Tensor, k: int) -> list[int]:
 
 
 @torch.no_grad()
-def zeroth_order_features(loss: LastLayerLoss, hidden: torch.Tensor, targets: torch.Tensor,
-                          block: torch.Tensor, num_directions: int, epsilon: float,
-                          generator: torch.Generator) -> torch.Tensor:
+def zeroth_order_features(
+    loss: LastLayerLoss,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    block: torch.Tensor,
+    num_directions: int,
+    epsilon: float,
+    generator: torch.Generator,
+) -> torch.Tensor:
     """[n, k] directional derivatives of each example's loss along k fresh random directions,
     by two-sided perturbation of `block` (only the last layer is replayed; no autograd). The k
     directions are evaluated together (vmap over the perturbed blocks)."""

@@ -11,7 +11,6 @@ from megatron_mllm.schedule.config import MLLMJob
 from megatron_mllm.schedule.hardware import HardwareProfile
 from megatron_mllm.schedule.planner import plan_optimus
 from megatron_mllm.schedule.schedule import Schedule
-from megatron_mllm.schedule.specs import TransformerSpec
 from megatron_mllm.schedule.validator import validate
 from megatron_mllm.schedule.workload import Workload
 
@@ -31,24 +30,8 @@ CPU = HardwareProfile(
 
 
 def job_of(cfg: MLLMConfig, plan: ParallelPlan, micro_batch: int, num_microbatches: int) -> MLLMJob:
-    vit = TransformerSpec(
-        "vit",
-        cfg.vit_layers,
-        cfg.vit_hidden,
-        cfg.vit_ffn or 4 * cfg.vit_hidden,
-        cfg.vit_heads,
-        causal=False,
-        seq_len=cfg.num_patches,
-    )
-    llm = TransformerSpec(
-        "llm",
-        cfg.llm_layers,
-        cfg.llm_hidden,
-        cfg.llm_ffn or 4 * cfg.llm_hidden,
-        cfg.llm_heads,
-        causal=True,
-        vocab_size=cfg.vocab_size,
-    )
+    """The schedule core's job for the runtime's model (for planning and simulation)."""
+    vit, llm = cfg.transformer_specs()
     return MLLMJob(
         (vit,),
         llm,
