@@ -74,7 +74,7 @@ def spawn(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=True)
+        ctx.Process(target=_child, args=(fn, r, world, port, args, queue), daemon=False)
         for r in range(world)
     ]
     for p in procs:
