@@ -16,6 +16,10 @@ $(STAMP): setup.py
 
 demo: $(STAMP)
 	mkdir -p out
+	rm -rf out/demo_ckpt
+	# Train the tiny MLLM on 2 CPU ranks (gloo) with the Optimus schedule; checkpoint, trace, PNG.
+	bash examples/pretrain_tiny_cpu.sh
+	# Plan the paper's ViT-22B + GPT-175B on 3072 H100s: megatron vs balanced vs optimus.
 	$(PY) tools/plan_schedule.py --encoder vit-22b --backbone gpt-175b --gpus 3072 \
 		--tp 8 --pp 8 --global-batch 1536 --micro-batch 2 --seq-len 2048 --gpu h100 \
 		--trace out/optimus_trace.json --png out/optimus_timeline.png

@@ -1,10 +1,20 @@
-"""Deterministic synthetic image-text micro-batches (for tests and benchmarks: no downloads)."""
+"""Deterministic synthetic image-text micro-batches (for tests, benchmarks and the demo: no
+downloads). Learnable: each sample has a class; its image is the class's pattern plus noise and
+its caption is the class's token sequence, so the first caption token must be read from the
+image through the encoder."""
 
 from __future__ import annotations
 
 import torch
 
 from megatron_mllm.models.config import MLLMConfig
+
+NUM_CLASSES = 10
+
+
+def _patterns(cfg: MLLMConfig) -> torch.Tensor:
+    g = torch.Generator().manual_seed(12345)
+    return torch.randn(NUM_CLASSES, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
 
 
 def microbatch(
@@ -15,6 +25,9 @@ def microbatch(
     The same index gives the same tensors in every process, whatever the parallel layout.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    images = torch.randn(micro_batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
-    text = torch.randint(0, cfg.vocab_size, (micro_batch, cfg.text_len), generator=g)
+    classes = torch.randint(0, NUM_CLASSES, (micro_batch,), generator=g)
+    noise = torch.randn(micro_batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+    images = _patterns(cfg)[classes] + 0.5 * noise
+    steps = torch.arange(cfg.text_len)
+    text = (classes[:, None] * 7 + steps[None, :] * (classes[:, None] + 1)) % cfg.vocab_size
     return images, text

@@ -294,8 +294,9 @@ class ExecutorRun:
                 self.stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)
             ):
                 self.grads.update(grad_shards(self.encoder, c.enc_tp if not self.stage0 else c.tp))
+        clip = job.clip_grad if self.optimizer is not None else 0.0
+        self.last_grad_norm = clip_by_global_norm(self.parts, clip)
         if self.optimizer is not None:
-            clip_by_global_norm(self.parts, job.clip_grad)
             self.optimizer.step()
 
     def result(self) -> dict:

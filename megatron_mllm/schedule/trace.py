@@ -84,8 +84,11 @@ def _color(span: Span) -> str:
     return COLORS.get(span.action.kind, "#999999")
 
 
-def write_png(results: dict[str, SimResult], path: str | Path) -> None:
-    """One panel per schedule, rows = ranks (compute streams), same time axis for all."""
+def write_png(results: dict, path: str | Path) -> None:
+    """One panel per schedule, rows = ranks (compute streams), same time axis for all.
+
+    `results` values need `.spans`, `.step_time_s` and `.bubble_ratio` (a SimResult, or a
+    `MeasuredTimeline` for a real run)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -130,3 +133,15 @@ def write_png(results: dict[str, SimResult], path: str | Path) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.97))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+class MeasuredTimeline:
+    """What a real run recorded, shaped for `write_png`."""
+
+    def __init__(self, spans: list[Span]) -> None:
+        self.spans = spans
+        self.step_time_s = max((s.end for s in spans), default=0.0)
+        ranks = {s.rank for s in spans}
+        busy = sum(s.end - s.start for s in spans if s.stream == "compute")
+        total = self.step_time_s * max(len(ranks), 1)
+        self.bubble_ratio = 1 - busy / total if total else 0.0

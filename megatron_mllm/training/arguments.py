@@ -1,0 +1,133 @@
+"""Megatron-style command-line arguments for pretrain_mllm.py, checked before anything starts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from megatron_mllm.errors import ConfigError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        print(f"error: {message}; see --help", file=sys.stderr)
+        sys.exit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description="Train a multimodal LLM (ViT + projector + GPT) on megatron-core.")
+    g = p.add_argument_group("parallelism (Megatron names)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g = p.add_argument_group("encoder plan and schedule (ours)")
+    g.add_argument(
+        "--encoder-tensor-model-parallel-size",
+        type=int,
+        default=None,
+        help="with --encoder-pipeline-model-parallel-size: force the encoder plan "
+        "(default: the planner chooses)",
+    )
+    g.add_argument("--encoder-pipeline-model-parallel-size", type=int, default=None)
+    g.add_argument("--bubble-schedule", choices=["megatron", "optimus"], default="optimus")
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument("--hidden-size", type=int, default=64)
+    g.add_argument("--num-attention-heads", type=int, default=4)
+    g.add_argument("--vocab-size", type=int, default=128)
+    g.add_argument("--seq-length", type=int, default=16, help="text tokens per sample")
+    g.add_argument("--encoder-num-layers", type=int, default=2)
+    g.add_argument("--encoder-hidden-size", type=int, default=64)
+    g.add_argument("--encoder-num-attention-heads", type=int, default=4)
+    g.add_argument("--img-h", type=int, default=32, help="image size (square)")
+    g.add_argument("--patch-dim", type=int, default=8)
+    g = p.add_argument_group("training")
+    g.add_argument("--micro-batch-size", type=int, default=1)
+    g.add_argument("--global-batch-size", type=int, default=8)
+    g.add_argument("--train-iters", type=int, default=20)
+    g.add_argument("--lr", type=float, default=1e-3)
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"], default="cosine")
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None)
+    g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=1234)
+    g = p.add_argument_group("checkpointing and logging")
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument(
+        "--trace",
+        default=None,
+        help="write the last step's real-execution trace (Chrome JSON) here",
+    )
+    g.add_argument("--distributed-timeout-minutes", type=float, default=2.0)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.rank = int(os.environ.get("RANK", "0"))
+    validate_args(args)
+    return args
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Every combination that cannot work, as one line, before any group or file is touched."""
+    tp, pp, world = (
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.world_size,
+    )
+    for name in (
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "micro_batch_size",
+        "global_batch_size",
+        "train_iters",
+        "log_interval",
+    ):
+        if getattr(args, name) < 1:
+            raise ConfigError(
+                f"--{name.replace('_', '-')} is {getattr(args, name)}; it must be "
+                "a positive integer"
+            )
+    if world % (tp * pp):
+        raise ConfigError(
+            f"world size {world} is not divisible by TP {tp} x PP {pp}; start "
+            f"a multiple of {tp * pp} processes"
+        )
+    dp = world // (tp * pp)
+    args.data_parallel_size = dp
+    if args.global_batch_size % (args.micro_batch_size * dp):
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by "
+            f"--micro-batch-size x DP = {args.micro_batch_size * dp}"
+        )
+    if args.num_layers < pp:
+        raise ConfigError(f"--num-layers {args.num_layers} is fewer than PP {pp} stages")
+    etp, epp = args.encoder_tensor_model_parallel_size, args.encoder_pipeline_model_parallel_size
+    if (etp is None) != (epp is None):
+        raise ConfigError(
+            "give both --encoder-tensor-model-parallel-size and "
+            "--encoder-pipeline-model-parallel-size, or neither"
+        )
+    if etp is not None:
+        if args.bubble_schedule != "optimus":
+            raise ConfigError("an encoder plan needs --bubble-schedule optimus")
+        if tp % etp or pp % epp:
+            raise ConfigError(f"encoder TP {etp} / PP {epp} must divide backbone TP {tp} / PP {pp}")
+        if args.encoder_num_layers % epp:
+            raise ConfigError(
+                f"--encoder-num-layers {args.encoder_num_layers} does not split "
+                f"over encoder PP {epp}"
+            )
+    if args.save_interval is not None and args.save is None:
+        raise ConfigError("--save-interval needs --save DIR")
+    if args.load is not None:
+        from megatron_mllm.training.checkpointing import latest_iteration
+
+        latest_iteration(args.load)  # a clear error now if there is nothing to resume

@@ -1,0 +1,247 @@
+"""The training job behind pretrain_mllm.py: plan, build, train, log, checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import time
+
+import torch
+
+from megatron_mllm.errors import exit_on_config_error
+from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.parallel.plans import ParallelPlan
+
+
+def model_config(args: argparse.Namespace) -> MLLMConfig:
+    cfg = MLLMConfig(
+        image_size=args.img_h,
+        patch_size=args.patch_dim,
+        vit_layers=args.encoder_num_layers,
+        vit_hidden=args.encoder_hidden_size,
+        vit_heads=args.encoder_num_attention_heads,
+        llm_layers=args.num_layers,
+        llm_hidden=args.hidden_size,
+        llm_heads=args.num_attention_heads,
+        vocab_size=args.vocab_size,
+        text_len=args.seq_length,
+    )
+    cfg.validate(args.tensor_model_parallel_size, args.encoder_tensor_model_parallel_size or 1)
+    return cfg
+
+
+def _full_state(cfg: MLLMConfig, groups):
+    """Initial canonical weights, the same on every rank (an unsharded model from the seed)."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    from megatron_mllm.models.stages import BackboneStage, EncoderStage
+    from megatron_mllm.models.weights import full_state
+
+    alone = ProcessGroupCollection()
+    for name in ("tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp"):
+        setattr(alone, name, groups.solo)
+    alone.embd = alone.pos_embd = None
+    encoder = EncoderStage(cfg, 0, 1, alone, 1)
+    backbone = BackboneStage(cfg, True, True, alone, 1, 1)
+    return full_state(encoder, backbone)
+
+
+def _saved_args(args: argparse.Namespace) -> dict:
+    """The run's arguments, minus what differs between ranks."""
+    return {k: v for k, v in vars(args).items() if k != "rank"}
+
+
+def log_line(
+    it: int,
+    total: int,
+    consumed: int,
+    ms: float,
+    lr: float,
+    gbs: int,
+    loss: float,
+    grad_norm: float,
+) -> str:
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    return (
+        f" [{now}] iteration {it:8d}/{total:8d} | consumed samples: {consumed:12d} | "
+        f"elapsed time per iteration (ms): {ms:.1f} | learning rate: {lr:.6E} | "
+        f"global batch size: {gbs:5d} | lm loss: {loss:.6E} | grad norm: {grad_norm:.3f} | "
+        f"number of skipped iterations:   0 | number of nan iterations:   0 |"
+    )
+
+
+@exit_on_config_error
+def main(argv: list[str] | None = None) -> int:
+    from megatron_mllm.training.arguments import parse_args
+
+    args = parse_args(argv)
+    cfg = model_config(args)
+    plan = ParallelPlan(
+        args.data_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    )
+    n_mb = args.global_batch_size // (args.micro_batch_size * plan.dp)
+    from megatron_mllm.runtime.schedules import runtime_schedule
+
+    forced = None
+    if args.encoder_tensor_model_parallel_size:
+        forced = ParallelPlan(
+            plan.world_size
+            // (
+                args.encoder_tensor_model_parallel_size * args.encoder_pipeline_model_parallel_size
+            ),
+            args.encoder_tensor_model_parallel_size,
+            args.encoder_pipeline_model_parallel_size,
+        )
+    schedule = runtime_schedule(
+        cfg, plan, args.micro_batch_size, n_mb, args.bubble_schedule, encoder_plan=forced
+    )
+    return _train(args, cfg, plan, n_mb, schedule)
+
+
+def _train(args, cfg, plan, n_mb, schedule) -> int:
+    import torch.distributed as dist
+
+    from megatron_mllm.runtime.session import ExecutorRun, RuntimeJob, _init_rank, encoder_plan_of
+    from megatron_mllm.training import checkpointing
+
+    rank, world = args.rank, args.world_size
+    _init_rank(rank, world, args.seed, args.distributed_timeout_minutes * 60)
+    from megatron_mllm.parallel.groups import build_colocated_groups
+
+    enc_plan, stage0 = encoder_plan_of(schedule, plan)
+    probe = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
+    state = _full_state(cfg, probe)
+    full_shapes = {k: tuple(v.shape) for k, v in state.items()}
+    job = RuntimeJob(
+        cfg,
+        plan,
+        args.micro_batch_size,
+        n_mb,
+        state,
+        schedule=schedule,
+        lr=args.lr,
+        clip_grad=args.clip_grad,
+        seed=args.seed,
+        timeout_s=args.distributed_timeout_minutes * 60,
+        collect_grads=False,
+    )
+    run = ExecutorRun(rank, world, job)
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    decay = args.lr_decay_iters or args.train_iters
+    scheduler = OptimizerParamScheduler(
+        run.optimizer,
+        0.0,
+        args.lr,
+        args.min_lr,
+        args.lr_warmup_iters,
+        decay,
+        args.lr_decay_style,
+        args.weight_decay,
+        args.weight_decay,
+        decay,
+        "constant",
+    )
+    c = run.groups.coords
+    enc_tp = c.tp if run.stage0 else c.enc_tp
+    enc_replica = (
+        c.dp if run.stage0 else (c.enc_slot + run.groups.slots * (c.dp + plan.dp * c.enc_row))
+    )
+    parts = [(run.backbone, c.tp, plan.tp, c.dp), (run.encoder, enc_tp, run.enc_tp, enc_replica)]
+    start = 0
+    if args.load:
+        common = checkpointing.load(args.load, parts, full_shapes, run.optimizer)
+        start = common["iteration"]
+        scheduler.load_state_dict(common["scheduler"])
+        if rank == 0:
+            print(f" loaded checkpoint from {args.load} at iteration {start}", flush=True)
+    if rank == 0:
+        print(
+            f" > backbone {plan}, encoder {enc_plan}{' on stage 0' if stage0 else ''}, "
+            f"schedule {args.bubble_schedule}, {n_mb} micro-batches of {args.micro_batch_size}",
+            flush=True,
+        )
+    for it in range(start, args.train_iters):
+        t0 = time.perf_counter()
+        run.step(it)
+        lr = run.optimizer.param_groups[0]["lr"]
+        scheduler.step(1)
+        ms = 1000 * (time.perf_counter() - t0)
+        losses = run.history[-1]
+        loss = torch.tensor([sum(losses.values()), float(len(losses))], dtype=torch.float64)
+        dist.all_reduce(loss)  # last-stage ranks hold the losses
+        mean = float(loss[0] / loss[1])
+        if rank == 0 and ((it + 1) % args.log_interval == 0 or it + 1 == args.train_iters):
+            consumed = (it + 1) * args.global_batch_size
+            print(
+                log_line(
+                    it + 1,
+                    args.train_iters,
+                    consumed,
+                    ms,
+                    lr,
+                    args.global_batch_size,
+                    mean,
+                    run.last_grad_norm,
+                ),
+                flush=True,
+            )
+        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+            checkpointing.save(
+                args.save,
+                it + 1,
+                parts,
+                full_shapes,
+                run.optimizer,
+                {
+                    "iteration": it + 1,
+                    "scheduler": scheduler.state_dict(),
+                    "consumed_samples": (it + 1) * args.global_batch_size,
+                    "args": _saved_args(args),
+                },
+            )
+    if args.save and (not args.save_interval or args.train_iters % args.save_interval):
+        checkpointing.save(
+            args.save,
+            args.train_iters,
+            parts,
+            full_shapes,
+            run.optimizer,
+            {
+                "iteration": args.train_iters,
+                "scheduler": scheduler.state_dict(),
+                "consumed_samples": args.train_iters * args.global_batch_size,
+                "args": _saved_args(args),
+            },
+        )
+    if args.trace:
+        from megatron_mllm.schedule.trace import MeasuredTimeline, chrome_trace_events, write_png
+
+        gathered = [None] * world
+        dist.all_gather_object(gathered, run.spans)
+        if rank == 0:
+            spans = [s for rank_spans in gathered for s in rank_spans]
+            os.makedirs(os.path.dirname(args.trace) or ".", exist_ok=True)
+            with open(args.trace, "w") as f:
+                json.dump(
+                    {
+                        "traceEvents": chrome_trace_events(spans, "measured"),
+                        "displayTimeUnit": "ms",
+                    },
+                    f,
+                )
+            png = os.path.splitext(args.trace)[0] + ".png"
+            write_png(
+                {
+                    f"measured step {args.train_iters} ({args.bubble_schedule})": MeasuredTimeline(
+                        spans
+                    )
+                },
+                png,
+            )
+            print(f" wrote {args.trace} and {png}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
