@@ -12,7 +12,7 @@ import torch
 
 from megatron_mllm.errors import exit_on_config_error
 from megatron_mllm.models.config import MLLMConfig
-from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
 
 
 def model_config(args: argparse.Namespace) -> MLLMConfig:
@@ -48,9 +48,25 @@ def _full_state(cfg: MLLMConfig, groups):
     return full_state(encoder, backbone)
 
 
+def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
+    """Both plans and the predicted bubble ratio, one screen."""
+    p = args.predicted
+    where = "whole, on backbone stage 0" if stage0 else "colocated on every backbone stage"
+    return "\n".join(
+        [
+            f" > backbone plan: {plan} (world size {plan.world_size})",
+            f" > encoder plan:  {enc_plan} ({where})",
+            f" > schedule: {args.bubble_schedule}; {n_mb} micro-batches of {args.micro_batch_size} "
+            f"per step and DP replica",
+            f" > predicted by the analytic CPU cost model (uncalibrated): step {1000 * p.step_time_s:.1f} ms, bubble ratio "
+            f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",
+        ]
+    )
+
+
 def _saved_args(args: argparse.Namespace) -> dict:
-    """The run's arguments, minus what differs between ranks."""
-    return {k: v for k, v in vars(args).items() if k != "rank"}
+    """The run's arguments, minus what differs between ranks or is not an argument."""
+    return {k: v for k, v in vars(args).items() if k not in ("rank", "predicted")}
 
 
 def log_line(
@@ -82,21 +98,19 @@ def main(argv: list[str] | None = None) -> int:
         args.data_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     )
     n_mb = args.global_batch_size // (args.micro_batch_size * plan.dp)
-    from megatron_mllm.runtime.schedules import runtime_schedule
+    from megatron_mllm.runtime.schedules import runtime_plan
 
     forced = None
     if args.encoder_tensor_model_parallel_size:
-        forced = ParallelPlan(
-            plan.world_size
-            // (
-                args.encoder_tensor_model_parallel_size * args.encoder_pipeline_model_parallel_size
-            ),
-            args.encoder_tensor_model_parallel_size,
-            args.encoder_pipeline_model_parallel_size,
+        forced = colocated_encoder_plan(
+            plan, args.encoder_tensor_model_parallel_size, args.encoder_pipeline_model_parallel_size
         )
-    schedule = runtime_schedule(
+    schedule, workload = runtime_plan(
         cfg, plan, args.micro_batch_size, n_mb, args.bubble_schedule, encoder_plan=forced
     )
+    from megatron_mllm.schedule.simulator import simulate
+
+    args.predicted = simulate(schedule, workload)
     return _train(args, cfg, plan, n_mb, schedule)
 
 
@@ -158,11 +172,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         if rank == 0:
             print(f" loaded checkpoint from {args.load} at iteration {start}", flush=True)
     if rank == 0:
-        print(
-            f" > backbone {plan}, encoder {enc_plan}{' on stage 0' if stage0 else ''}, "
-            f"schedule {args.bubble_schedule}, {n_mb} micro-batches of {args.micro_batch_size}",
-            flush=True,
-        )
+        print(startup_summary(args, plan, enc_plan, stage0, n_mb), flush=True)
     for it in range(start, args.train_iters):
         t0 = time.perf_counter()
         run.step(it)
