@@ -58,7 +58,8 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
             f" > encoder plan:  {enc_plan} ({where})",
             f" > schedule: {args.bubble_schedule}; {n_mb} micro-batches of {args.micro_batch_size} "
             f"per step and DP replica",
-            f" > predicted by the analytic CPU cost model (uncalibrated): step {1000 * p.step_time_s:.1f} ms, bubble ratio "
+            f" > predicted by the analytic CPU cost model (uncalibrated): step "
+            f"{1000 * p.step_time_s:.1f} ms, bubble ratio "
             f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",
         ]
     )
