@@ -23,6 +23,7 @@ setup(
         "psutil",  # megatron-core's dist_checkpointing needs it
         "mathgenerator",  # offline math problems for the data mixture
         "scikit-learn",  # its bundled handwritten digits, captioned, for the data mixture
+        "tensorboard",  # --tensorboard-dir
     ],
     extras_require={
         "plot": ["matplotlib"],

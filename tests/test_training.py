@@ -55,12 +55,15 @@ def test_resume_is_bit_identical_and_reshards(tmp_path):
         str(tmp_path / "a"),
         "--save-interval",
         "3",
+        "--tensorboard-dir",
+        str(tmp_path / "tb"),
     )
     assert straight.returncode == 0, straight.stderr[-2000:]
     ref = losses(straight.stdout)
     assert sorted(ref) == [1, 2, 3, 4, 5, 6]
     assert (tmp_path / "a" / "latest_checkpointed_iteration.txt").read_text() == "6"
     assert (tmp_path / "a" / "iter_0000003").is_dir()
+    assert list((tmp_path / "tb").glob("events.out.tfevents.*"))
     # Resume from iteration 3 of the same layout: 4..6 again, bit for bit.
     (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("3")
     resumed = torchrun(

@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument(
+        "--tensorboard-dir",
+        default=None,
+        help="write lm loss, learning rate, grad norm and iteration time scalars",
+    )
+    g.add_argument(
         "--trace",
         default=None,
         help="write the last step's real-execution trace (Chrome JSON) here",

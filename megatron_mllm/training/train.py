@@ -174,6 +174,11 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
             print(f" loaded checkpoint from {args.load} at iteration {start}", flush=True)
     if rank == 0:
         print(startup_summary(args, plan, enc_plan, stage0, n_mb), flush=True)
+    writer = None
+    if args.tensorboard_dir and rank == world - 1:  # Megatron writes from the last rank
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.log_interval)
     for it in range(start, args.train_iters):
         t0 = time.perf_counter()
         run.step(it)
@@ -199,6 +204,16 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
                 ),
                 flush=True,
             )
+        if writer is not None:
+            step_samples = (it + 1) * args.global_batch_size
+            for name, value in (
+                ("lm loss", mean),
+                ("learning-rate", lr),
+                ("grad-norm", run.last_grad_norm),
+                ("iteration-time", ms / 1000),
+            ):
+                writer.add_scalar(name, value, it + 1)
+            writer.add_scalar("lm loss vs samples", mean, step_samples)
         if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
             checkpointing.save(
                 args.save,
@@ -253,6 +268,8 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
                 png,
             )
             print(f" wrote {args.trace} and {png}", flush=True)
+    if writer is not None:
+        writer.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0
