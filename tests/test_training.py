@@ -108,3 +108,30 @@ def test_bad_arguments_fail_before_any_group(args, msg):
     )
     assert proc.returncode == 2, proc.stderr
     assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_coreset_training_selects_the_same_on_one_or_two_stages():
+    """PP=2: the pool goes forward through the pipeline, the last stage selects, every stage
+    gets the indices; the result must match a one-process run, and consumed samples count the
+    pools."""
+    args = [
+        *COMMON[:2],
+        "--train-iters",
+        "4",
+        "--log-interval",
+        "1",
+        "--lr",
+        "1e-2",
+        "--coreset-pool-ratio",
+        "2",
+        "--coreset-features",
+        "exact",
+    ]
+    one = torchrun(*args, nproc=1)
+    two = torchrun("--pipeline-model-parallel-size", "2", *args)
+    assert one.returncode == 0, one.stderr[-2000:]
+    assert two.returncode == 0, two.stderr[-2000:]
+    a, b = losses(one.stdout), losses(two.stdout)
+    assert sorted(a) == [1, 2, 3, 4]
+    assert all(abs(a[i] - b[i]) < 1e-4 for i in a)
+    assert "consumed samples:           64 |" in two.stdout  # 4 iterations x pools of 16

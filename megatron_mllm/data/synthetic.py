@@ -31,3 +31,22 @@ def microbatch(
     steps = torch.arange(cfg.text_len)
     text = (classes[:, None] * 7 + steps[None, :] * (classes[:, None] + 1)) % cfg.vocab_size
     return images, text
+
+
+def samples(
+    cfg: MLLMConfig, indices: list[int], seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Individually indexed samples (for coreset pools): images, captions and their class as the
+    source id. Classes are imbalanced (probability ~ 1 / (class + 1)), like a real mixture."""
+    probs = 1.0 / torch.arange(1, NUM_CLASSES + 1, dtype=torch.float64)
+    patterns = _patterns(cfg)
+    steps = torch.arange(cfg.text_len)
+    images, texts, classes = [], [], []
+    for i in indices:
+        g = torch.Generator().manual_seed(seed * 1_000_003 + 7_777_777 + i)
+        c = torch.multinomial(probs, 1, generator=g)
+        noise = torch.randn(1, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+        images.append(patterns[c] + 0.5 * noise)
+        texts.append(((c * 7 + steps * (c + 1)) % cfg.vocab_size).unsqueeze(0))
+        classes.append(c)
+    return torch.cat(images), torch.cat(texts), torch.cat(classes)

@@ -8,6 +8,7 @@ plan's own DP group. What really ran is recorded as trace spans in the simulator
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import time
 from collections.abc import Callable
@@ -52,6 +53,7 @@ class Executor:
         encoder_dp_group,
         backbone_dp: int,
         timeout_s: float = 60.0,
+        forward_only: bool = False,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         self.backbone, self.encoder = backbone, encoder
@@ -62,6 +64,9 @@ class Executor:
             backbone_dp,
         )
         self.timeout = datetime.timedelta(seconds=timeout_s)
+        # Forward-only (a coreset pool): no graph; the last stage keeps its output layer's input.
+        self.forward_only = forward_only
+        self.last_layer_inputs: dict[int, torch.Tensor] = {}
         self.handlers = {
             "F": self._forward,
             "B": self._backward,
@@ -81,6 +86,28 @@ class Executor:
         self.result = StepResult()
         self._batches: dict[int, tuple] = {}
         t0 = time.perf_counter()
+        hook = None
+        if self.forward_only and self.backbone.post_process:
+            self._captured: list[torch.Tensor] = []
+
+            def capture(module, args):
+                self._captured.append(args[0].transpose(0, 1).detach())  # [b, s, h]
+
+            hook = self.backbone.gpt.output_layer.register_forward_pre_hook(capture)
+        try:
+            with torch.no_grad() if self.forward_only else contextlib.nullcontext():
+                self._run_program(t0)
+        finally:
+            if hook is not None:
+                hook.remove()
+        for work, op in self.pending:
+            self._wait(work, op)
+        for finish in self.reductions:
+            finish()
+        self.result.seconds = time.perf_counter() - t0
+        return self.result
+
+    def _run_program(self, t0: float) -> None:
         for op in self.program:
             start = time.perf_counter() - t0
             if op.kind == "run":
@@ -109,12 +136,6 @@ class Executor:
                     "p2p",
                 )
             )
-        for work, op in self.pending:
-            self._wait(work, op)
-        for finish in self.reductions:
-            finish()
-        self.result.seconds = time.perf_counter() - t0
-        return self.result
 
     def _run(self, action: Action, t0: float) -> None:
         start = time.perf_counter() - t0
@@ -171,7 +192,9 @@ class Executor:
             x = self.tensors.pop(f"act.s{a.stage}v{a.chunk}.m{a.mb}").detach().requires_grad_()
             inputs = [x]
             out = self.backbone(x)
-        if last:
+        if last and self.forward_only:
+            self.last_layer_inputs[a.mb] = self._captured.pop()
+        elif last:
             _, text = self._batch(a.mb)
             out = self.backbone.loss(out, text)
             self.result.losses[a.mb] = out.item()

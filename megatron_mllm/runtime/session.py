@@ -38,6 +38,8 @@ class RuntimeJob:
     fail_rank: int | None = None  # fault injection: this rank exits ...
     fail_at_op: int = 0  # ... before its program's op with this index
     backbone_first_stage_layers: int | None = None  # megatron_core mode: uneven first stage
+    coreset: object = None  # a CoresetConfig: train on B chosen from a pool of r x B samples
+    pool_schedule: Schedule | None = None  # forward-only pass over the pool (its micro-batches)
     lr: float = 0.0  # > 0: take an optimizer step (AdamW) after every step
     clip_grad: float = 1.0
     extra: dict = field(default_factory=dict)
@@ -110,6 +112,27 @@ def check_job(job: RuntimeJob, world: int) -> None:
         raise ConfigError(
             f"{job.cfg.vit_layers} encoder layers do not split evenly over encoder PP {enc_plan.pp}"
         )
+    if job.coreset is not None:
+        if job.backbone.tp != 1:
+            raise ConfigError(
+                "coreset selection runs with TP 1 for now (its features replay a "
+                "vocabulary-parallel output layer otherwise)"
+            )
+        size = job.coreset.pool_size
+        if job.coreset.batch_size != job.num_microbatches * job.micro_batch:
+            raise ConfigError(
+                f"coreset batch {job.coreset.batch_size} must equal the step's "
+                f"{job.num_microbatches} x {job.micro_batch} samples"
+            )
+        if (
+            size % job.micro_batch
+            or job.pool_schedule is None
+            or job.pool_schedule.meta.num_microbatches != size // job.micro_batch
+        ):
+            raise ConfigError(
+                f"the coreset pool of {size} needs a pool schedule of "
+                f"{size // job.micro_batch} micro-batches of {job.micro_batch}"
+            )
     enc = meta.encoders[0]
     for j in range(enc.num_stages):
         units = (j == 0) + job.cfg.vit_layers // enc_plan.pp + (j == enc.num_stages - 1)
@@ -256,6 +279,67 @@ class ExecutorRun:
             (self.encoder, *enc_groups),
         ]
         self.history, self.seconds, self.grads, self.spans = [], [], None, []
+        self.selector = None
+        if job.coreset is not None:
+            from megatron_mllm.data.coreset import CoresetSelector
+
+            self.pool_program = forward_only_program(
+                gpu_program(job.pool_schedule, groups, self.enc_tp)
+            )
+            self.selector = CoresetSelector(job.coreset)
+
+    def select(self, step: int) -> list[int]:
+        """Coreset: the pool's forward pass without gradients through the whole pipeline; the
+        last stage computes features on its output layer and selects; every rank of the
+        pipeline gets the chosen sample ids."""
+        import torch.distributed as dist
+
+        from megatron_mllm.data.sampler import broadcast_selection
+        from megatron_mllm.data.synthetic import samples
+        from megatron_mllm.parallel.groups import backbone_rank
+        from megatron_mllm.runtime.executor import Executor
+
+        job, c, mb = self.job, self.groups.coords, self.job.micro_batch
+        size = job.coreset.pool_size
+        ids = [(step * job.backbone.dp + c.dp) * size + j for j in range(size)]
+        executor = Executor(
+            self.pool_program,
+            job.pool_schedule.meta,
+            job.cfg,
+            self.rank,
+            self.backbone,
+            self.encoder,
+            lambda m: samples(job.cfg, ids[m * mb : (m + 1) * mb], job.seed)[:2],
+            mb,
+            self.groups.backbone.dp,
+            self.enc_dp_group,
+            job.backbone.dp,
+            job.timeout_s,
+            forward_only=True,
+        )
+        executor.run_step()
+        chosen = None
+        if self.backbone.post_process:
+            hidden = torch.cat([executor.last_layer_inputs[m] for m in range(size // mb)])
+            _, text, source = samples(job.cfg, ids, job.seed)
+            n = job.cfg.num_patches
+
+            def loss(h, t, block):
+                logits = h[..., n - 1 : n - 1 + t.shape[-1], :] @ block.T
+                ce = torch.nn.functional.cross_entropy(
+                    logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction="none"
+                )
+                return ce.view(t.shape).mean(-1)
+
+            picked = self.selector.select(
+                source, loss, hidden, text, self.backbone.gpt.output_layer.weight.detach()
+            )
+            chosen = torch.tensor(ids)[picked]
+        last = backbone_rank(job.backbone, 0, c.dp, job.backbone.pp - 1)
+        group = self.groups.backbone.mp
+        if dist.get_world_size(group) == 1:
+            return chosen.tolist()
+        return broadcast_selection(chosen, job.coreset.batch_size, group, last).tolist()
 
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
@@ -267,6 +351,14 @@ class ExecutorRun:
             for p in module.parameters() if module is not None else ():
                 p.grad = None
         data = _data(job, step)
+        if self.selector is not None:
+            from megatron_mllm.data.synthetic import samples
+
+            chosen, mb = self.select(step), job.micro_batch
+
+            def data(m, dp, chosen=chosen):  # noqa: ARG001 - every replica has its own pool
+                return samples(job.cfg, chosen[m * mb : (m + 1) * mb], job.seed)[:2]
+
         executor = Executor(
             self.program,
             job.schedule.meta,
@@ -310,6 +402,25 @@ class ExecutorRun:
         if self.job.collect_grads:
             out["grads"] = self.grads
         return out
+
+
+def forward_only_program(program):
+    """The forward half of a GPU program (a coreset pool pass): F and EF, and the messages that
+    carry activations forward."""
+    keep = ("act", "eout", "eact")
+    out = []
+    for op in program:
+        if op.kind == "run" and op.action.kind in ("F", "EF"):
+            from dataclasses import replace
+
+            out.append(replace(op, fills=tuple(f for f in op.fills if f.kind == "EF")))
+        elif op.kind == "run" and op.fills:
+            from dataclasses import replace
+
+            out += [replace(op, action=f, fills=()) for f in op.fills if f.kind == "EF"]
+        elif op.kind in ("send", "recv") and op.key.split(".")[0] in keep:
+            out.append(op)
+    return out
 
 
 def make_run(rank: int, world: int, job: RuntimeJob):

@@ -30,6 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--encoder-pipeline-model-parallel-size", type=int, default=None)
     g.add_argument("--bubble-schedule", choices=["megatron", "optimus"], default="optimus")
+    g.add_argument(
+        "--coreset-pool-ratio",
+        type=float,
+        default=None,
+        help="train on B samples chosen from a pool of ratio x B (off by default)",
+    )
+    g.add_argument("--coreset-features", choices=["zo", "exact"], default="zo")
+    g.add_argument("--coreset-directions", type=int, default=16)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
     g.add_argument("--hidden-size", type=int, default=64)
@@ -130,6 +138,28 @@ def validate_args(args: argparse.Namespace) -> None:
                 f"--encoder-num-layers {args.encoder_num_layers} does not split "
                 f"over encoder PP {epp}"
             )
+    if args.coreset_pool_ratio is not None:
+        from megatron_mllm.data.coreset import CoresetConfig
+
+        b = args.global_batch_size // dp
+        args.coreset = CoresetConfig(
+            batch_size=b,
+            pool_ratio=args.coreset_pool_ratio,
+            features=args.coreset_features,
+            num_directions=args.coreset_directions,
+            seed=args.seed,
+        )
+        if args.coreset.pool_size % args.micro_batch_size:
+            raise ConfigError(
+                f"coreset pool of {args.coreset.pool_size} is not a multiple of "
+                f"--micro-batch-size {args.micro_batch_size}"
+            )
+        if tp != 1:
+            raise ConfigError(
+                "--coreset-pool-ratio runs with --tensor-model-parallel-size 1 for now"
+            )
+    else:
+        args.coreset = None
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.load is not None:

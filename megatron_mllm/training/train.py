@@ -67,7 +67,11 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
 
 def _saved_args(args: argparse.Namespace) -> dict:
     """The run's arguments, minus what differs between ranks or is not an argument."""
-    return {k: v for k, v in vars(args).items() if k not in ("rank", "predicted")}
+    return {
+        k: v
+        for k, v in vars(args).items()
+        if k not in ("rank", "predicted", "coreset", "pool_schedule")
+    }
 
 
 def log_line(
@@ -112,6 +116,21 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_mllm.schedule.simulator import simulate
 
     args.predicted = simulate(schedule, workload)
+    args.pool_schedule = None
+    if args.coreset is not None:
+        from megatron_mllm.runtime.schedules import runtime_schedule
+        from megatron_mllm.runtime.session import encoder_plan_of
+
+        enc_plan, stage0 = encoder_plan_of(schedule, plan)
+        pool_mbs = args.coreset.pool_size // args.micro_batch_size
+        args.pool_schedule = runtime_schedule(
+            cfg,
+            plan,
+            args.micro_batch_size,
+            pool_mbs,
+            "megatron" if stage0 else "optimus",
+            encoder_plan=None if stage0 else enc_plan,
+        )
     return _train(args, cfg, plan, n_mb, schedule)
 
 
@@ -141,6 +160,8 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         seed=args.seed,
         timeout_s=args.distributed_timeout_minutes * 60,
         collect_grads=False,
+        coreset=args.coreset,
+        pool_schedule=args.pool_schedule,
     )
     run = ExecutorRun(rank, world, job)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -190,7 +211,9 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         dist.all_reduce(loss)  # last-stage ranks hold the losses
         mean = float(loss[0] / loss[1])
         if rank == 0 and ((it + 1) % args.log_interval == 0 or it + 1 == args.train_iters):
-            consumed = (it + 1) * args.global_batch_size
+            # Coreset: every sample of the pool counts as consumed.
+            ratio = args.coreset.pool_ratio if args.coreset is not None else 1
+            consumed = int((it + 1) * args.global_batch_size * ratio)
             print(
                 log_line(
                     it + 1,
