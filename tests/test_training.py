@@ -110,7 +110,7 @@ def test_bad_arguments_fail_before_any_group(args, msg):
     assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
-def test_coreset_training_selects_the_same_on_one_or_two_stages():
+def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path):
     """PP=2: the pool goes forward through the pipeline, the last stage selects, every stage
     gets the indices; the result must match a one-process run, and consumed samples count the
     pools."""
@@ -125,13 +125,27 @@ def test_coreset_training_selects_the_same_on_one_or_two_stages():
         "--coreset-pool-ratio",
         "2",
         "--coreset-features",
-        "exact",
+        "zo",
     ]
     one = torchrun(*args, nproc=1)
-    two = torchrun("--pipeline-model-parallel-size", "2", *args)
+    two = torchrun(
+        "--pipeline-model-parallel-size",
+        "2",
+        *args,
+        "--save",
+        str(tmp_path / "c"),
+        "--save-interval",
+        "2",
+    )
     assert one.returncode == 0, one.stderr[-2000:]
     assert two.returncode == 0, two.stderr[-2000:]
     a, b = losses(one.stdout), losses(two.stdout)
     assert sorted(a) == [1, 2, 3, 4]
     assert all(abs(a[i] - b[i]) < 1e-4 for i in a)
     assert "consumed samples:           64 |" in two.stdout  # 4 iterations x pools of 16
+    # The selector's state (RNG, moments) is in the checkpoint: a resumed run selects the same.
+    (tmp_path / "c" / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = torchrun("--pipeline-model-parallel-size", "2", *args, "--load", str(tmp_path / "c"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    again = losses(resumed.stdout)
+    assert sorted(again) == [3, 4] and all(again[i] == b[i] for i in (3, 4))

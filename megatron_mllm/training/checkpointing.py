@@ -72,7 +72,26 @@ def sharded_state(parts, full_shapes: dict, optimizer=None) -> dict:
     return out
 
 
-def save(root: str, iteration: int, parts, full_shapes: dict, optimizer, common: dict) -> None:
+def rank_objects(objects: dict[str, tuple[object, int, int]]) -> dict:
+    """Per-replica state (e.g. a coreset selector's RNG and moments) as ShardedObjects:
+    name -> (state, replica index, number of replicas)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    return {
+        name: ShardedObject(name, obj, (count,), (index,), replica_id=0)
+        for name, (obj, index, count) in objects.items()
+    }
+
+
+def save(
+    root: str,
+    iteration: int,
+    parts,
+    full_shapes: dict,
+    optimizer,
+    common: dict,
+    objects: dict | None = None,
+) -> None:
     import torch.distributed as dist
     from megatron.core import dist_checkpointing
 
@@ -81,6 +100,7 @@ def save(root: str, iteration: int, parts, full_shapes: dict, optimizer, common:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     state = sharded_state(parts, full_shapes, optimizer)
+    state.update(rank_objects(objects or {}))
     state["common"] = common
     dist_checkpointing.save(state, str(path))
     dist.barrier()
@@ -91,8 +111,9 @@ def save(root: str, iteration: int, parts, full_shapes: dict, optimizer, common:
     dist.barrier()
 
 
-def load(root: str, parts, full_shapes: dict, optimizer) -> dict:
-    """Load into the modules (and optimizer moments); returns the common state."""
+def load(root: str, parts, full_shapes: dict, optimizer, objects: dict | None = None) -> dict:
+    """Load into the modules (and optimizer moments); returns the common state, with the
+    requested per-replica `objects` (name -> (None, index, count)) under "objects"."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
@@ -105,12 +126,15 @@ def load(root: str, parts, full_shapes: dict, optimizer) -> dict:
                     st["exp_avg"] = torch.zeros_like(p)
                     st["exp_avg_sq"] = torch.zeros_like(p)
     state = sharded_state(parts, full_shapes, optimizer)
+    wanted = rank_objects(objects or {})
+    state.update(wanted)
     state["common"] = None
     loaded = dist_checkpointing.load(state, str(checkpoint_dir(root, iteration)))
     common = loaded.pop("common")
+    common["objects"] = {name: loaded.pop(name) for name in wanted}
     with torch.no_grad():
         for key, sharded in state.items():
-            if key != "common":
+            if key != "common" and key not in wanted:
                 sharded.data.copy_(loaded[key])
     if optimizer is not None:
         for group in optimizer.optimizer.param_groups:

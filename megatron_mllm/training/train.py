@@ -186,9 +186,31 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         c.dp if run.stage0 else (c.enc_slot + run.groups.slots * (c.dp + plan.dp * c.enc_row))
     )
     parts = [(run.backbone, c.tp, plan.tp, c.dp), (run.encoder, enc_tp, run.enc_tp, enc_replica)]
+    # The coreset selector (last stage, TP rank 0 of each replica) is checkpointed per replica.
+    holds_selector = run.selector is not None and run.backbone.post_process and c.tp == 0
+
+    def selector_objects(state=None):
+        return {"coreset_selector": (state, c.dp, plan.dp)} if holds_selector else {}
+
+    def save_checkpoint(iteration: int) -> None:
+        common = {
+            "iteration": iteration,
+            "scheduler": scheduler.state_dict(),
+            "consumed_samples": iteration * args.global_batch_size,
+            "args": _saved_args(args),
+        }
+        state = run.selector.state_dict() if holds_selector else None
+        checkpointing.save(
+            args.save, iteration, parts, full_shapes, run.optimizer, common, selector_objects(state)
+        )
+
     start = 0
     if args.load:
-        common = checkpointing.load(args.load, parts, full_shapes, run.optimizer)
+        common = checkpointing.load(
+            args.load, parts, full_shapes, run.optimizer, selector_objects()
+        )
+        if holds_selector:
+            run.selector.load_state_dict(common["objects"]["coreset_selector"])
         start = common["iteration"]
         scheduler.load_state_dict(common["scheduler"])
         if rank == 0:
@@ -238,33 +260,9 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
                 writer.add_scalar(name, value, it + 1)
             writer.add_scalar("lm loss vs samples", mean, step_samples)
         if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
-            checkpointing.save(
-                args.save,
-                it + 1,
-                parts,
-                full_shapes,
-                run.optimizer,
-                {
-                    "iteration": it + 1,
-                    "scheduler": scheduler.state_dict(),
-                    "consumed_samples": (it + 1) * args.global_batch_size,
-                    "args": _saved_args(args),
-                },
-            )
+            save_checkpoint(it + 1)
     if args.save and (not args.save_interval or args.train_iters % args.save_interval):
-        checkpointing.save(
-            args.save,
-            args.train_iters,
-            parts,
-            full_shapes,
-            run.optimizer,
-            {
-                "iteration": args.train_iters,
-                "scheduler": scheduler.state_dict(),
-                "consumed_samples": args.train_iters * args.global_batch_size,
-                "args": _saved_args(args),
-            },
-        )
+        save_checkpoint(args.train_iters)
     if args.trace:
         from megatron_mllm.schedule.trace import MeasuredTimeline, chrome_trace_events, write_png
 
