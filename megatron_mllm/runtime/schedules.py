@@ -46,20 +46,9 @@ def job_of(cfg: MLLMConfig, plan: ParallelPlan, micro_batch: int, num_microbatch
     )
 
 
-def runtime_schedule(
-    cfg: MLLMConfig,
-    plan: ParallelPlan,
-    micro_batch: int,
-    num_microbatches: int,
-    name: str,
-    encoder_plan: ParallelPlan | None = None,
-    measured: dict | None = None,
-    **options,
-) -> Schedule:
-    """ "megatron" (encoder on stage 0, 1F1B) or "optimus" (planned, or with `encoder_plan`)."""
-    return runtime_plan(
-        cfg, plan, micro_batch, num_microbatches, name, encoder_plan, measured, **options
-    )[0]
+def runtime_schedule(*args, **kwargs) -> Schedule:
+    """The schedule of `runtime_plan(...)` alone."""
+    return runtime_plan(*args, **kwargs)[0]
 
 
 def runtime_plan(
@@ -72,6 +61,8 @@ def runtime_plan(
     measured: dict | None = None,
     **options,
 ) -> tuple[Schedule, Workload]:
+    """A validated schedule and its costs for the runtime's model: "megatron" (encoder on stage
+    0, 1F1B) or "optimus" (planned, or with `encoder_plan` forced), at layer granularity."""
     costs = JobCosts(job_of(cfg, plan, micro_batch, num_microbatches), measured, unit="layer")
     if name == "megatron":
         built = megatron_schedule(costs)
