@@ -34,6 +34,7 @@ class StepResult:
     losses: dict[int, float] = field(default_factory=dict)  # micro-batch -> loss (last stage)
     spans: list[Span] = field(default_factory=list)
     seconds: float = 0.0
+    moved: int = 0  # dynamic mode: encoder chunks run ahead of their place in the program
 
 
 class Executor:
@@ -54,6 +55,7 @@ class Executor:
         backbone_dp: int,
         timeout_s: float = 60.0,
         forward_only: bool = False,
+        dynamic: bool = False,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         self.backbone, self.encoder = backbone, encoder
@@ -66,6 +68,8 @@ class Executor:
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # Forward-only (a coreset pool): no graph; the last stage keeps its output layer's input.
         self.forward_only = forward_only
+        # Dynamic mode: run ready encoder work while waiting for a message (see _fill_wait).
+        self.dynamic = dynamic
         self.last_layer_inputs: dict[int, torch.Tensor] = {}
         self.handlers = {
             "F": self._forward,
@@ -85,6 +89,7 @@ class Executor:
         self.reductions: list[Callable[[], None]] = []  # gradient all-reduces still in flight
         self.result = StepResult()
         self._batches: dict[int, tuple] = {}
+        self._bwd_done: dict[tuple, int] = {}  # encoder backward units done per (e, s, mb)
         t0 = time.perf_counter()
         hook = None
         if self.forward_only and self.backbone.post_process:
@@ -108,7 +113,10 @@ class Executor:
         return self.result
 
     def _run_program(self, t0: float) -> None:
-        for op in self.program:
+        done = [False] * len(self.program)
+        for i, op in enumerate(self.program):
+            if done[i]:
+                continue
             start = time.perf_counter() - t0
             if op.kind == "run":
                 for fill in op.fills:  # TP-bubble fills run just before their action for now
@@ -121,6 +129,8 @@ class Executor:
             else:
                 buf = torch.empty(self._shape(op.key))
                 work = dist.irecv(buf, op.peer, tag=op.tag)
+                if self.dynamic:
+                    self._fill_wait(work, i, done, t0)
                 self._wait(work, op)
                 self.tensors[op.key] = buf
             end = time.perf_counter() - t0
@@ -136,6 +146,45 @@ class Executor:
                     "p2p",
                 )
             )
+
+    def _fill_wait(self, work, i: int, done: list[bool], t0: float) -> None:
+        """Dynamic mode: while a message is on its way, run later encoder work that is ready."""
+        lookahead = 64
+        while not work.is_completed():
+            for j in range(i + 1, min(i + 1 + lookahead, len(self.program))):
+                op = self.program[j]
+                if (
+                    not done[j]
+                    and op.kind == "run"
+                    and op.action.kind in ("EF", "EB")
+                    and not op.fills
+                    and self._ready(op.action)
+                ):
+                    self._run(op.action, t0)
+                    done[j] = True
+                    self.result.moved += 1
+                    break
+            else:
+                return  # nothing ready: block on the message
+
+    def _ready(self, a: Action) -> bool:
+        """Whether an encoder chunk's inputs are already on this GPU."""
+        enc = self.meta.encoders[a.enc]
+        units = self.enc_units.get((a.enc, a.stage, a.mb), [])
+        if a.kind == "EF":
+            if a.k0 > 0:
+                return len(units) == a.k0
+            return a.stage == 0 or f"eact.e{a.enc}.s{a.stage}.m{a.mb}" in self.tensors
+        if (
+            len(units) != enc.fwd_kernels[a.stage]
+            or self._bwd_done.get((a.enc, a.stage, a.mb), 0) != a.k0
+        ):
+            return False
+        if a.k0 > 0:
+            return True
+        last = a.stage == enc.num_stages - 1
+        key = f"egrad.e{a.enc}.m{a.mb}" if last else f"egin.e{a.enc}.s{a.stage}.m{a.mb}"
+        return key in self.tensors
 
     def _run(self, action: Action, t0: float) -> None:
         start = time.perf_counter() - t0
@@ -255,6 +304,7 @@ class Executor:
                 grad = units[u + 1][0].grad
             leaf, y = units[u]
             y.backward(grad)
+            self._bwd_done[(a.enc, a.stage, a.mb)] = b + 1
         if a.k1 == enc_meta.bwd_kernels[a.stage]:
             if a.stage > 0:
                 self.tensors[f"egin.e{a.enc}.s{a.stage - 1}.m{a.mb}"] = units[0][0].grad

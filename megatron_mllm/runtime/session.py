@@ -38,6 +38,7 @@ class RuntimeJob:
     fail_rank: int | None = None  # fault injection: this rank exits ...
     fail_at_op: int = 0  # ... before its program's op with this index
     backbone_first_stage_layers: int | None = None  # megatron_core mode: uneven first stage
+    dynamic: bool = False  # executor: run ready encoder work while waiting for messages
     coreset: object = None  # a CoresetConfig: train on B chosen from a pool of r x B samples
     pool_schedule: Schedule | None = None  # forward-only pass over the pool (its micro-batches)
     lr: float = 0.0  # > 0: take an optimizer step (AdamW) after every step
@@ -372,6 +373,7 @@ class ExecutorRun:
             self.enc_dp_group,
             job.backbone.dp,
             job.timeout_s,
+            dynamic=job.dynamic,
         )
         if job.fail_rank == self.rank:
             executor.run_step()
@@ -379,6 +381,7 @@ class ExecutorRun:
         result = executor.run_step()
         self.seconds.append(result.seconds)
         self.spans = result.spans
+        self.moved = result.moved
         self.history.append({(c.dp, m): v for m, v in result.losses.items()})
         if job.collect_grads and step == 0:
             self.grads = grad_shards(self.backbone, c.tp)
@@ -393,6 +396,7 @@ class ExecutorRun:
 
     def result(self) -> dict:
         out = {
+            "moved": getattr(self, "moved", 0),
             "losses": self.history[0],
             "history": self.history,
             "spans": self.spans,
