@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.baselines import megatron_schedule
@@ -61,11 +62,16 @@ def runtime_plan(
     measured: dict | None = None,
     **options,
 ) -> tuple[Schedule, Workload]:
-    """A validated schedule and its costs for the runtime's model: "megatron" (encoder on stage
-    0, 1F1B) or "optimus" (planned, or with `encoder_plan` forced), at layer granularity."""
+    """A validated schedule and its costs for the runtime's model at layer granularity:
+    "megatron" (encoder on stage 0, 1F1B, even layer split), "balanced" (the same with the
+    balancing first-stage split) or "optimus" (planned, or with `encoder_plan` forced)."""
     costs = JobCosts(job_of(cfg, plan, micro_batch, num_microbatches), measured, unit="layer")
-    if name == "megatron":
-        built = megatron_schedule(costs)
+    if name not in ("megatron", "balanced", "optimus"):
+        raise ConfigError(f"unknown schedule {name!r}; use megatron, balanced or optimus")
+    if name in ("megatron", "balanced"):
+        # megatron: Megatron's default even layer split; balanced: the first stage, which also
+        # runs the encoder, gets fewer backbone layers.
+        built = megatron_schedule(costs, even_split=name == "megatron")
     elif encoder_plan is not None:
         built = optimus_schedule(costs, OptimusOptions(encoder_plan, **options))
     else:

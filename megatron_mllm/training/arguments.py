@@ -29,7 +29,13 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: the planner chooses)",
     )
     g.add_argument("--encoder-pipeline-model-parallel-size", type=int, default=None)
-    g.add_argument("--bubble-schedule", choices=["megatron", "optimus"], default="optimus")
+    g.add_argument(
+        "--bubble-schedule",
+        choices=["megatron", "balanced", "optimus"],
+        default="optimus",
+        help="megatron: encoder in stage 0, 1F1B, even split; balanced: the same with "
+        "fewer backbone layers on stage 0; optimus: encoder in the bubbles",
+    )
     g.add_argument(
         "--coreset-pool-ratio",
         type=float,
