@@ -88,3 +88,17 @@ def test_pipeline_stages_get_the_last_stages_selection():
     from megatron_mllm.runtime.launch import spawn
 
     assert spawn(_broadcast, 2) == [[3, 1, 4, 1], [3, 1, 4, 1]]
+
+
+def test_digit_shards_round_trip(tmp_path):
+    from megatron_mllm.data.webdataset import ImageCaptionShards, write_digit_shards
+
+    paths = write_digit_shards(tmp_path / "d", per_shard=1000)
+    assert len(paths) == 2 and all(p.suffix == ".tar" for p in paths)
+    data = ImageCaptionShards(tmp_path / "d")
+    assert len(data) == 1797 and data.captions[0] == "a handwritten zero"
+    images, text = data.batch([0, 1], 32, 3, 20, 128)
+    assert images.shape == (2, 3, 32, 32) and text.shape == (2, 20)
+    assert "".join(chr(t) for t in text[1].tolist()).strip() == "a handwritten one"
+    with pytest.raises(ConfigError, match="no .tar shards"):
+        ImageCaptionShards(tmp_path)

@@ -95,6 +95,7 @@ def test_resume_is_bit_identical_and_reshards(tmp_path):
         (["--load", "/nonexistent/ckpt"], "no latest_checkpointed_iteration.txt"),
         (["--encoder-tensor-model-parallel-size", "1"], "or neither"),
         (["--pipeline-model-parallel-size", "3"], "not divisible by TP 1 x PP 3"),
+        (["--data-path", "/nonexistent/shards"], "no .tar shards"),
     ],
 )
 def test_bad_arguments_fail_before_any_group(args, msg):
@@ -149,3 +150,25 @@ def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     again = losses(resumed.stdout)
     assert sorted(again) == [3, 4] and all(again[i] == b[i] for i in (3, 4))
+
+
+def test_trains_on_webdataset_shards(tmp_path):
+    from megatron_mllm.data.webdataset import write_digit_shards
+
+    write_digit_shards(tmp_path / "digits")
+    run = torchrun(
+        "--pipeline-model-parallel-size",
+        "2",
+        "--global-batch-size",
+        "8",
+        "--train-iters",
+        "3",
+        "--log-interval",
+        "1",
+        "--seq-length",
+        "24",
+        "--data-path",
+        str(tmp_path / "digits"),
+    )
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert sorted(losses(run.stdout)) == [1, 2, 3]

@@ -39,6 +39,7 @@ class RuntimeJob:
     fail_at_op: int = 0  # ... before its program's op with this index
     backbone_first_stage_layers: int | None = None  # megatron_core mode: uneven first stage
     dynamic: bool = False  # executor: run ready encoder work while waiting for messages
+    data_path: str | None = None  # WebDataset-style image-caption shards (else synthetic)
     coreset: object = None  # a CoresetConfig: train on B chosen from a pool of r x B samples
     pool_schedule: Schedule | None = None  # forward-only pass over the pool (its micro-batches)
     lr: float = 0.0  # > 0: take an optimizer step (AdamW) after every step
@@ -180,8 +181,32 @@ def run_rank(rank: int, world: int, job: RuntimeJob) -> dict:
     return run.result()
 
 
+_DATASETS: dict[str, object] = {}
+
+
 def _data(job: RuntimeJob, step: int):
+    """Micro-batch m of this step for DP replica dp: from `job.data_path` shards if given (read
+    once per process), else synthetic."""
     from megatron_mllm.data.synthetic import microbatch
+
+    if job.data_path:
+        from megatron_mllm.data.webdataset import ImageCaptionShards
+
+        if job.data_path not in _DATASETS:
+            _DATASETS[job.data_path] = ImageCaptionShards(job.data_path)
+        shards, cfg, b = _DATASETS[job.data_path], job.cfg, job.micro_batch
+
+        def from_disk(mb: int, dp: int = 0):
+            first = ((step * job.backbone.dp + dp) * job.num_microbatches + mb) * b
+            return shards.batch(
+                list(range(first, first + b)),
+                cfg.image_size,
+                cfg.channels,
+                cfg.text_len,
+                cfg.vocab_size,
+            )
+
+        return from_disk
 
     def get(mb: int, dp: int = 0):
         index = (step * job.backbone.dp + dp) * job.num_microbatches + mb

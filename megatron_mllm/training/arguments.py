@@ -55,6 +55,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encoder-num-attention-heads", type=int, default=4)
     g.add_argument("--img-h", type=int, default=32, help="image size (square)")
     g.add_argument("--patch-dim", type=int, default=8)
+    g = p.add_argument_group("data")
+    g.add_argument(
+        "--data-path",
+        default=None,
+        help="folder of WebDataset-style .tar shards (<key>.npy image, <key>.txt "
+        "caption); default: synthetic image-caption pairs",
+    )
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=8)
@@ -166,6 +173,19 @@ def validate_args(args: argparse.Namespace) -> None:
             )
     else:
         args.coreset = None
+    if args.data_path is not None:
+        from pathlib import Path
+
+        if not any(Path(args.data_path).glob("*.tar")):
+            raise ConfigError(
+                f"--data-path {args.data_path}: no .tar shards there; make the "
+                "tiny default with `python tools/make_digit_shards.py DIR`"
+            )
+        if args.coreset_pool_ratio is not None:
+            raise ConfigError(
+                "--coreset-pool-ratio works on the synthetic data for now; drop "
+                "--data-path or the coreset options"
+            )
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
     if args.load is not None:

@@ -162,6 +162,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         collect_grads=False,
         coreset=args.coreset,
         pool_schedule=args.pool_schedule,
+        data_path=args.data_path,
     )
     run = ExecutorRun(rank, world, job)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
