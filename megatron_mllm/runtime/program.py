@@ -88,20 +88,20 @@ def gpu_program(schedule: Schedule, groups: ColocatedGroups, encoder_tp: int) ->
     def mine(a: Action) -> bool:
         return a.kind not in ("EF", "EB") or flow.slot(a) == slot
 
+    def messages(key: str, incoming: bool) -> list[Op]:
+        """This GPU's receives (or sends) of `key`: one per route that ends (starts) here."""
+        return [
+            Op("recv", key=key, peer=src) if incoming else Op("send", key=key, peer=dst)
+            for src, dst in routes.pairs(key)
+            if src != dst and (dst if incoming else src) == me
+        ]
+
     def local_moves(keys: list[str], incoming: bool) -> list[Op]:
         """Encoder output/gradient moving between GPUs of this rank (no SEND/RECV in the IR)."""
         out = []
         for k in keys:
-            if key_prefix(k) not in ("eout", "egrad"):
-                continue
-            src_lane, dst_lane = flow.transfer_ranks(k)
-            if src_lane != dst_lane:
-                continue
-            for src, dst in routes.pairs(k):
-                if src != dst and (dst if incoming else src) == me:
-                    out.append(
-                        Op("recv" if incoming else "send", key=k, peer=src if incoming else dst)
-                    )
+            if key_prefix(k) in ("eout", "egrad") and len(set(flow.transfer_ranks(k))) == 1:
+                out += messages(k, incoming)
         return out
 
     for group in backbone_groups(acts):
@@ -109,24 +109,12 @@ def gpu_program(schedule: Schedule, groups: ColocatedGroups, encoder_tp: int) ->
         if not members:
             continue
         main = members[-1]
-        if main.kind == "SEND":
-            ops += [
-                Op("send", key=main.key, peer=dst)
-                for src, dst in routes.pairs(main.key)
-                if src == me and dst != me
-            ]
+        if main.kind in ("SEND", "RECV"):
+            ops += messages(main.key, incoming=main.kind == "RECV")
             continue
-        if main.kind == "RECV":
-            ops += [
-                Op("recv", key=main.key, peer=src)
-                for src, dst in routes.pairs(main.key)
-                if dst == me and src != me
-            ]
-            continue
-        fills = tuple(members[:-1])
         for a in members:
             ops += local_moves(flow.needs(a), incoming=True)
-        ops.append(Op("run", main, fills=fills))
+        ops.append(Op("run", main, fills=tuple(members[:-1])))
         for a in members:
             ops += local_moves(flow.makes(a), incoming=False)
     return ops
