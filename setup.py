@@ -27,6 +27,7 @@ setup(
     ],
     extras_require={
         "plot": ["matplotlib"],
-        "test": ["pytest", "hypothesis", "matplotlib", "ruff"],
+        "convert": ["transformers==5.24.0"],  # tools/convert_llava.py
+        "test": ["pytest", "hypothesis", "matplotlib", "ruff", "transformers==5.24.0"],
     },
 )

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.models.config import TINY
+from megatron_mllm.models.config import CLIP_VIT, LLAMA, TINY, MLLMConfig
 from megatron_mllm.models.weights import assemble_grads
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.launch import RankFailed, spawn
@@ -43,7 +43,7 @@ def check_against(reference, outs, tp_of: dict[str, int]):
         [o["grads"] for o in outs], shapes, {k: tp_of[k.split(".")[0]] for k in shapes}
     )
     assert set(grads) == set(shapes)
-    for name, (expected, _) in ref["grads"].items():
+    for name, (expected, *_) in ref["grads"].items():
         torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
@@ -137,3 +137,18 @@ def test_dynamic_mode_agrees(reference):
     )
     check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
     assert sum(o["moved"] for o in outs) > 0  # some encoder work did run ahead
+
+
+def test_llava_shaped_model_agrees_on_tp2():
+    """CLIP-style encoder (class token, pre-norm, quick_gelu) and a Llama backbone (RMSNorm,
+    SwiGLU, no bias, grouped-query attention): the SwiGLU fc1 shards as [gate_r; up_r]."""
+    cfg = MLLMConfig(image_size=16, patch_size=4, llm_query_groups=2, **CLIP_VIT, **LLAMA)
+    state = spawn(make_full_state, 1, cfg, 0)[0]
+    for model in (cfg, TINY):  # the analytic count --dry-run prints is exact
+        counted = spawn(make_full_state, 1, model, 0)[0] if model is TINY else state
+        assert sum(v.numel() for v in counted.values()) == sum(model.num_params())
+    ref = spawn(run_rank, 1, RuntimeJob(cfg, ParallelPlan(1, 1, 1), 1, N, state, mode="reference"))
+    plan = ParallelPlan(1, 2, 1)
+    schedule = runtime_schedule(cfg, plan, 1, N, "optimus")
+    outs = spawn(run_rank, 2, RuntimeJob(cfg, plan, 1, N, state, schedule=schedule))
+    check_against((state, ref[0]), outs, {"backbone": 2, "encoder": 2, "projector": 2})

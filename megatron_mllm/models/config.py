@@ -31,10 +31,36 @@ class MLLMConfig:
     llm_ffn: int | None = None
     vocab_size: int = 128
     text_len: int = 16
+    # Encoder architecture. The defaults are our plain ViT; LLaVA's CLIP tower is
+    # class token + pre-norm + quick_gelu + no patch bias + no final norm (see CLIP_VIT).
+    vit_class_token: bool = False  # a learned [CLS] token first, dropped before the projector
+    vit_pre_norm: bool = False  # LayerNorm on the embeddings (CLIP's pre_layrnorm)
+    vit_final_norm: bool = True  # LayerNorm after the last layer
+    vit_patch_bias: bool = True
+    vit_activation: str = "gelu"  # or "quick_gelu"
+    vit_norm_eps: float = 1e-5
+    projector_bias: bool = True
+    # Backbone architecture (Megatron's --normalization, --swiglu, --disable-bias-linear,
+    # --num-query-groups, --norm-epsilon, --rotary-base). Llama: RMSNorm + SwiGLU + no bias.
+    llm_normalization: str = "LayerNorm"  # or "RMSNorm"
+    llm_swiglu: bool = False
+    llm_bias: bool = True
+    llm_query_groups: int | None = None  # None: one per head (no grouped-query attention)
+    llm_norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    # Training-time only (no effect on the weights' shapes): Megatron's --hidden-dropout and
+    # --attention-dropout, 0 by default here.
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
 
     @property
     def num_patches(self) -> int:
         return (self.image_size // self.patch_size) ** 2
+
+    @property
+    def encoder_seq_len(self) -> int:
+        """Tokens inside the encoder: the patches, after the class token if there is one."""
+        return self.num_patches + int(self.vit_class_token)
 
     @property
     def patch_dim(self) -> int:
@@ -43,6 +69,23 @@ class MLLMConfig:
     @property
     def seq_len(self) -> int:
         return self.num_patches + self.text_len
+
+    def num_params(self) -> tuple[int, int]:
+        """(encoder + projector, backbone) parameter counts of the unsharded model."""
+        h, f = self.vit_hidden, self.vit_ffn or 4 * self.vit_hidden
+        vit = self.vit_layers * (4 * h * h + 2 * h * f + 9 * h + f)
+        vit += (self.patch_dim + self.encoder_seq_len + int(self.vit_patch_bias)) * h
+        vit += (int(self.vit_class_token) + 2 * self.vit_pre_norm + 2 * self.vit_final_norm) * h
+        out = self.llm_hidden
+        vit += h * out + out * out + 2 * out * int(self.projector_bias)
+        h, f = self.llm_hidden, self.llm_ffn or 4 * self.llm_hidden
+        kv = (self.llm_query_groups or self.llm_heads) * (h // self.llm_heads)
+        up = (2 if self.llm_swiglu else 1) * f
+        norm = h * (1 if self.llm_normalization == "RMSNorm" else 2)
+        layer = 2 * h * h + 2 * h * kv + up * h + f * h + 2 * norm
+        if self.llm_bias:
+            layer += h + 2 * kv + h + up + h
+        return vit, self.llm_layers * layer + 2 * self.vocab_size * h + norm
 
     def transformer_specs(self):
         """(encoder, backbone) shapes for the schedule core's cost model."""
@@ -85,9 +128,32 @@ class MLLMConfig:
                 raise ConfigError(f"{name} heads {heads} are not divisible by TP {t}")
         if self.vocab_size % tp:
             raise ConfigError(f"vocab size {self.vocab_size} is not divisible by TP {tp}")
+        groups = self.llm_query_groups or self.llm_heads
+        if self.llm_heads % groups or groups % tp:
+            raise ConfigError(
+                f"llm query groups {groups} must divide {self.llm_heads} heads and be "
+                f"divisible by TP {tp}"
+            )
+        if self.vit_activation not in ("gelu", "quick_gelu"):
+            raise ConfigError(
+                f"encoder activation '{self.vit_activation}' is not one of gelu, quick_gelu"
+            )
+        if self.llm_normalization not in ("LayerNorm", "RMSNorm"):
+            raise ConfigError(
+                f"normalization '{self.llm_normalization}' is not one of LayerNorm, RMSNorm"
+            )
 
 
 TINY = MLLMConfig()
+# LLaVA-1.5's parts: CLIP vision tower, Llama backbone (sizes come from the checkpoint).
+CLIP_VIT = dict(
+    vit_class_token=True,
+    vit_pre_norm=True,
+    vit_final_norm=False,
+    vit_patch_bias=False,
+    vit_activation="quick_gelu",
+)
+LLAMA = dict(llm_normalization="RMSNorm", llm_swiglu=True, llm_bias=False, llm_norm_eps=1e-6)
 # The benchmark's model: encoder about 30% of the compute (measured), still fast on 2 cores.
 BENCH = MLLMConfig(
     image_size=64,
@@ -103,8 +169,30 @@ BENCH = MLLMConfig(
 )
 
 
+def _architecture(cfg: MLLMConfig, part: str) -> dict:
+    """TransformerConfig fields that follow the encoder's or backbone's architecture."""
+    import torch.nn.functional as F
+
+    if part == "vit":
+        from megatron.core.activations import quick_gelu
+
+        act = quick_gelu if cfg.vit_activation == "quick_gelu" else F.gelu
+        return dict(activation_func=act, layernorm_epsilon=cfg.vit_norm_eps)
+    if part == "projector":
+        return dict(activation_func=F.gelu, add_bias_linear=cfg.projector_bias)
+    return dict(
+        normalization=cfg.llm_normalization,
+        layernorm_epsilon=cfg.llm_norm_eps,
+        gated_linear_unit=cfg.llm_swiglu,
+        activation_func=F.silu if cfg.llm_swiglu else F.gelu,
+        add_bias_linear=cfg.llm_bias,
+        num_query_groups=cfg.llm_query_groups,
+    )
+
+
 def transformer_config(cfg: MLLMConfig, part: str, tp: int, pp: int, **overrides):
-    """A megatron-core TransformerConfig for the encoder ("vit") or backbone ("llm")."""
+    """A megatron-core TransformerConfig for the encoder ("vit"), the projector ("projector")
+    or the backbone ("llm")."""
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     vit = part == "vit"
@@ -119,8 +207,8 @@ def transformer_config(cfg: MLLMConfig, part: str, tp: int, pp: int, **overrides
         pipeline_dtype=torch.float32,
         params_dtype=torch.float32,
         use_cpu_initialization=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=False,
@@ -128,6 +216,7 @@ def transformer_config(cfg: MLLMConfig, part: str, tp: int, pp: int, **overrides
         batch_p2p_comm=False,  # gloo matches p2p in posting order; see MEGATRON_CORE_ON_CPU.md
         batch_p2p_sync=False,
         perform_initialization=True,
+        **_architecture(cfg, part),
     )
     kwargs.update(overrides)
     return TransformerConfig(**kwargs)

@@ -45,19 +45,25 @@ class EncoderStage(nn.Module):
         self.first, self.last = stage == 0, stage == num_stages - 1
         config = transformer_config(cfg, "vit", tp, num_stages)
         if self.first:
-            self.patch_embed = nn.Linear(cfg.patch_dim, cfg.vit_hidden)
-            self.pos_embed = nn.Parameter(torch.randn(cfg.num_patches, 1, cfg.vit_hidden) * 0.02)
+            self.patch_embed = nn.Linear(cfg.patch_dim, cfg.vit_hidden, bias=cfg.vit_patch_bias)
+            self.pos_embed = nn.Parameter(
+                torch.randn(cfg.encoder_seq_len, 1, cfg.vit_hidden) * 0.02
+            )
+            if cfg.vit_class_token:
+                self.class_embedding = nn.Parameter(torch.randn(cfg.vit_hidden) * 0.02)
+            if cfg.vit_pre_norm:
+                self.pre_layernorm = nn.LayerNorm(cfg.vit_hidden, eps=cfg.vit_norm_eps)
         self.block = TransformerBlock(
             config,
             _vit_layer_spec(),
-            post_layer_norm=self.last,
+            post_layer_norm=self.last and cfg.vit_final_norm,
             pre_process=self.first,
             post_process=self.last,
             pg_collection=pg,
         )
         if self.last:
             proj_config = transformer_config(
-                cfg, "llm", tp, 1, num_layers=1, ffn_hidden_size=cfg.llm_hidden
+                cfg, "projector", tp, 1, num_layers=1, ffn_hidden_size=cfg.llm_hidden
             )
             self.projector = MultimodalProjector(
                 proj_config,
@@ -81,17 +87,24 @@ class EncoderStage(nn.Module):
         if u < len(self.block.layers):
             out = self.block.layers[u](hidden_states=x, attention_mask=None)
             return out[0] if isinstance(out, tuple) else out
-        x = self.block.final_layernorm(x)
+        if self.cfg.vit_class_token:
+            x = x[1:]  # LLaVA's "default" feature selection: patches only
+        if self.block.final_layernorm is not None:
+            x = self.block.final_layernorm(x)
         out = self.projector(x)
         return out[0] if isinstance(out, tuple) else out
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
-        """[b, c, H, W] images -> [patches, b, vit_hidden]."""
+        """[b, c, H, W] images -> [encoder tokens, b, vit_hidden]."""
         p = self.cfg.patch_size
         b = images.shape[0]
         patches = images.unfold(2, p, p).unfold(3, p, p)  # b, c, gh, gw, p, p
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, self.cfg.num_patches, -1)
-        return self.patch_embed(patches).transpose(0, 1) + self.pos_embed
+        x = self.patch_embed(patches).transpose(0, 1)
+        if self.cfg.vit_class_token:
+            x = torch.cat([self.class_embedding.expand(1, b, -1), x], dim=0)
+        x = x + self.pos_embed
+        return self.pre_layernorm(x) if self.cfg.vit_pre_norm else x
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for u in range(self.num_units):
@@ -122,18 +135,21 @@ class BackboneStage(nn.Module):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
         from megatron.core.models.gpt.gpt_model import GPTModel
 
+        assert cfg.llm_normalization in ("LayerNorm", "RMSNorm")
+
         self.cfg, self.pg = cfg, pg
         self.pre_process, self.post_process = pre_process, post_process
         config = transformer_config(cfg, "llm", tp, pp, **config_overrides)
         self.gpt = GPTModel(
             config,
-            get_gpt_layer_local_spec(),
+            get_gpt_layer_local_spec(normalization=cfg.llm_normalization),
             cfg.vocab_size,
             cfg.seq_len,
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=False,
             position_embedding_type="rope",
+            rotary_base=int(cfg.rope_base),
             pg_collection=pg,
             vp_stage=vp_stage,
         )

@@ -5,7 +5,9 @@ Canonical names: `encoder.pos_embed`, `encoder.patch_embed.*`, `encoder.layers.{
 layer index), `encoder.final_layernorm.*`, `projector.*`, `backbone.embedding.*`,
 `backbone.decoder.layers.{i}.*`, `backbone.decoder.final_layernorm.*`, `backbone.output_layer.*`.
 A tensor-parallel shard differs from the full tensor in one dimension, split into TP contiguous
-chunks (megatron-core's column-, row- and vocab-parallel layouts all are).
+chunks (megatron-core's column-, row- and vocab-parallel layouts all are), except a SwiGLU
+`linear_fc1`, whose TP rank r holds [gate_r; up_r]: viewed as [2, n/2, ...] ("gated") it is
+split along dimension 1.
 """
 
 from __future__ import annotations
@@ -16,6 +18,30 @@ import torch
 from torch import nn
 
 _LAYER = re.compile(r"^(block\.layers|gpt\.decoder\.layers)\.(\d+)\.(.*)$")
+_GATED = re.compile(r"\.mlp\.linear_fc1\.(weight|bias)$")
+
+
+def gated_names(module: nn.Module) -> set[str]:
+    """Canonical names of this module's SwiGLU fc1 tensors (see the module docstring)."""
+    config = getattr(getattr(module, "gpt", None), "config", None) or getattr(
+        getattr(module, "block", None), "config", None
+    )
+    if config is None or not config.gated_linear_unit:
+        return set()
+    return {c for c in canonical_names(module).values() if _GATED.search(c)}
+
+
+def gated_view(t: torch.Tensor) -> torch.Tensor:
+    """[2n, ...] -> [2, n, ...]: the gate and up halves of a SwiGLU fc1 tensor."""
+    return t.reshape(2, t.shape[0] // 2, *t.shape[1:])
+
+
+def shard(full: torch.Tensor, local_shape: torch.Size, tp_rank: int, tp: int, gated: bool):
+    """TP rank `tp_rank`'s piece of a canonical tensor."""
+    if gated and tp > 1:
+        return gated_view(full).chunk(tp, dim=1)[tp_rank].reshape(local_shape)
+    dim = split_dim(full.shape, local_shape, tp)
+    return full if dim is None else full.chunk(tp, dim=dim)[tp_rank]
 
 
 def canonical_names(module: nn.Module) -> dict[str, str]:
@@ -55,13 +81,10 @@ def load_full_state(
     module: nn.Module, full: dict[str, torch.Tensor], tp_rank: int, tp: int
 ) -> None:
     """Copy this module's shard of every canonical tensor into its parameters."""
-    names = canonical_names(module)
+    names, gated = canonical_names(module), gated_names(module)
     for name, param in module.named_parameters():
-        tensor = full[names[name]]
-        dim = split_dim(tensor.shape, param.shape, tp)
-        if dim is not None:
-            tensor = tensor.chunk(tp, dim=dim)[tp_rank]
-        param.copy_(tensor)
+        c = names[name]
+        param.copy_(shard(full[c], param.shape, tp_rank, tp, c in gated))
 
 
 def full_state(*modules: nn.Module) -> dict[str, torch.Tensor]:
@@ -74,28 +97,38 @@ def full_state(*modules: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def grad_shards(module: nn.Module, tp_rank: int) -> dict[str, tuple[torch.Tensor, int]]:
-    """canonical name -> (local gradient, TP rank) for reassembly by `assemble_grads`."""
-    names = canonical_names(module)
+def grad_shards(module: nn.Module, tp_rank: int) -> dict[str, tuple[torch.Tensor, int, bool]]:
+    """canonical name -> (local gradient, TP rank, gated) for reassembly by `assemble_grads`."""
+    names, gated = canonical_names(module), gated_names(module)
     return {
-        names[n]: (p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p), tp_rank)
+        names[n]: (
+            p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p),
+            tp_rank,
+            names[n] in gated,
+        )
         for n, p in module.named_parameters()
     }
 
 
 def assemble_grads(
-    shards: list[dict[str, tuple[torch.Tensor, int]]],
+    shards: list[dict[str, tuple[torch.Tensor, int, bool]]],
     full_shapes: dict[str, torch.Size],
     tp: dict[str, int],
 ) -> dict[str, torch.Tensor]:
     """Full gradients from every rank's shards; `tp[name]` is the TP size it was cut with."""
     pieces: dict[str, dict[int, torch.Tensor]] = {}
+    gated: set[str] = set()
     for rank_shards in shards:
-        for name, (grad, tp_rank) in rank_shards.items():
+        for name, (grad, tp_rank, is_gated) in rank_shards.items():
             pieces.setdefault(name, {})[tp_rank] = grad
+            if is_gated:
+                gated.add(name)
     out = {}
     for name, by_rank in pieces.items():
-        first = by_rank[min(by_rank)]
-        dim = split_dim(full_shapes[name], first.shape, tp[name])
-        out[name] = first if dim is None else torch.cat([by_rank[r] for r in sorted(by_rank)], dim)
+        ordered = [by_rank[r] for r in sorted(by_rank)]
+        if name in gated and tp[name] > 1:
+            out[name] = torch.cat([gated_view(g) for g in ordered], 1).reshape(full_shapes[name])
+            continue
+        dim = split_dim(full_shapes[name], ordered[0].shape, tp[name])
+        out[name] = ordered[0] if dim is None else torch.cat(ordered, dim)
     return out

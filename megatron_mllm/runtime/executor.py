@@ -217,7 +217,7 @@ class Executor:
             return (cfg.seq_len, b, cfg.llm_hidden)
         if prefix in ("eout", "egrad"):
             return (cfg.num_patches, b, cfg.llm_hidden)
-        return (cfg.num_patches, b, cfg.vit_hidden)
+        return (cfg.encoder_seq_len, b, cfg.vit_hidden)
 
     def _batch(self, mb: int):
         if mb not in self._batches:

@@ -56,7 +56,7 @@ def profile_units(
     bb = BackboneStage(cfg, True, True, groups.backbone, 1, 1)
     images, text = microbatch(cfg, 0, micro_batch)
     b = micro_batch
-    vit_h = torch.randn(cfg.num_patches, b, cfg.vit_hidden)
+    vit_h = torch.randn(cfg.encoder_seq_len, b, cfg.vit_hidden)
     llm_h = torch.randn(cfg.seq_len, b, cfg.llm_hidden)
 
     def leaf(t):

@@ -55,6 +55,30 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encoder-num-attention-heads", type=int, default=4)
     g.add_argument("--img-h", type=int, default=32, help="image size (square)")
     g.add_argument("--patch-dim", type=int, default=8)
+    g.add_argument("--num-channels", type=int, default=3)
+    g.add_argument("--ffn-hidden-size", type=int, default=None, help="default 4 x hidden")
+    g.add_argument("--encoder-ffn-hidden-size", type=int, default=None)
+    g.add_argument(
+        "--encoder-arch",
+        choices=["vit", "clip"],
+        default="vit",
+        help="vit: patches + final norm; clip: LLaVA's CLIP tower (class token, pre-norm, "
+        "quick_gelu, no final norm)",
+    )
+    g.add_argument(
+        "--encoder-activation",
+        choices=["gelu", "quick_gelu"],
+        default=None,
+        help="default: gelu for vit, quick_gelu for clip",
+    )
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
+    g.add_argument("--norm-epsilon", type=float, default=1e-5)
+    g.add_argument("--swiglu", action="store_true", help="SwiGLU backbone MLP")
+    g.add_argument("--disable-bias-linear", action="store_true", help="no backbone linear biases")
+    g.add_argument("--group-query-attention", action="store_true")
+    g.add_argument("--num-query-groups", type=int, default=1)
+    g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument("--disable-projector-bias", action="store_true")
     g = p.add_argument_group("data")
     g.add_argument(
         "--data-path",
@@ -74,9 +98,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--hidden-dropout", type=float, default=0.0)
+    g.add_argument("--attention-dropout", type=float, default=0.0)
     g = p.add_argument_group("checkpointing and logging")
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
+    g.add_argument(
+        "--use-checkpoint-args",
+        action="store_true",
+        help="take the model arguments from the --load checkpoint (e.g. a converted LLaVA)",
+    )
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument(
@@ -90,11 +121,54 @@ def build_parser() -> argparse.ArgumentParser:
         help="write the last step's real-execution trace (Chrome JSON) here",
     )
     g.add_argument("--distributed-timeout-minutes", type=float, default=2.0)
+    g.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the arguments for WORLD_SIZE ranks, print both plans and the model, exit "
+        "(no process group, no file; e.g. to check a GPU recipe on a laptop)",
+    )
     return p
+
+
+# Arguments that define the model (saved in every checkpoint; see --use-checkpoint-args).
+MODEL_ARGS = (
+    "num_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "vocab_size",
+    "seq_length",
+    "encoder_num_layers",
+    "encoder_hidden_size",
+    "encoder_num_attention_heads",
+    "img_h",
+    "patch_dim",
+    "num_channels",
+    "ffn_hidden_size",
+    "encoder_ffn_hidden_size",
+    "encoder_arch",
+    "encoder_activation",
+    "normalization",
+    "norm_epsilon",
+    "swiglu",
+    "disable_bias_linear",
+    "group_query_attention",
+    "num_query_groups",
+    "rotary_base",
+    "disable_projector_bias",
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = build_parser().parse_args(argv)
+    if args.use_checkpoint_args:
+        if args.load is None:
+            raise ConfigError("--use-checkpoint-args needs --load DIR")
+        from megatron_mllm.training.checkpointing import read_common
+
+        saved = read_common(args.load).get("args", {})
+        for name in MODEL_ARGS:
+            if name in saved:
+                setattr(args, name, saved[name])
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = int(os.environ.get("RANK", "0"))
     validate_args(args)

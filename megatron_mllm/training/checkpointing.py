@@ -4,6 +4,8 @@ Every parameter (and its Adam moments) is saved as a ShardedTensor of its full, 
 with this rank's offsets, so a checkpoint written under one pair of plans loads under any other.
 Layout: <save>/iter_0000100/ and <save>/latest_checkpointed_iteration.txt, which rank 0 writes
 only after every rank finished the save (an interrupted save is never taken as the latest).
+A "model only" checkpoint (common["model_only"], e.g. converted from Hugging Face) holds weights
+and no optimizer, scheduler or RNG state.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.models.weights import canonical_names, split_dim
+from megatron_mllm.models.weights import canonical_names, gated_names, gated_view, split_dim
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -23,34 +25,75 @@ def checkpoint_dir(root: str, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
-def latest_iteration(root: str) -> int:
+def latest_iteration(root: str, flag: str = "--load") -> int:
     tracker = Path(root) / TRACKER
     if not tracker.is_file():
         raise ConfigError(
-            f"--load {root}: no {TRACKER} there (no finished checkpoint); "
-            "point --load at a --save directory of a run that saved"
+            f"{flag} {root}: no {TRACKER} there (no finished checkpoint); "
+            f"point {flag} at a --save directory of a run that saved"
         )
     text = tracker.read_text().strip()
     if not text.isdigit() or not checkpoint_dir(root, int(text)).is_dir():
-        raise ConfigError(f"--load {root}: {TRACKER} says '{text}' but that checkpoint is missing")
+        raise ConfigError(f"{flag} {root}: {TRACKER} says '{text}' but that checkpoint is missing")
     return int(text)
+
+
+def read_common(root: str, flag: str = "--load") -> dict:
+    """The common (non-sharded) state of the latest checkpoint under `root`; reads one file."""
+    path = checkpoint_dir(root, latest_iteration(root, flag))
+    from megatron.core.dist_checkpointing import load_common_state_dict
+
+    return load_common_state_dict(str(path))["common"]
+
+
+def capture_rng_state() -> dict:
+    """This rank's RNG streams: Python, NumPy, torch (CPU and CUDA), megatron-core's tracker."""
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {
+        "random": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+        "tracker": get_cuda_rng_tracker().get_states(),
+    }
+
+
+def restore_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["random"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
 
 
 def _sharded(module, tp_rank: int, tp: int, replica: int, full_shapes: dict, optimizer=None):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     out = {}
-    names = canonical_names(module)
+    names, gated = canonical_names(module), gated_names(module)
     state = optimizer.optimizer.state if optimizer is not None else {}
     for local, p in module.named_parameters():
         name = names[local]
         shape = full_shapes[name]
         dim = split_dim(torch.Size(shape), p.shape, tp)
         tensors = {"model": p.data}
+        if name in gated:  # [gate_r; up_r] is the dim-1 piece r of the [2, n, ...] view
+            dim = 1 if dim is not None else None
+            tensors = {"model": gated_view(p.data)}
         st = state.get(p, {})
         for k in ("exp_avg", "exp_avg_sq"):
             if k in st:
-                tensors[f"optimizer.{k}"] = st[k]
+                tensors[f"optimizer.{k}"] = gated_view(st[k]) if name in gated else st[k]
         for kind, t in tensors.items():
             key = f"{kind}.{name}"
             if dim is None:
@@ -113,10 +156,13 @@ def save(
 
 def load(root: str, parts, full_shapes: dict, optimizer, objects: dict | None = None) -> dict:
     """Load into the modules (and optimizer moments); returns the common state, with the
-    requested per-replica `objects` (name -> (None, index, count)) under "objects"."""
+    requested per-replica `objects` (name -> (None, index, count)) under "objects". A model-only
+    checkpoint loads the weights alone (no moments, no objects)."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
+    if read_common(root).get("model_only"):
+        optimizer, objects = None, None
     if optimizer is not None:  # create the Adam moments so they can be loaded into
         for group in optimizer.optimizer.param_groups:
             for p in group["params"]:

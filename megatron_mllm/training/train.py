@@ -11,28 +11,85 @@ import time
 import torch
 
 from megatron_mllm.errors import exit_on_config_error
-from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.models.config import CLIP_VIT, MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
 
 
 def model_config(args: argparse.Namespace) -> MLLMConfig:
+    """The model the arguments describe (see arguments.MODEL_ARGS and `model_args`)."""
+    arch = dict(CLIP_VIT) if args.encoder_arch == "clip" else {}
+    if args.encoder_activation:
+        arch["vit_activation"] = args.encoder_activation
     cfg = MLLMConfig(
         image_size=args.img_h,
         patch_size=args.patch_dim,
+        channels=args.num_channels,
         vit_layers=args.encoder_num_layers,
         vit_hidden=args.encoder_hidden_size,
         vit_heads=args.encoder_num_attention_heads,
+        vit_ffn=args.encoder_ffn_hidden_size,
         llm_layers=args.num_layers,
         llm_hidden=args.hidden_size,
         llm_heads=args.num_attention_heads,
+        llm_ffn=args.ffn_hidden_size,
         vocab_size=args.vocab_size,
         text_len=args.seq_length,
+        **arch,
+        projector_bias=not args.disable_projector_bias,
+        llm_normalization=args.normalization,
+        llm_norm_eps=args.norm_epsilon,
+        llm_swiglu=args.swiglu,
+        llm_bias=not args.disable_bias_linear,
+        llm_query_groups=args.num_query_groups if args.group_query_attention else None,
+        rope_base=args.rotary_base,
+        hidden_dropout=getattr(args, "hidden_dropout", 0.0),
+        attention_dropout=getattr(args, "attention_dropout", 0.0),
     )
-    cfg.validate(args.tensor_model_parallel_size, args.encoder_tensor_model_parallel_size or 1)
+    cfg.validate(
+        getattr(args, "tensor_model_parallel_size", 1),
+        getattr(args, "encoder_tensor_model_parallel_size", None) or 1,
+    )
     return cfg
 
 
-def _full_state(cfg: MLLMConfig, groups):
+def model_args(cfg: MLLMConfig) -> dict:
+    """The inverse of `model_config`: argument values (MODEL_ARGS) that rebuild `cfg`."""
+    clip = all(getattr(cfg, k) == v for k, v in CLIP_VIT.items() if k != "vit_activation")
+    args = dict(
+        num_layers=cfg.llm_layers,
+        hidden_size=cfg.llm_hidden,
+        num_attention_heads=cfg.llm_heads,
+        vocab_size=cfg.vocab_size,
+        seq_length=cfg.text_len,
+        encoder_num_layers=cfg.vit_layers,
+        encoder_hidden_size=cfg.vit_hidden,
+        encoder_num_attention_heads=cfg.vit_heads,
+        img_h=cfg.image_size,
+        patch_dim=cfg.patch_size,
+        num_channels=cfg.channels,
+        ffn_hidden_size=cfg.llm_ffn,
+        encoder_ffn_hidden_size=cfg.vit_ffn,
+        encoder_arch="clip" if clip else "vit",
+        encoder_activation=cfg.vit_activation,
+        normalization=cfg.llm_normalization,
+        norm_epsilon=cfg.llm_norm_eps,
+        swiglu=cfg.llm_swiglu,
+        disable_bias_linear=not cfg.llm_bias,
+        group_query_attention=cfg.llm_query_groups is not None,
+        num_query_groups=cfg.llm_query_groups or 1,
+        rotary_base=cfg.rope_base,
+        disable_projector_bias=not cfg.projector_bias,
+    )
+    rebuilt = model_config(argparse.Namespace(**args))
+    if rebuilt != cfg:
+        from megatron_mllm.errors import ConfigError
+
+        diff = [k for k, v in vars(cfg).items() if getattr(rebuilt, k) != v]
+        raise ConfigError(f"model fields {', '.join(diff)} have no pretrain_mllm.py argument")
+    return args
+
+
+def initial_weights(cfg: MLLMConfig, groups) -> dict[str, torch.Tensor]:
     """Initial canonical weights, the same on every rank (an unsharded model from the seed)."""
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -61,6 +118,25 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
             f" > predicted by the analytic CPU cost model (uncalibrated): step "
             f"{1000 * p.step_time_s:.1f} ms, bubble ratio "
             f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",
+        ]
+    )
+
+
+def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int) -> str:
+    """What --dry-run prints: the checked job, without planning or touching anything."""
+    vit, llm = cfg.num_params()
+    enc = f"{forced} (given)" if forced else "chosen by the planner at start-up"
+    return "\n".join(
+        [
+            " > arguments checked for world size {} ({})".format(
+                plan.world_size, "dry run: nothing started"
+            ),
+            f" > backbone plan: {plan}; encoder plan: {enc}; schedule {args.bubble_schedule}",
+            f" > encoder: {cfg.vit_layers} layers x {cfg.vit_hidden} ({vit / 1e9:.2f}B "
+            f"params), {cfg.encoder_seq_len} tokens per image",
+            f" > backbone: {cfg.llm_layers} layers x {cfg.llm_hidden} ({llm / 1e9:.2f}B "
+            f"params), {cfg.seq_len} tokens per sample",
+            f" > {n_mb} micro-batches of {args.micro_batch_size} per step and DP replica",
         ]
     )
 
@@ -110,6 +186,9 @@ def main(argv: list[str] | None = None) -> int:
         forced = colocated_encoder_plan(
             plan, args.encoder_tensor_model_parallel_size, args.encoder_pipeline_model_parallel_size
         )
+    if args.dry_run:
+        print(dry_run_summary(args, cfg, plan, forced, n_mb))
+        return 0
     schedule, workload = runtime_plan(
         cfg, plan, args.micro_batch_size, n_mb, args.bubble_schedule, encoder_plan=forced
     )
@@ -146,7 +225,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
 
     enc_plan, stage0 = encoder_plan_of(schedule, plan)
     probe = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
-    state = _full_state(cfg, probe)
+    state = initial_weights(cfg, probe)
     full_shapes = {k: tuple(v.shape) for k, v in state.items()}
     job = RuntimeJob(
         cfg,
@@ -190,8 +269,11 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
     # The coreset selector (last stage, TP rank 0 of each replica) is checkpointed per replica.
     holds_selector = run.selector is not None and run.backbone.post_process and c.tp == 0
 
-    def selector_objects(state=None):
-        return {"coreset_selector": (state, c.dp, plan.dp)} if holds_selector else {}
+    def per_rank_objects(selector=None, rng=None) -> dict:
+        out = {"rng_state": (rng, rank, world)}  # megatron saves RNG per rank, too
+        if holds_selector:
+            out["coreset_selector"] = (selector, c.dp, plan.dp)
+        return out
 
     def save_checkpoint(iteration: int) -> None:
         common = {
@@ -200,22 +282,40 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
             "consumed_samples": iteration * args.global_batch_size,
             "args": _saved_args(args),
         }
-        state = run.selector.state_dict() if holds_selector else None
+        selector = run.selector.state_dict() if holds_selector else None
         checkpointing.save(
-            args.save, iteration, parts, full_shapes, run.optimizer, common, selector_objects(state)
+            args.save,
+            iteration,
+            parts,
+            full_shapes,
+            run.optimizer,
+            common,
+            per_rank_objects(selector, checkpointing.capture_rng_state()),
         )
 
     start = 0
     if args.load:
-        common = checkpointing.load(
-            args.load, parts, full_shapes, run.optimizer, selector_objects()
+        saved = checkpointing.read_common(args.load)
+        objects = per_rank_objects()
+        same_layout = all(
+            saved.get("args", {}).get(k) == getattr(args, k)
+            for k in ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
         )
-        if holds_selector:
-            run.selector.load_state_dict(common["objects"]["coreset_selector"])
-        start = common["iteration"]
-        scheduler.load_state_dict(common["scheduler"])
+        if not same_layout:  # resharded: RNG streams belong to ranks that no longer exist
+            objects.pop("rng_state")
+        common = checkpointing.load(args.load, parts, full_shapes, run.optimizer, objects)
+        if saved.get("model_only"):
+            what = "model weights only (no optimizer, scheduler or RNG state)"
+        else:
+            if holds_selector:
+                run.selector.load_state_dict(common["objects"]["coreset_selector"])
+            if "rng_state" in common["objects"]:
+                checkpointing.restore_rng_state(common["objects"]["rng_state"])
+            start = common["iteration"]
+            scheduler.load_state_dict(common["scheduler"])
+            what = "iteration " + str(start) + ("" if same_layout else ", resharded; fresh RNG")
         if rank == 0:
-            print(f" loaded checkpoint from {args.load} at iteration {start}", flush=True)
+            print(f" loaded checkpoint from {args.load}: {what}", flush=True)
     if rank == 0:
         print(startup_summary(args, plan, enc_plan, stage0, n_mb), flush=True)
     writer = None

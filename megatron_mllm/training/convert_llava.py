@@ -1,0 +1,178 @@
+"""Hugging Face LLaVA directories <-> our torch_dist checkpoints (behind tools/convert_llava.py).
+
+Both directions go through the canonical weights (`models/hf_llava.py`) and the training code's
+own checkpoint writer and reader on one gloo rank, so a converted checkpoint is exactly what
+pretrain_mllm.py loads, under any pair of plans. Every check runs before the process group or
+any output file is touched; nothing existing is overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import torch
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.models.hf_llava import (
+    canonical_to_llava,
+    check_exportable,
+    config_from_llava,
+    llava_config,
+    llava_to_canonical,
+)
+from megatron_mllm.training.checkpointing import TRACKER
+
+
+def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a save_pretrained directory (safetensors, else PyTorch .bin shards)."""
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if files:
+        from safetensors.torch import load_file
+
+        return {k: v for f in files for k, v in load_file(str(f)).items()}
+    out = {}
+    for f in sorted(hf_dir.glob("pytorch_model*.bin")):
+        out.update(torch.load(f, map_location="cpu", weights_only=True))
+    return out
+
+
+def _one_rank_model(cfg: MLLMConfig, seed: int = 1234):
+    """A gloo group of one and an unsharded encoder + backbone (checkpoint `parts`)."""
+    from megatron_mllm.models.stages import BackboneStage, EncoderStage
+    from megatron_mllm.parallel.groups import build_colocated_groups
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.launch import free_port
+    from megatron_mllm.runtime.session import _init_rank
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(free_port())
+    _init_rank(0, 1, seed, 300.0)
+    one = ParallelPlan(1, 1, 1)
+    groups = build_colocated_groups(one, one, 1, 0)
+    encoder = EncoderStage(cfg, 0, 1, groups.encoder, 1)
+    backbone = BackboneStage(cfg, True, True, groups.backbone, 1, 1)
+    return encoder, backbone, [(backbone, 0, 1, 0), (encoder, 0, 1, 0)]
+
+
+def hf_to_mcore(load_dir: str, save_dir: str, seq_length: int) -> MLLMConfig:
+    """A LLaVA save_pretrained directory -> <save_dir>/iter_0000000 (model only)."""
+    from transformers import AutoConfig
+
+    src = Path(load_dir)
+    if not (src / "config.json").is_file():
+        raise ConfigError(f"--load-dir {load_dir}: no config.json (a save_pretrained directory)")
+    if (Path(save_dir) / TRACKER).exists():
+        raise ConfigError(
+            f"--save-dir {save_dir} already holds a checkpoint; choose an empty directory"
+        )
+    hf = AutoConfig.from_pretrained(str(src))
+    cfg = config_from_llava(hf, seq_length)
+    cfg.validate()
+    from megatron_mllm.training.train import model_args
+
+    args = model_args(cfg)
+    canonical = llava_to_canonical(read_hf_weights(src), cfg)
+
+    import torch.distributed as dist
+
+    from megatron_mllm.models.weights import canonical_names, load_full_state
+    from megatron_mllm.training import checkpointing
+
+    encoder, backbone, parts = _one_rank_model(cfg)
+    expected = {c for m in (encoder, backbone) for c in canonical_names(m).values()}
+    if expected != set(canonical):
+        missing = sorted(expected - set(canonical))[:3]
+        raise ConfigError(f"converted weights do not cover the model (e.g. {missing})")
+    load_full_state(encoder, canonical, 0, 1)
+    load_full_state(backbone, canonical, 0, 1)
+    shapes = {k: tuple(v.shape) for k, v in canonical.items()}
+    common = {
+        "iteration": 0,
+        "model_only": True,
+        "args": args,
+        "source": {"hf_dir": str(src), "llava_config": hf.to_dict()},
+    }
+    checkpointing.save(save_dir, 0, parts, shapes, None, common)
+    dist.destroy_process_group()
+    return cfg
+
+
+def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = None):
+    """The latest checkpoint under `load_dir` -> a LlavaForConditionalGeneration directory."""
+    from transformers import LlavaForConditionalGeneration
+
+    from megatron_mllm.training import checkpointing
+    from megatron_mllm.training.arguments import build_parser
+    from megatron_mllm.training.train import model_config
+
+    common = checkpointing.read_common(load_dir, "--load-dir")
+    args = vars(build_parser().parse_args([]))
+    args.update({k: v for k, v in common.get("args", {}).items() if k in args})
+    cfg = model_config(argparse.Namespace(**args))
+    check_exportable(cfg)
+    if image_token_index is None:  # the source model's, else the last vocabulary entry
+        source = common.get("source", {}).get("llava_config", {})
+        image_token_index = source.get("image_token_index", cfg.vocab_size - 1)
+    if not 0 <= image_token_index < cfg.vocab_size:
+        raise ConfigError(
+            f"--image-token-index {image_token_index} is outside the vocabulary "
+            f"0..{cfg.vocab_size - 1}"
+        )
+    out = Path(save_dir)
+    if (out / "config.json").exists():
+        raise ConfigError(f"--save-dir {save_dir} already holds a model; choose an empty directory")
+    hf_config = llava_config(cfg, image_token_index)
+
+    import torch.distributed as dist
+
+    from megatron_mllm.models.weights import full_state
+
+    encoder, backbone, parts = _one_rank_model(cfg)
+    shapes = {k: tuple(v.shape) for k, v in full_state(encoder, backbone).items()}
+    checkpointing.load(load_dir, parts, shapes, None)
+    state = full_state(encoder, backbone)
+    dist.destroy_process_group()
+    model = LlavaForConditionalGeneration(hf_config)
+    model.load_state_dict(canonical_to_llava(state, cfg), strict=True)
+    model.save_pretrained(str(out))
+    return hf_config
+
+
+def checkpoint_logits(
+    rank: int, world: int, load_dir: str, tp: int, images: torch.Tensor, text: torch.Tensor
+):
+    """One rank (see `launch.spawn`) of a TP=`tp`, PP=1 forward of the checkpoint under
+    `load_dir` on [image tokens; `text`]; rank 0 returns the full [b, s, vocab] logits."""
+    import torch.distributed as dist
+
+    from megatron_mllm.models.stages import BackboneStage, EncoderStage
+    from megatron_mllm.parallel.groups import build_colocated_groups
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.session import _init_rank
+    from megatron_mllm.training import checkpointing
+    from megatron_mllm.training.arguments import build_parser
+    from megatron_mllm.training.train import initial_weights, model_config
+
+    args = vars(build_parser().parse_args([]))
+    args.update(checkpointing.read_common(load_dir)["args"])
+    cfg = model_config(argparse.Namespace(**args))
+    _init_rank(rank, world, 1234, 120.0)
+    plan = ParallelPlan(world // tp, tp, 1)
+    groups = build_colocated_groups(plan, plan, world, rank)
+    shapes = {k: tuple(v.shape) for k, v in initial_weights(cfg, groups).items()}
+    c = groups.coords
+    encoder = EncoderStage(cfg, 0, 1, groups.encoder, tp)
+    backbone = BackboneStage(cfg, True, True, groups.backbone, tp, 1)
+    checkpointing.load(
+        load_dir, [(backbone, c.tp, tp, c.dp), (encoder, c.tp, tp, c.dp)], shapes, None
+    )
+    with torch.no_grad():
+        logits = backbone(None, backbone.decoder_input([encoder(images)], text)).contiguous()
+    pieces = [torch.empty_like(logits) for _ in range(tp)]
+    dist.all_gather(pieces, logits, group=groups.backbone.tp)
+    dist.barrier()
+    dist.destroy_process_group()
+    return torch.cat(pieces, dim=-1) if rank == 0 else None

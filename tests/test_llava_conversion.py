@@ -1,0 +1,162 @@
+"""Hugging Face LLaVA <-> our checkpoints: a tiny random LLaVA built by transformers itself,
+converted, loaded under TP=1 and TP=2, and compared logit by logit; then converted back."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from megatron_mllm.runtime.launch import spawn  # noqa: E402
+from megatron_mllm.training.convert_llava import checkpoint_logits  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TOOL = [sys.executable, str(ROOT / "tools" / "convert_llava.py")]
+IMAGE_TOKEN = 99
+TEXT = 6
+
+
+def tiny_llava(**overrides):
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
+
+    vision = CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        image_size=16,
+        patch_size=4,
+    )
+    text = LlamaConfig(
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # grouped-query attention
+        vocab_size=100,
+        rope_theta=5000.0,
+    )
+    config = LlavaConfig(
+        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, **overrides
+    )
+    torch.manual_seed(0)
+    model = LlavaForConditionalGeneration(config).eval()
+    with torch.no_grad():  # make every weight (norms included) distinctive
+        for p in model.parameters():
+            p.normal_(0.0, 0.2).add_(1.0 if p.ndim == 1 else 0.0)
+    return model
+
+
+def inputs(model):
+    n = (16 // 4) ** 2
+    torch.manual_seed(1)
+    images = torch.randn(2, 3, 16, 16)
+    text = torch.randint(0, IMAGE_TOKEN, (2, TEXT))
+    ids = torch.cat([torch.full((2, n), IMAGE_TOKEN), text], dim=1)
+    return images, text, ids
+
+
+def hf_logits(model, images, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, pixel_values=images).logits
+
+
+def convert(*args):
+    out = subprocess.run([*TOOL, *map(str, args)], capture_output=True, text=True, timeout=300)
+    return out.returncode, out.stdout + out.stderr
+
+
+@pytest.fixture(scope="module")
+def converted(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llava")
+    model = tiny_llava()
+    model.save_pretrained(root / "hf")
+    rc, log = convert(
+        "hf-to-mcore", "--load-dir", root / "hf", "--save-dir", root / "mcore", "--seq-length", TEXT
+    )
+    assert rc == 0, log
+    return root, model
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_logits_match_under_any_tp(converted, tp):
+    root, model = converted
+    images, text, ids = inputs(model)
+    expected = hf_logits(model, images, ids)
+    ours = spawn(checkpoint_logits, tp, str(root / "mcore"), tp, images, text)[0]
+    assert ours.shape == expected.shape
+    torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_round_trip_back_to_hf(converted):
+    from transformers import LlavaForConditionalGeneration
+
+    root, model = converted
+    rc, log = convert("mcore-to-hf", "--load-dir", root / "mcore", "--save-dir", root / "back")
+    assert rc == 0, log
+    back = LlavaForConditionalGeneration.from_pretrained(root / "back").eval()
+    assert back.config.image_token_index == IMAGE_TOKEN
+    images, _, ids = inputs(model)
+    torch.testing.assert_close(
+        hf_logits(back, images, ids), hf_logits(model, images, ids), rtol=1e-5, atol=1e-5
+    )
+    # Nothing existing is overwritten.
+    rc, log = convert("mcore-to-hf", "--load-dir", root / "mcore", "--save-dir", root / "back")
+    assert rc == 2 and log.count("\n") == 1 and "already holds a model" in log
+
+
+def test_converted_checkpoint_trains_under_another_plan(converted, tmp_path):
+    """pretrain_mllm.py takes the model from the checkpoint and loads it on PP=2 (Optimus)."""
+    root, _ = converted
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        str(ROOT / "pretrain_mllm.py"), "--pipeline-model-parallel-size", "2",
+        "--load", str(root / "mcore"), "--use-checkpoint-args", "--train-iters", "2",
+        "--global-batch-size", "4", "--save", str(tmp_path / "ft"),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "model weights only" in out.stdout
+    assert "iteration        2/       2" in out.stdout
+    assert json.loads((tmp_path / "ft" / "latest_checkpointed_iteration.txt").read_text()) == 2
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(vision_feature_select_strategy="full"), "vision_feature_select_strategy"),
+        (dict(projector_hidden_act="relu"), "projector_hidden_act"),
+    ],
+)
+def test_unmapped_llava_variants_fail_clearly(tmp_path, overrides, message):
+    tiny_llava(**overrides).save_pretrained(tmp_path / "hf")
+    rc, log = convert("hf-to-mcore", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "o")
+    assert rc == 2 and log.count("\n") == 1 and message in log and "not mapped" in log
+    assert not (tmp_path / "o").exists()
+
+
+def test_other_architecture_fails_clearly(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    LlamaForCausalLM(
+        LlamaConfig(
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            vocab_size=50,
+        )
+    ).save_pretrained(tmp_path / "hf")
+    rc, log = convert("hf-to-mcore", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "o")
+    assert rc == 2 and "architecture 'llama' is not mapped" in log
