@@ -51,6 +51,7 @@ LAYOUTS = {
     "pp2": (ParallelPlan(1, 1, 2), None),
     "tp2": (ParallelPlan(1, 2, 1), None),
     "pp2-encoder-dp2": (ParallelPlan(1, 1, 2), ParallelPlan(2, 1, 1)),
+    "pp2-vpp2": (ParallelPlan(1, 1, 2, vpp=2), None),  # interleaved: two model chunks per rank
 }
 
 

@@ -89,6 +89,22 @@ def test_resume_is_bit_identical_and_reshards(tmp_path):
     assert all(abs(other[i] - ref[i]) < 1e-4 for i in (4, 5, 6))
 
 
+def test_interleaved_backbone_trains_and_reshards_to_non_interleaved(tmp_path):
+    """--num-layers-per-virtual-pipeline-stage: two model chunks per rank (Optimus schedule);
+    its checkpoint resumes on a non-interleaved backbone with the same losses."""
+    args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "4"]
+    vpp = ["--num-layers-per-virtual-pipeline-stage", "1"]
+    straight = torchrun(*args, *vpp, "--save", str(tmp_path / "a"), "--save-interval", "2")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert "PP2 VPP2" in straight.stdout
+    ref = losses(straight.stdout)
+    (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = torchrun(*args, "--load", str(tmp_path / "a"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    again = losses(resumed.stdout)
+    assert sorted(again) == [3, 4] and all(abs(again[i] - ref[i]) < 1e-5 for i in (3, 4))
+
+
 def test_resume_restores_rng_streams_under_dropout(tmp_path):
     """With dropout, a resumed run is bit-identical only if every rank's RNG streams (torch's
     generator for hidden dropout, megatron-core's tracker for attention dropout) come back."""
@@ -112,6 +128,11 @@ def test_resume_restores_rng_streams_under_dropout(tmp_path):
         (["--encoder-tensor-model-parallel-size", "1"], "or neither"),
         (["--pipeline-model-parallel-size", "3"], "not divisible by TP 1 x PP 3"),
         (["--data-path", "/nonexistent/shards"], "no .tar shards"),
+        (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size"),
+        (
+            ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
+            "does not split into PP 2 stages",
+        ),
     ],
 )
 def test_bad_arguments_fail_before_any_group(args, msg):

@@ -46,7 +46,7 @@ class Executor:
         meta: ScheduleMeta,
         cfg: MLLMConfig,
         rank: int,
-        backbone: BackboneStage,
+        backbone: list[BackboneStage],
         encoder: EncoderStage | None,
         data: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         micro_batch: int,
@@ -58,7 +58,9 @@ class Executor:
         dynamic: bool = False,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
-        self.backbone, self.encoder = backbone, encoder
+        # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
+        self.chunks, self.encoder = backbone, encoder
+        self.backbone = backbone[-1]
         self.data, self.micro_batch = data, micro_batch
         self.bb_dp_group, self.enc_dp_group, self.bb_dp = (
             backbone_dp_group,
@@ -236,11 +238,12 @@ class Executor:
             ]
             _, text = self._batch(a.mb)
             inputs = eouts
-            out = self.backbone(None, self.backbone.decoder_input(eouts, text))
+            first = self.chunks[a.chunk]
+            out = first(None, first.decoder_input(eouts, text))
         else:
             x = self.tensors.pop(f"act.s{a.stage}v{a.chunk}.m{a.mb}").detach().requires_grad_()
             inputs = [x]
-            out = self.backbone(x)
+            out = self.chunks[a.chunk](x)
         if last and self.forward_only:
             self.last_layer_inputs[a.mb] = self._captured.pop()
         elif last:
@@ -316,11 +319,11 @@ class Executor:
 
     def _reduce_scatter(self, a: Action) -> None:
         """Average the part's gradients over its own DP group (one flat all-reduce)."""
-        module = self.backbone if a.key == "bb" else self.encoder
+        modules = self.chunks if a.key == "bb" else [self.encoder]
         group = self.bb_dp_group if a.key == "bb" else self.enc_dp_group
-        if module is None or dist.get_world_size(group) == 1 and self.bb_dp == 1:
+        if modules[0] is None or dist.get_world_size(group) == 1 and self.bb_dp == 1:
             return
-        params = [p for p in module.parameters() if p.requires_grad]
+        params = [p for m in modules for p in m.parameters() if p.requires_grad]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)

@@ -39,6 +39,7 @@ def job_of(cfg: MLLMConfig, plan: ParallelPlan, micro_batch: int, num_microbatch
         plan.world_size,
         plan.tp,
         plan.pp,
+        vpp=plan.vpp,
         global_batch=num_microbatches * micro_batch * plan.dp,
         micro_batch=micro_batch,
         seq_len=cfg.seq_len,

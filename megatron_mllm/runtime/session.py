@@ -99,8 +99,15 @@ def check_job(job: RuntimeJob, world: int) -> None:
             f"schedule is for PP {meta.pp} x {meta.num_microbatches} micro-batches;"
             f" the job has PP {job.backbone.pp} x {job.num_microbatches}"
         )
-    if meta.vpp != 1:
-        raise ConfigError("the executor runs non-interleaved backbones (VPP 1) for now")
+    if meta.vpp != job.backbone.vpp:
+        raise ConfigError(
+            f"schedule is for VPP {meta.vpp}; the job's backbone plan has VPP {job.backbone.vpp}"
+        )
+    if meta.vpp > 1 and len(set(meta.backbone_layers)) > 1:
+        raise ConfigError(
+            f"an interleaved backbone needs an even layer split; the schedule has "
+            f"{list(meta.backbone_layers)} (use the megatron or optimus schedule)"
+        )
     if meta.backbone_layers and sum(meta.backbone_layers) != job.cfg.llm_layers:
         raise ConfigError(
             f"schedule splits {sum(meta.backbone_layers)} backbone layers; the "
@@ -267,16 +274,27 @@ class ExecutorRun:
         enc_plan, self.stage0 = encoder_plan_of(job.schedule, plan)
         groups = build_colocated_groups(plan, plan if self.stage0 else enc_plan, world, rank)
         self.groups, c = groups, groups.coords
-        self.backbone = BackboneStage(
-            job.cfg,
-            c.stage == 0,
-            c.stage == plan.pp - 1,
-            groups.backbone,
-            plan.tp,
-            plan.pp,
-            **layer_overrides(job.schedule.meta.backbone_layers, plan.pp),
-        )
-        load_full_state(self.backbone, job.full_state, c.tp, plan.tp)
+        vpp = job.schedule.meta.vpp
+        overrides = layer_overrides(job.schedule.meta.backbone_layers, plan.pp)
+        if vpp > 1:  # megatron-core spreads the layers evenly over the virtual stages
+            overrides = {"virtual_pipeline_model_parallel_size": vpp}
+        # One module per model chunk (virtual stage) of this rank; self.backbone: the last.
+        self.chunks = [
+            BackboneStage(
+                job.cfg,
+                c.stage == 0 and v == 0,
+                c.stage == plan.pp - 1 and v == vpp - 1,
+                groups.backbone,
+                plan.tp,
+                plan.pp,
+                vp_stage=v if vpp > 1 else None,
+                **overrides,
+            )
+            for v in range(vpp)
+        ]
+        for chunk in self.chunks:
+            load_full_state(chunk, job.full_state, c.tp, plan.tp)
+        self.backbone = self.chunks[-1]
         self.encoder = None
         if self.stage0 and c.stage == 0:
             self.encoder = EncoderStage(job.cfg, 0, 1, groups.stage0_encoder(), plan.tp)
@@ -292,7 +310,7 @@ class ExecutorRun:
             self.program = self.program[: job.fail_at_op]
         self.enc_dp_group = groups.backbone.dp if self.stage0 else groups.encoder.dp
         self.optimizer = (
-            build_optimizer([self.backbone, self.encoder], job.lr) if job.lr > 0 else None
+            build_optimizer([*self.chunks, self.encoder], job.lr) if job.lr > 0 else None
         )
         # Clipping norm: each part once, summed over its own plan's model-parallel group.
         enc_groups = (
@@ -301,7 +319,7 @@ class ExecutorRun:
             else (groups.encoder.mp, groups.encoder.tp)
         )
         self.parts = [
-            (self.backbone, groups.backbone.mp, groups.backbone.tp),
+            *((chunk, groups.backbone.mp, groups.backbone.tp) for chunk in self.chunks),
             (self.encoder, *enc_groups),
         ]
         self.history, self.seconds, self.grads, self.spans = [], [], None, []
@@ -333,7 +351,7 @@ class ExecutorRun:
             job.pool_schedule.meta,
             job.cfg,
             self.rank,
-            self.backbone,
+            self.chunks,
             self.encoder,
             lambda m: samples(job.cfg, ids[m * mb : (m + 1) * mb], job.seed)[:2],
             mb,
@@ -373,7 +391,7 @@ class ExecutorRun:
         from megatron_mllm.runtime.optimizer import clip_by_global_norm
 
         job, c = self.job, self.groups.coords
-        for module in (self.backbone, self.encoder):
+        for module in (*self.chunks, self.encoder):
             for p in module.parameters() if module is not None else ():
                 p.grad = None
         data = _data(job, step)
@@ -390,7 +408,7 @@ class ExecutorRun:
             job.schedule.meta,
             job.cfg,
             self.rank,
-            self.backbone,
+            self.chunks,
             self.encoder,
             lambda m: data(m, c.dp),
             job.micro_batch,
@@ -409,7 +427,7 @@ class ExecutorRun:
         self.moved = result.moved
         self.history.append({(c.dp, m): v for m, v in result.losses.items()})
         if job.collect_grads and step == 0:
-            self.grads = grad_shards(self.backbone, c.tp)
+            self.grads = {k: v for m in self.chunks for k, v in grad_shards(m, c.tp).items()}
             if self.encoder is not None and (
                 self.stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)
             ):

@@ -20,6 +20,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("parallelism (Megatron names)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1)
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage",
+        type=int,
+        default=None,
+        help="interleaved pipeline: backbone layers per model chunk",
+    )
     g = p.add_argument_group("encoder plan and schedule (ours)")
     g.add_argument(
         "--encoder-tensor-model-parallel-size",
@@ -209,6 +215,25 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if args.num_layers < pp:
         raise ConfigError(f"--num-layers {args.num_layers} is fewer than PP {pp} stages")
+    args.virtual_pipeline_model_parallel_size = 1
+    per_chunk = args.num_layers_per_virtual_pipeline_stage
+    if per_chunk is not None:
+        if pp == 1:
+            raise ConfigError(
+                "--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1"
+            )
+        if per_chunk < 1 or args.num_layers % (pp * per_chunk):
+            raise ConfigError(
+                f"--num-layers {args.num_layers} does not split into PP {pp} stages of chunks "
+                f"of {per_chunk} layers (--num-layers-per-virtual-pipeline-stage)"
+            )
+        if args.bubble_schedule == "balanced":
+            raise ConfigError(
+                "--bubble-schedule balanced moves layers off stage 0, which an interleaved "
+                "backbone cannot; use megatron or optimus with "
+                "--num-layers-per-virtual-pipeline-stage"
+            )
+        args.virtual_pipeline_model_parallel_size = args.num_layers // (pp * per_chunk)
     etp, epp = args.encoder_tensor_model_parallel_size, args.encoder_pipeline_model_parallel_size
     if (etp is None) != (epp is None):
         raise ConfigError(

@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from megatron_mllm.errors import exit_on_config_error
+from megatron_mllm.errors import ConfigError, exit_on_config_error
 from megatron_mllm.models.config import CLIP_VIT, MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
 
@@ -82,8 +82,6 @@ def model_args(cfg: MLLMConfig) -> dict:
     )
     rebuilt = model_config(argparse.Namespace(**args))
     if rebuilt != cfg:
-        from megatron_mllm.errors import ConfigError
-
         diff = [k for k, v in vars(cfg).items() if getattr(rebuilt, k) != v]
         raise ConfigError(f"model fields {', '.join(diff)} have no pretrain_mllm.py argument")
     return args
@@ -176,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     cfg = model_config(args)
     plan = ParallelPlan(
-        args.data_parallel_size, args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+        args.data_parallel_size,
+        args.tensor_model_parallel_size,
+        args.pipeline_model_parallel_size,
+        args.virtual_pipeline_model_parallel_size,
     )
     n_mb = args.global_batch_size // (args.micro_batch_size * plan.dp)
     from megatron_mllm.runtime.schedules import runtime_plan
@@ -192,6 +193,12 @@ def main(argv: list[str] | None = None) -> int:
     schedule, workload = runtime_plan(
         cfg, plan, args.micro_batch_size, n_mb, args.bubble_schedule, encoder_plan=forced
     )
+    layers = schedule.meta.backbone_layers
+    if plan.vpp > 1 and len(set(layers)) > 1:
+        raise ConfigError(
+            f"the planned backbone split {list(layers)} is uneven, which an interleaved "
+            "backbone cannot run; use --bubble-schedule megatron"
+        )
     from megatron_mllm.schedule.simulator import simulate
 
     args.predicted = simulate(schedule, workload)
@@ -265,7 +272,8 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
     enc_replica = (
         c.dp if run.stage0 else (c.enc_slot + run.groups.slots * (c.dp + plan.dp * c.enc_row))
     )
-    parts = [(run.backbone, c.tp, plan.tp, c.dp), (run.encoder, enc_tp, run.enc_tp, enc_replica)]
+    parts = [(chunk, c.tp, plan.tp, c.dp) for chunk in run.chunks]
+    parts.append((run.encoder, enc_tp, run.enc_tp, enc_replica))
     # The coreset selector (last stage, TP rank 0 of each replica) is checkpointed per replica.
     holds_selector = run.selector is not None and run.backbone.post_process and c.tp == 0
 
