@@ -24,6 +24,7 @@ setup(
         "mathgenerator",  # offline math problems for the data mixture
         "scikit-learn",  # its bundled handwritten digits, captioned, for the data mixture
         "tensorboard",  # --tensorboard-dir
+        "megatron-energon==7.4.1",  # our image-caption shards are energon datasets
     ],
     extras_require={
         "plot": ["matplotlib"],

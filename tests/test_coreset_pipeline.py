@@ -102,3 +102,24 @@ def test_digit_shards_round_trip(tmp_path):
     assert "".join(chr(t) for t in text[1].tolist()).strip() == "a handwritten one"
     with pytest.raises(ConfigError, match="no .tar shards"):
         ImageCaptionShards(tmp_path)
+
+
+def test_megatron_energon_reads_the_digit_shards(tmp_path):
+    """The shards are an energon dataset: energon's own loader yields every sample of ours."""
+    from megatron.energon import WorkerConfig, get_loader, get_val_dataset
+
+    from megatron_mllm.data.webdataset import ImageCaptionShards, write_digit_shards
+
+    write_digit_shards(tmp_path / "d", per_shard=1000)
+    ours = ImageCaptionShards(tmp_path / "d")
+    dataset = get_val_dataset(
+        str(tmp_path / "d"),
+        split_part="train",
+        batch_size=64,
+        worker_config=WorkerConfig(rank=0, world_size=1, num_workers=0),
+    )
+    seen = []
+    for batch in get_loader(dataset):
+        seen += [(c, bytes(i.tobytes())) for c, i in zip(batch.caption, batch.image, strict=True)]
+    expected = [(c, i.tobytes()) for c, i in zip(ours.captions, ours.images, strict=True)]
+    assert sorted(seen) == sorted(expected)

@@ -1,7 +1,11 @@
-"""Image-caption data on disk in the WebDataset layout (the Megatron ecosystem's multimodal
-loaders read it): tar shards whose members are grouped by key, here `<key>.npy` (a uint8 image)
-and `<key>.txt` (its caption). `write_digit_shards` makes the tiny default from
-scikit-learn's bundled handwritten digits; `ImageCaptionShards` reads any such shards."""
+"""Image-caption data on disk in the WebDataset layout, prepared for megatron-energon (the
+Megatron ecosystem's multimodal loader): tar shards whose members are grouped by key, here
+`<key>.npy` (a uint8 image) and `<key>.txt` (its caption), plus energon's `.nv-meta/` (shard
+index, split, and a dataset.yaml mapping them onto energon's CaptioningSample), so
+`megatron.energon.get_train_dataset(DIR, ...)` reads them as they are. `write_digit_shards`
+makes the tiny default from scikit-learn's bundled handwritten digits; `ImageCaptionShards`
+reads any such shards (energon-prepared or not) into memory, indexed, for bit-identical resume.
+"""
 
 from __future__ import annotations
 
@@ -17,8 +21,33 @@ from megatron_mllm.errors import ConfigError
 _WORDS = "zero one two three four five six seven eight nine".split()
 
 
-def write_digit_shards(out_dir: str | Path, per_shard: int = 500) -> list[Path]:
-    """scikit-learn's 1797 digits (8x8) with captions like "a handwritten seven", as shards."""
+ENERGON_DATASET_YAML = """\
+sample_type:
+  __module__: megatron.energon
+  __class__: CaptioningSample
+field_map:
+  image: npy
+  caption: txt
+"""
+
+
+def prepare_for_energon(shard_dir: str | Path) -> None:
+    """Write energon's `.nv-meta/` for the shards in `shard_dir` (all in the train split)."""
+    from megatron.energon.flavors.webdataset import BaseWebdatasetFactory
+
+    root = Path(shard_dir)
+    tars = sorted(p.name for p in root.glob("*.tar"))
+    BaseWebdatasetFactory.prepare_dataset(
+        root, tars, split_parts_ratio=[("train", 1.0)], workers=1, shuffle_seed=None
+    )
+    (root / ".nv-meta" / "dataset.yaml").write_text(ENERGON_DATASET_YAML)
+
+
+def write_digit_shards(
+    out_dir: str | Path, per_shard: int = 500, energon: bool = True
+) -> list[Path]:
+    """scikit-learn's 1797 digits (8x8) with captions like "a handwritten seven", as shards
+    (prepared for energon unless `energon` is False)."""
     from sklearn.datasets import load_digits
 
     digits = load_digits()
@@ -40,6 +69,8 @@ def write_digit_shards(out_dir: str | Path, per_shard: int = 500) -> list[Path]:
                     info.size = len(data)
                     tar.addfile(info, io.BytesIO(data))
         paths.append(path)
+    if energon:
+        prepare_for_energon(out)
     return paths
 
 
