@@ -153,3 +153,41 @@ def test_llava_shaped_model_agrees_on_tp2():
     schedule = runtime_schedule(cfg, plan, 1, N, "optimus")
     outs = spawn(run_rank, 2, RuntimeJob(cfg, plan, 1, N, state, schedule=schedule))
     check_against((state, ref[0]), outs, {"backbone": 2, "encoder": 2, "projector": 2})
+
+
+def _programs(plan, name, forced=None):
+    from megatron_mllm.runtime.program import all_programs
+
+    schedule = runtime_schedule(TINY, plan, 1, N, name, encoder_plan=forced)
+    enc_plan, stage0 = encoder_plan_of(schedule, plan)
+    return all_programs(schedule, plan, plan if stage0 else enc_plan, enc_plan.tp)
+
+
+def test_pairwise_order_check_finds_what_tagless_matching_would_mix_up():
+    """Optimus posts a pair's messages in another order on the two sides (an encoder gradient
+    overtakes an activation): fine with gloo's tags, wrong under NCCL's order matching."""
+    from dataclasses import replace
+
+    from megatron_mllm.runtime.program import pairwise_order_problems
+
+    plan = ParallelPlan(1, 1, 2)
+    assert pairwise_order_problems(_programs(plan, "megatron")) == []
+    assert pairwise_order_problems(_programs(plan, "optimus"))
+    programs = _programs(plan, "megatron")
+    sends = [i for i, op in enumerate(programs[0]) if op.kind == "send"]
+    a, b = programs[0][sends[0]], programs[0][sends[1]]
+    programs[0][sends[0]], programs[0][sends[1]] = replace(a, key=b.key), replace(b, key=a.key)
+    (problem,) = pairwise_order_problems(programs)
+    assert problem.startswith("rank 0 -> rank 1: message 0")
+
+
+@pytest.mark.parametrize("layout", ["pp2", "pp2-encoder-dp2"])
+def test_ordered_p2p_without_tags_agrees(reference, layout):
+    """NCCL semantics on gloo: every message tag 0, receives posted at step start in each
+    sender's order on one group per direction. Same losses and gradients."""
+    plan, forced = LAYOUTS[layout]
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced)
+    job = RuntimeJob(TINY, plan, 1, N, reference[0], schedule=schedule, ordered_p2p=True)
+    outs = spawn(run_rank, plan.world_size, job)
+    etp = encoder_plan_of(schedule, plan)[0].tp
+    check_against(reference, outs, {"backbone": plan.tp, "encoder": etp, "projector": etp})

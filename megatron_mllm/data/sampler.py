@@ -123,3 +123,18 @@ def broadcast_selection(
     buf = indices.clone() if indices is not None else torch.empty(batch_size, dtype=torch.long)
     dist.broadcast(buf, src=src, group=group)
     return buf
+
+
+def caption_replay_loss(num_patches: int):
+    """The MLLM's last-layer replay for selection features: per-example mean next-token loss on
+    the caption, from output-layer inputs `h` [n, image tokens + text, hidden] and a candidate
+    output-layer weight `block` [vocab, hidden] (the backbone's last stage, TP 1)."""
+
+    def loss(h: torch.Tensor, t: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        logits = h[..., num_patches - 1 : num_patches - 1 + t.shape[-1], :] @ block.T
+        ce = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction="none"
+        )
+        return ce.view(t.shape).mean(-1)
+
+    return loss

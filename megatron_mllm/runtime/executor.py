@@ -56,11 +56,13 @@ class Executor:
         timeout_s: float = 60.0,
         forward_only: bool = False,
         dynamic: bool = False,
+        ordered: tuple[dict, dict] | None = None,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
         self.chunks, self.encoder = backbone, encoder
         self.backbone = backbone[-1]
+        self.device = next(self.backbone.parameters()).device  # buffers and batches go here
         self.data, self.micro_batch = data, micro_batch
         self.bb_dp_group, self.enc_dp_group, self.bb_dp = (
             backbone_dp_group,
@@ -72,6 +74,11 @@ class Executor:
         self.forward_only = forward_only
         # Dynamic mode: run ready encoder work while waiting for a message (see _fill_wait).
         self.dynamic = dynamic
+        # Ordered mode (NCCL has no tags): (receive orders {src: keys in the sender's posting
+        # order}, {(src, dst): a process group carrying only that direction}). Every receive is
+        # posted at step start in its sender's order, so matching by order is matching by key,
+        # and no send waits behind a receive on a shared stream.
+        self.ordered = ordered
         self.last_layer_inputs: dict[int, torch.Tensor] = {}
         self.handlers = {
             "F": self._forward,
@@ -93,6 +100,14 @@ class Executor:
         self._batches: dict[int, tuple] = {}
         self._bwd_done: dict[tuple, int] = {}  # encoder backward units done per (e, s, mb)
         t0 = time.perf_counter()
+        self.posted: dict[tuple[str, int], tuple] = {}
+        if self.ordered is not None:
+            orders, groups = self.ordered
+            for src, keys in orders.items():
+                for key in keys:
+                    buf = torch.empty(self._shape(key), device=self.device)
+                    work = dist.irecv(buf, src, group=groups[(src, self.rank)], tag=0)
+                    self.posted[(key, src)] = (work, buf)
         hook = None
         if self.forward_only and self.backbone.post_process:
             self._captured: list[torch.Tensor] = []
@@ -126,11 +141,19 @@ class Executor:
                 self._run(op.action, t0)
                 continue
             if op.kind == "send":
-                work = dist.isend(self.tensors[op.key].contiguous(), op.peer, tag=op.tag)
+                tensor = self.tensors[op.key].contiguous()
+                if self.ordered is not None:
+                    group = self.ordered[1][(self.rank, op.peer)]
+                    work = dist.isend(tensor, op.peer, group=group, tag=0)
+                else:
+                    work = dist.isend(tensor, op.peer, tag=op.tag)
                 self.pending.append((work, op))
             else:
-                buf = torch.empty(self._shape(op.key))
-                work = dist.irecv(buf, op.peer, tag=op.tag)
+                if self.ordered is not None:
+                    work, buf = self.posted.pop((op.key, op.peer))
+                else:
+                    buf = torch.empty(self._shape(op.key), device=self.device)
+                    work = dist.irecv(buf, op.peer, tag=op.tag)
                 if self.dynamic:
                     self._fill_wait(work, i, done, t0)
                 self._wait(work, op)
@@ -223,7 +246,7 @@ class Executor:
 
     def _batch(self, mb: int):
         if mb not in self._batches:
-            self._batches[mb] = self.data(mb)
+            self._batches[mb] = tuple(t.to(self.device) for t in self.data(mb))
         return self._batches[mb]
 
     # -- backbone --------------------------------------------------------------------------

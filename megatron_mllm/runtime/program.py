@@ -7,7 +7,8 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 
-from megatron_mllm.parallel.groups import ColocatedGroups, backbone_rank
+from megatron_mllm.parallel.groups import ColocatedGroups, RankCoords, backbone_rank, rank_coords
+from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.dataflow import Dataflow, key_prefix
 from megatron_mllm.schedule.schedule import Schedule
@@ -118,3 +119,67 @@ def gpu_program(schedule: Schedule, groups: ColocatedGroups, encoder_tp: int) ->
         for a in members:
             ops += local_moves(flow.makes(a), incoming=False)
     return ops
+
+
+@dataclass(frozen=True)
+class _RankView:
+    """What `gpu_program` reads of a rank's groups, without creating any process group."""
+
+    coords: RankCoords
+    backbone_plan: ParallelPlan
+
+
+def all_programs(
+    schedule: Schedule, backbone: ParallelPlan, encoder: ParallelPlan, encoder_tp: int
+) -> dict[int, list[Op]]:
+    """Every GPU's program, computed on one process (for checks; no group is created)."""
+    return {
+        r: gpu_program(schedule, _RankView(rank_coords(r, backbone, encoder), backbone), encoder_tp)
+        for r in range(backbone.world_size)
+    }
+
+
+def receive_orders(programs: dict[int, list[Op]], rank: int) -> dict[int, list[str]]:
+    """For `rank`: each sender's messages to it, in the order the sender posts them."""
+    out: dict[int, list[str]] = {}
+    for src, program in programs.items():
+        for op in program:
+            if op.kind == "send" and op.peer == rank:
+                out.setdefault(src, []).append(op.key)
+    return out
+
+
+def message_pairs(*program_sets: dict[int, list[Op]]) -> list[tuple[int, int]]:
+    """Every (sender, receiver) pair with a message, sorted (the same list on every rank)."""
+    pairs = set()
+    for programs in program_sets:
+        for rank, program in programs.items():
+            pairs |= {(rank, op.peer) for op in program if op.kind == "send"}
+    return sorted(pairs)
+
+
+def pairwise_order_problems(programs: dict[int, list[Op]]) -> list[str]:
+    """Where a sender posts its messages to a receiver in another order than the receiver
+    posts the matching receives. Gloo matches our messages by tag, but NCCL has no tags: it
+    pairs each pair's sends and receives in posting order, so there any such reordering would
+    hand a tensor to the wrong receive (silently, when the shapes agree)."""
+    sent: dict[tuple[int, int], list[str]] = {}
+    received: dict[tuple[int, int], list[str]] = {}
+    for rank, program in programs.items():
+        for op in program:
+            if op.kind == "send":
+                sent.setdefault((rank, op.peer), []).append(op.key)
+            elif op.kind == "recv":
+                received.setdefault((op.peer, rank), []).append(op.key)
+    problems = []
+    for pair in sorted(set(sent) | set(received)):
+        s, r = sent.get(pair, []), received.get(pair, [])
+        if s != r:
+            i = next((i for i, (a, b) in enumerate(zip(s, r, strict=False)) if a != b), None)
+            where = (
+                f"message {i}: sent {s[i]}, received as {r[i]}"
+                if i is not None
+                else f"{len(s)} sent, {len(r)} received"
+            )
+            problems.append(f"rank {pair[0]} -> rank {pair[1]}: {where}")
+    return problems

@@ -15,6 +15,7 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import MLLMConfig
@@ -43,6 +44,7 @@ class RuntimeJob:
     coreset: object = None  # a CoresetConfig: train on B chosen from a pool of r x B samples
     pool_schedule: Schedule | None = None  # forward-only pass over the pool (its micro-batches)
     lr: float = 0.0  # > 0: take an optimizer step (AdamW) after every step
+    ordered_p2p: bool = False  # match messages by posting order, as NCCL does (on with NCCL)
     clip_grad: float = 1.0
     extra: dict = field(default_factory=dict)
 
@@ -162,6 +164,9 @@ def _init_rank(rank: int, world: int, seed: int, timeout_s: float) -> None:
 
     megatron_mllm_patches.apply_cpu_patches()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():  # one GPU per rank; torchrun's LOCAL_RANK when there is one
+        local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
     dist.init_process_group(
         backend, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
     )
@@ -295,6 +300,7 @@ class ExecutorRun:
         for chunk in self.chunks:
             load_full_state(chunk, job.full_state, c.tp, plan.tp)
         self.backbone = self.chunks[-1]
+        device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.encoder = None
         if self.stage0 and c.stage == 0:
             self.encoder = EncoderStage(job.cfg, 0, 1, groups.stage0_encoder(), plan.tp)
@@ -304,8 +310,14 @@ class ExecutorRun:
                 job.cfg, c.enc_stage, enc_plan.pp, groups.encoder, enc_plan.tp
             )
             load_full_state(self.encoder, job.full_state, c.enc_tp, enc_plan.tp)
+        for module in (*self.chunks, self.encoder):
+            if module is not None:
+                module.to(device)  # built on the CPU (use_cpu_initialization), run on the GPU
         self.enc_tp = plan.tp if self.stage0 else enc_plan.tp
         self.program = gpu_program(job.schedule, groups, self.enc_tp)
+        self.ordered = self.pool_ordered = None
+        if job.ordered_p2p or dist.get_backend() == "nccl":
+            self._ordered_p2p(plan, plan if self.stage0 else enc_plan)
         if job.fail_rank == rank:
             self.program = self.program[: job.fail_at_op]
         self.enc_dp_group = groups.backbone.dp if self.stage0 else groups.encoder.dp
@@ -331,6 +343,21 @@ class ExecutorRun:
                 gpu_program(job.pool_schedule, groups, self.enc_tp)
             )
             self.selector = CoresetSelector(job.coreset)
+
+    def _ordered_p2p(self, plan: ParallelPlan, enc_plan: ParallelPlan) -> None:
+        """Receive orders and one process group per message direction (see Executor)."""
+        from megatron_mllm.runtime.program import all_programs, message_pairs, receive_orders
+
+        job = self.job
+        main = all_programs(job.schedule, plan, enc_plan, self.enc_tp)
+        pool = {}
+        if job.coreset is not None:
+            pool = all_programs(job.pool_schedule, plan, enc_plan, self.enc_tp)
+            pool = {r: forward_only_program(p) for r, p in pool.items()}
+        # new_group is collective: every rank creates every pair's group, in the same order.
+        groups = {pair: dist.new_group(list(pair)) for pair in message_pairs(main, pool)}
+        self.ordered = (receive_orders(main, self.rank), groups)
+        self.pool_ordered = (receive_orders(pool, self.rank), groups)
 
     def select(self, step: int) -> list[int]:
         """Coreset: the pool's forward pass without gradients through the whole pipeline; the
@@ -360,23 +387,21 @@ class ExecutorRun:
             job.backbone.dp,
             job.timeout_s,
             forward_only=True,
+            ordered=self.pool_ordered,
         )
         executor.run_step()
         chosen = None
         if self.backbone.post_process:
             hidden = torch.cat([executor.last_layer_inputs[m] for m in range(size // mb)])
             _, text, source = samples(job.cfg, ids, job.seed)
-            n = job.cfg.num_patches
-
-            def loss(h, t, block):
-                logits = h[..., n - 1 : n - 1 + t.shape[-1], :] @ block.T
-                ce = torch.nn.functional.cross_entropy(
-                    logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction="none"
-                )
-                return ce.view(t.shape).mean(-1)
+            from megatron_mllm.data.sampler import caption_replay_loss
 
             picked = self.selector.select(
-                source, loss, hidden, text, self.backbone.gpt.output_layer.weight.detach()
+                source,
+                caption_replay_loss(job.cfg.num_patches),
+                hidden,
+                text,
+                self.backbone.gpt.output_layer.weight.detach(),
             )
             chosen = torch.tensor(ids)[picked]
         last = backbone_rank(job.backbone, 0, c.dp, job.backbone.pp - 1)
@@ -417,6 +442,7 @@ class ExecutorRun:
             job.backbone.dp,
             job.timeout_s,
             dynamic=job.dynamic,
+            ordered=self.ordered,
         )
         if job.fail_rank == self.rank:
             executor.run_step()
