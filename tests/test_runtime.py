@@ -3,6 +3,7 @@ megatron-core's own 1F1B with the encoder on stage 0, (c) our executor on the Me
 and (d) our executor on an Optimus schedule; on PP=2, TP=2 and encoder DP=2 beside PP=2."""
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -191,3 +192,38 @@ def test_ordered_p2p_without_tags_agrees(reference, layout):
     outs = spawn(run_rank, plan.world_size, job)
     etp = encoder_plan_of(schedule, plan)[0].tp
     check_against(reference, outs, {"backbone": plan.tp, "encoder": etp, "projector": etp})
+
+
+@pytest.mark.parametrize(
+    "name, forced", [("megatron", None), ("optimus", None), ("optimus", ParallelPlan(1, 1, 2))]
+)
+def test_frozen_encoder_trains_only_its_projector(name, forced):
+    """A frozen encoder runs forward only (its projector still trains): the same losses and
+    gradients as the reference, and after two optimizer steps its parameters are unchanged."""
+    from megatron_mllm.models.weights import assemble_grads as assemble
+
+    plan = ParallelPlan(1, 1, 2)
+    state = spawn(make_full_state, 1, TINY, 0)[0]
+    ref_job = RuntimeJob(TINY, ParallelPlan(1, 1, 1), 1, N, state, mode="reference", **TRAIN)
+    ref = spawn(run_rank, 1, replace(ref_job, frozen_encoder=True))[0]
+    schedule = runtime_schedule(TINY, plan, 1, N, name, encoder_plan=forced, frozen_encoder=True)
+    job = RuntimeJob(TINY, plan, 1, N, state, schedule=schedule, frozen_encoder=True, **TRAIN)
+    outs = spawn(run_rank, 2, replace(job, collect_params=True))
+    check_against((state, ref), outs, {"backbone": 1, "encoder": 1, "projector": 1})
+    for step, losses in enumerate(ref["history"]):
+        mine = {k: v for o in outs for k, v in o["history"][step].items()}
+        assert all(mine[k] == pytest.approx(v, abs=1e-5) for k, v in losses.items())
+    shapes = {k: v.shape for k, v in state.items()}
+    final = assemble([o["params"] for o in outs], shapes, {k: 1 for k in shapes})
+    for k, v in state.items():
+        if k.startswith("encoder."):
+            assert torch.equal(final[k], v), k
+    assert not torch.equal(
+        final["projector.encoder.linear_fc1.weight"], state["projector.encoder.linear_fc1.weight"]
+    )
+    # A frozen encoder with a schedule that trains it (and the reverse): one clear error.
+    trained = runtime_schedule(TINY, plan, 1, N, name, encoder_plan=forced)
+    with pytest.raises(ConfigError, match="frozen but the schedule trains it"):
+        check_job(replace(job, schedule=trained), 2)
+    with pytest.raises(ConfigError, match="planned for a frozen encoder"):
+        check_job(replace(job, frozen_encoder=False), 2)

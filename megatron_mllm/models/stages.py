@@ -94,6 +94,28 @@ class EncoderStage(nn.Module):
         out = self.projector(x)
         return out[0] if isinstance(out, tuple) else out
 
+    def freeze(self) -> None:
+        """A frozen encoder: every parameter but the projector's stops training."""
+        for name, p in self.named_parameters():
+            p.requires_grad_(name.startswith("projector."))
+
+    def unit_trainable(self, u: int) -> bool:
+        """Whether unit u has parameters that train (else it runs without an autograd graph)."""
+        if self.first:
+            if u == 0:
+                return any(
+                    p.requires_grad
+                    for n, p in self.named_parameters()
+                    if not n.startswith(("block.", "projector."))
+                )
+            u -= 1
+        if u < len(self.block.layers):
+            return any(p.requires_grad for p in self.block.layers[u].parameters())
+        tail = [*self.projector.parameters()]
+        if self.block.final_layernorm is not None:
+            tail += [*self.block.final_layernorm.parameters()]
+        return any(p.requires_grad for p in tail)
+
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """[b, c, H, W] images -> [encoder tokens, b, vit_hidden]."""
         p = self.cfg.patch_size

@@ -110,6 +110,15 @@ def grad_shards(module: nn.Module, tp_rank: int) -> dict[str, tuple[torch.Tensor
     }
 
 
+def param_shards(module: nn.Module, tp_rank: int) -> dict[str, tuple[torch.Tensor, int, bool]]:
+    """Like `grad_shards`, for the parameter values (reassembled by `assemble_grads` too)."""
+    names, gated = canonical_names(module), gated_names(module)
+    return {
+        names[n]: (p.detach().clone(), tp_rank, names[n] in gated)
+        for n, p in module.named_parameters()
+    }
+
+
 def assemble_grads(
     shards: list[dict[str, tuple[torch.Tensor, int, bool]]],
     full_shapes: dict[str, torch.Size],

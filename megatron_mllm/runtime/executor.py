@@ -63,6 +63,10 @@ class Executor:
         self.chunks, self.encoder = backbone, encoder
         self.backbone = backbone[-1]
         self.device = next(self.backbone.parameters()).device  # buffers and batches go here
+        # A frozen encoder trains its projector only: no gradient flows into its layers.
+        self.encoder_frozen = encoder is not None and not any(
+            p.requires_grad for n, p in encoder.named_parameters() if not n.startswith("projector.")
+        )
         self.data, self.micro_batch = data, micro_batch
         self.bb_dp_group, self.enc_dp_group, self.bb_dp = (
             backbone_dp_group,
@@ -307,8 +311,14 @@ class Executor:
         else:
             x = units[-1][1].detach()
         for u in range(a.k0, a.k1):
-            leaf = x.detach().requires_grad_(not (a.stage == 0 and u == 0))
-            y = self.encoder.run_unit(u, leaf)
+            if self.encoder.unit_trainable(u):
+                upstream = not (a.stage == 0 and u == 0) and not self.encoder_frozen
+                leaf = x.detach().requires_grad_(upstream)
+                y = self.encoder.run_unit(u, leaf)
+            else:  # frozen: no graph, and nothing upstream of it wants a gradient
+                leaf = x.detach()
+                with torch.no_grad():
+                    y = self.encoder.run_unit(u, leaf)
             units.append((leaf, y))
             x = y
         if a.k1 == enc_meta.fwd_kernels[a.stage]:
@@ -332,7 +342,7 @@ class Executor:
             y.backward(grad)
             self._bwd_done[(a.enc, a.stage, a.mb)] = b + 1
         if a.k1 == enc_meta.bwd_kernels[a.stage]:
-            if a.stage > 0:
+            if a.stage > 0 and enc_meta.bwd_kernels[a.stage - 1] > 0:
                 self.tensors[f"egin.e{a.enc}.s{a.stage - 1}.m{a.mb}"] = units[0][0].grad
             del self.enc_units[(a.enc, a.stage, a.mb)]
 

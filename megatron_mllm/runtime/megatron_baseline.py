@@ -95,6 +95,8 @@ class MegatronCoreRun:
             enc_pg.tp, enc_pg.cp, enc_pg.dp, enc_pg.pp = pg.tp, pg.cp, pg.dp, solo
             self.encoder = EncoderStage(job.cfg, 0, 1, enc_pg, plan.tp)
             load_full_state(self.encoder, job.full_state, self.tp_rank, plan.tp)
+            if job.frozen_encoder:
+                self.encoder.freeze()
         self.models = [
             _Stage0Model(self.encoder if v == 0 else None, c) for v, c in enumerate(self.chunks)
         ]

@@ -30,7 +30,13 @@ CPU = HardwareProfile(
 )
 
 
-def job_of(cfg: MLLMConfig, plan: ParallelPlan, micro_batch: int, num_microbatches: int) -> MLLMJob:
+def job_of(
+    cfg: MLLMConfig,
+    plan: ParallelPlan,
+    micro_batch: int,
+    num_microbatches: int,
+    frozen_encoder: bool = False,
+) -> MLLMJob:
     """The schedule core's job for the runtime's model (for planning and simulation)."""
     vit, llm = cfg.transformer_specs()
     return MLLMJob(
@@ -45,6 +51,7 @@ def job_of(cfg: MLLMConfig, plan: ParallelPlan, micro_batch: int, num_microbatch
         seq_len=cfg.seq_len,
         hw=CPU,
         sequence_parallel=False,
+        frozen_encoders=frozen_encoder,
     )
 
 
@@ -61,12 +68,14 @@ def runtime_plan(
     name: str,
     encoder_plan: ParallelPlan | None = None,
     measured: dict | None = None,
+    frozen_encoder: bool = False,
     **options,
 ) -> tuple[Schedule, Workload]:
     """A validated schedule and its costs for the runtime's model at layer granularity:
     "megatron" (encoder on stage 0, 1F1B, even layer split), "balanced" (the same with the
     balancing first-stage split) or "optimus" (planned, or with `encoder_plan` forced)."""
-    costs = JobCosts(job_of(cfg, plan, micro_batch, num_microbatches), measured, unit="layer")
+    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder)
+    costs = JobCosts(job, measured, unit="layer")
     if name not in ("megatron", "balanced", "optimus"):
         raise ConfigError(f"unknown schedule {name!r}; use megatron, balanced or optimus")
     if name in ("megatron", "balanced"):

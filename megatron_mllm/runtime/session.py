@@ -45,6 +45,8 @@ class RuntimeJob:
     pool_schedule: Schedule | None = None  # forward-only pass over the pool (its micro-batches)
     lr: float = 0.0  # > 0: take an optimizer step (AdamW) after every step
     ordered_p2p: bool = False  # match messages by posting order, as NCCL does (on with NCCL)
+    frozen_encoder: bool = False  # forward only; its projector still trains
+    collect_params: bool = False  # result["params"]: this rank's parameter shards at the end
     clip_grad: float = 1.0
     extra: dict = field(default_factory=dict)
 
@@ -145,6 +147,13 @@ def check_job(job: RuntimeJob, world: int) -> None:
                 f"{size // job.micro_batch} micro-batches of {job.micro_batch}"
             )
     enc = meta.encoders[0]
+    frozen_schedule = not any(enc.bwd_kernels[:-1]) and enc.bwd_kernels[-1] == 1
+    if job.frozen_encoder != frozen_schedule:
+        raise ConfigError(
+            "the encoder is frozen but the schedule trains it; plan with frozen_encoder=True"
+            if job.frozen_encoder
+            else "the schedule is planned for a frozen encoder but this job trains it"
+        )
     for j in range(enc.num_stages):
         units = (j == 0) + job.cfg.vit_layers // enc_plan.pp + (j == enc.num_stages - 1)
         if enc.fwd_kernels[j] != units:
@@ -240,6 +249,8 @@ def _reference(job: RuntimeJob) -> dict:
     backbone = BackboneStage(job.cfg, True, True, groups.backbone, 1, 1)
     load_full_state(encoder, job.full_state, 0, 1)
     load_full_state(backbone, job.full_state, 0, 1)
+    if job.frozen_encoder:
+        encoder.freeze()
     optimizer = build_optimizer([encoder, backbone], job.lr) if job.lr > 0 else None
     n = job.num_microbatches * job.backbone.dp
     history = []
@@ -310,6 +321,8 @@ class ExecutorRun:
                 job.cfg, c.enc_stage, enc_plan.pp, groups.encoder, enc_plan.tp
             )
             load_full_state(self.encoder, job.full_state, c.enc_tp, enc_plan.tp)
+        if job.frozen_encoder and self.encoder is not None:
+            self.encoder.freeze()
         for module in (*self.chunks, self.encoder):
             if module is not None:
                 module.to(device)  # built on the CPU (use_cpu_initialization), run on the GPU
@@ -474,6 +487,14 @@ class ExecutorRun:
         }
         if self.job.collect_grads:
             out["grads"] = self.grads
+        if self.job.collect_params:
+            from megatron_mllm.models.weights import param_shards
+
+            c = self.groups.coords
+            out["params"] = {k: v for m in self.chunks for k, v in param_shards(m, c.tp).items()}
+            if self.encoder is not None:
+                enc_tp = c.tp if self.stage0 else c.enc_tp
+                out["params"].update(param_shards(self.encoder, enc_tp))
         return out
 
 

@@ -48,6 +48,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="train on B samples chosen from a pool of ratio x B (off by default)",
     )
+    g.add_argument(
+        "--freeze-ViT",
+        action="store_true",
+        help="Megatron's multimodal flag: the encoder runs forward only, its projector trains",
+    )
     g.add_argument("--coreset-features", choices=["zo", "exact"], default="zo")
     g.add_argument("--coreset-directions", type=int, default=16)
     g = p.add_argument_group("model")

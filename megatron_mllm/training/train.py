@@ -107,6 +107,8 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
     """Both plans and the predicted bubble ratio, one screen."""
     p = args.predicted
     where = "whole, on backbone stage 0" if stage0 else "colocated on every backbone stage"
+    if args.freeze_ViT:
+        where += "; frozen: forward only, its projector trains"
     return "\n".join(
         [
             f" > backbone plan: {plan} (world size {plan.world_size})",
@@ -191,7 +193,13 @@ def main(argv: list[str] | None = None) -> int:
         print(dry_run_summary(args, cfg, plan, forced, n_mb))
         return 0
     schedule, workload = runtime_plan(
-        cfg, plan, args.micro_batch_size, n_mb, args.bubble_schedule, encoder_plan=forced
+        cfg,
+        plan,
+        args.micro_batch_size,
+        n_mb,
+        args.bubble_schedule,
+        encoder_plan=forced,
+        frozen_encoder=args.freeze_ViT,
     )
     layers = schedule.meta.backbone_layers
     if plan.vpp > 1 and len(set(layers)) > 1:
@@ -216,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             pool_mbs,
             "megatron" if stage0 else "optimus",
             encoder_plan=None if stage0 else enc_plan,
+            frozen_encoder=args.freeze_ViT,
         )
     return _train(args, cfg, plan, n_mb, schedule)
 
@@ -249,6 +258,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         coreset=args.coreset,
         pool_schedule=args.pool_schedule,
         data_path=args.data_path,
+        frozen_encoder=args.freeze_ViT,
     )
     run = ExecutorRun(rank, world, job)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
