@@ -227,3 +227,25 @@ def test_frozen_encoder_trains_only_its_projector(name, forced):
         check_job(replace(job, schedule=trained), 2)
     with pytest.raises(ConfigError, match="planned for a frozen encoder"):
         check_job(replace(job, frozen_encoder=False), 2)
+
+
+@pytest.mark.parametrize("layout", ["tp2", "pp2-encoder-pp2"])
+def test_kernel_sized_encoder_tasks_agree(reference, layout):
+    """Encoder work cut into the schedule core's kernels (ln1, qkv, attn, proj, ln2, fc1, act,
+    fc2, projector halves), placed by Optimus into pipeline and TP bubbles (@tp fills on TP=2):
+    the same losses and gradients as the reference (and so as the layer-sized runs)."""
+    plan, forced = {
+        "tp2": (ParallelPlan(1, 2, 1), None),
+        "pp2-encoder-pp2": (ParallelPlan(1, 1, 2), ParallelPlan(1, 1, 2)),
+    }[layout]
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced, unit="kernel")
+    enc = schedule.meta.encoders[0]
+    assert sum(enc.fwd_kernels) == 1 + 8 * TINY.vit_layers + 2
+    if plan.tp > 1:
+        assert any("@tp" in str(a) for rank in schedule.ranks for a in rank)
+    job = RuntimeJob(TINY, plan, 1, N, reference[0], schedule=schedule, encoder_units="kernel")
+    outs = spawn(run_rank, plan.world_size, job)
+    etp = encoder_plan_of(schedule, plan)[0].tp
+    check_against(reference, outs, {"backbone": plan.tp, "encoder": etp, "projector": etp})
+    with pytest.raises(ConfigError, match="at layer granularity"):
+        check_job(replace(job, encoder_units="layer"), plan.world_size)

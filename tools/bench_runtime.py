@@ -41,16 +41,15 @@ def main() -> int:
         "as one Chrome trace JSON (processes 'measured rank r' / 'predicted')",
     )
     args = ap.parse_args()
-    if args.device == "cuda":
+    if args.device == "cuda":  # the ranks then take one GPU each and talk over NCCL
         import torch
 
-        if not torch.cuda.is_available():
-            print("error: --device cuda but CUDA is not available", file=sys.stderr)
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count < 2:
+            print(f"error: --device cuda needs 2 GPUs; this machine has {count}", file=sys.stderr)
             return 2
-        print(
-            "error: the runtime runs on CPU/gloo only so far; --device cuda is not wired yet",
-            file=sys.stderr,
-        )
+    elif __import__("torch").cuda.is_available():
+        print("error: CUDA is available; run with --device cuda", file=sys.stderr)
         return 2
 
     from megatron_mllm.models.config import BENCH

@@ -14,6 +14,7 @@ model (TP = PP = 1) and any shard of it.
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -31,11 +32,56 @@ def _vit_layer_spec():
     return spec
 
 
-class EncoderStage(nn.Module):
-    """Encoder stage `stage` of `num_stages` (layers split evenly) on TP group `pg.tp`."""
+def _layer(layer, x: torch.Tensor) -> torch.Tensor:
+    out = layer(hidden_states=x, attention_mask=None)
+    return out[0] if isinstance(out, tuple) else out
 
-    def __init__(self, cfg: MLLMConfig, stage: int, num_stages: int, pg, tp: int) -> None:
+
+def _layer_kernels(layer) -> list[Callable]:
+    """One megatron-core TransformerLayer (local spec, no mask, no rope) as its eight kernels,
+    each a function of a state tuple."""
+    attn, mlp, cfg = layer.self_attention, layer.mlp, layer.config
+
+    def bda(kind):
+        return getattr(layer, kind)(layer.training, cfg.bias_dropout_fusion)
+
+    def ln1(st):
+        return st[0], layer.input_layernorm(st[0])
+
+    def qkv(st):
+        return (st[0], *attn.get_query_key_value_tensors(st[1], None))
+
+    def core(st):
+        return st[0], attn.core_attention(st[1], st[2], st[3], None, attn.attn_mask_type)
+
+    def proj(st):
+        return (bda("self_attn_bda")(attn.linear_proj(st[1]), st[0], layer.hidden_dropout),)
+
+    def ln2(st):
+        return st[0], layer.pre_mlp_layernorm(st[0])
+
+    def fc1(st):
+        y, bias = mlp.linear_fc1(st[1])
+        return st[0], (y + bias if bias is not None else y)
+
+    def act(st):
+        return st[0], mlp.activation_func(st[1])
+
+    def fc2(st):
+        return (bda("mlp_bda")(mlp.linear_fc2(st[1]), st[0], layer.hidden_dropout),)
+
+    return [ln1, qkv, core, proj, ln2, fc1, act, fc2]
+
+
+class EncoderStage(nn.Module):
+    """Encoder stage `stage` of `num_stages` (layers split evenly) on TP group `pg.tp`; its work
+    as units of layer or kernel size (`kernel_units`)."""
+
+    def __init__(
+        self, cfg: MLLMConfig, stage: int, num_stages: int, pg, tp: int, kernel_units: bool = False
+    ) -> None:
         super().__init__()
+        self.kernel_units = kernel_units
         from megatron.core.models.vision.multimodal_projector import MultimodalProjector
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
         from megatron.core.transformer.mlp import MLPSubmodules
@@ -74,47 +120,72 @@ class EncoderStage(nn.Module):
             )
 
     # -- units -------------------------------------------------------------------------------
+    # A unit maps a state (a tuple of tensors) to the next; a stage's input and output states are
+    # one tensor. "layer" units: [patch embedding], each layer, [final norm + projector].
+    # "kernel" units (the schedule core's kernels): [embed], per layer ln1, qkv, attn, proj (+
+    # bias-dropout-add), ln2, fc1, act, fc2 (+ bias-dropout-add), then [proj_fc1 (final norm, fc1,
+    # activation), proj_fc2]. Residual streams ride along in the state, so the executor can stop
+    # between any two units and run each backward on its own.
+    def _unit_table(self) -> list[tuple[Callable, list[torch.Tensor]]]:
+        if getattr(self, "_units", None) is not None:
+            return self._units
+        units = []
+        if self.first:
+            own = [p for n, p in self.named_parameters() if not n.startswith(("block.", "proj"))]
+            units.append((lambda st: (self.embed(st[0]),), own))
+        for layer in self.block.layers:
+            params = [*layer.parameters()]
+            if not self.kernel_units:
+                units.append((lambda st, layer=layer: (_layer(layer, st[0]),), params))
+            else:
+                units += [(fn, params) for fn in _layer_kernels(layer)]
+        if self.last:
+            tail = [*self.projector.parameters()]
+            if self.block.final_layernorm is not None:
+                tail += [*self.block.final_layernorm.parameters()]
+            if not self.kernel_units:
+                units.append((lambda st: (self._projector_fc2(self._projector_fc1(st[0])),), tail))
+            else:
+                units.append((lambda st: (self._projector_fc1(st[0]),), tail))
+                units.append((lambda st: (self._projector_fc2(st[0]),), tail))
+        self._units = units
+        return units
+
     @property
     def num_units(self) -> int:
-        return int(self.first) + len(self.block.layers) + int(self.last)
+        return len(self._unit_table())
 
-    def run_unit(self, u: int, x: torch.Tensor) -> torch.Tensor:
-        """Unit u: [patch embedding], layers..., [final norm + projector]."""
-        if self.first:
-            if u == 0:
-                return self.embed(x)
-            u -= 1
-        if u < len(self.block.layers):
-            out = self.block.layers[u](hidden_states=x, attention_mask=None)
-            return out[0] if isinstance(out, tuple) else out
-        if self.cfg.vit_class_token:
-            x = x[1:]  # LLaVA's "default" feature selection: patches only
-        if self.block.final_layernorm is not None:
-            x = self.block.final_layernorm(x)
-        out = self.projector(x)
-        return out[0] if isinstance(out, tuple) else out
+    def run_unit(self, u: int, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """Unit u on a state (see above); returns the next state."""
+        return self._unit_table()[u][0](state)
+
+    def unit_trainable(self, u: int) -> bool:
+        """Whether unit u has parameters that train (else it runs without an autograd graph)."""
+        return any(p.requires_grad for p in self._unit_table()[u][1])
 
     def freeze(self) -> None:
         """A frozen encoder: every parameter but the projector's stops training."""
         for name, p in self.named_parameters():
             p.requires_grad_(name.startswith("projector."))
 
-    def unit_trainable(self, u: int) -> bool:
-        """Whether unit u has parameters that train (else it runs without an autograd graph)."""
-        if self.first:
-            if u == 0:
-                return any(
-                    p.requires_grad
-                    for n, p in self.named_parameters()
-                    if not n.startswith(("block.", "projector."))
-                )
-            u -= 1
-        if u < len(self.block.layers):
-            return any(p.requires_grad for p in self.block.layers[u].parameters())
-        tail = [*self.projector.parameters()]
+    def _projector_fc1(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cfg.vit_class_token:
+            x = x[1:]  # LLaVA's "default" feature selection: patches only
         if self.block.final_layernorm is not None:
-            tail += [*self.block.final_layernorm.parameters()]
-        return any(p.requires_grad for p in tail)
+            x = self.block.final_layernorm(x)
+        mlp = self.projector.encoder
+        y, bias = mlp.linear_fc1(x)
+        return mlp.activation_func(y + bias if bias is not None else y)
+
+    def _projector_fc2(self, x: torch.Tensor) -> torch.Tensor:
+        y, bias = self.projector.encoder.linear_fc2(x)
+        return y + bias if bias is not None else y
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        state = (x,)
+        for u in range(self.num_units):
+            state = self.run_unit(u, state)
+        return state[0]
 
     def embed(self, images: torch.Tensor) -> torch.Tensor:
         """[b, c, H, W] images -> [encoder tokens, b, vit_hidden]."""
@@ -127,11 +198,6 @@ class EncoderStage(nn.Module):
             x = torch.cat([self.class_embedding.expand(1, b, -1), x], dim=0)
         x = x + self.pos_embed
         return self.pre_layernorm(x) if self.cfg.vit_pre_norm else x
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for u in range(self.num_units):
-            x = self.run_unit(u, x)
-        return x
 
 
 def causal_mask(seq_len: int) -> torch.Tensor:

@@ -300,31 +300,34 @@ class Executor:
 
     # -- encoder ---------------------------------------------------------------------------
     def _encoder_forward(self, a: Action) -> None:
+        """Units k0..k1 of an encoder stage; each keeps its input leaves and output state, so
+        its backward can run on its own (see EncoderStage's units)."""
         enc_meta = self.meta.encoders[a.enc]
         units = self.enc_units.setdefault((a.enc, a.stage, a.mb), [])
         if a.k0 == 0:
-            x = (
+            first = (
                 self._batch(a.mb)[0]
                 if a.stage == 0
                 else self.tensors.pop(f"eact.e{a.enc}.s{a.stage}.m{a.mb}")
             )
+            state = (first,)
         else:
-            x = units[-1][1].detach()
+            state = units[-1][1]
         for u in range(a.k0, a.k1):
             if self.encoder.unit_trainable(u):
                 upstream = not (a.stage == 0 and u == 0) and not self.encoder_frozen
-                leaf = x.detach().requires_grad_(upstream)
-                y = self.encoder.run_unit(u, leaf)
+                leaves = tuple(t.detach().requires_grad_(upstream) for t in state)
+                out = self.encoder.run_unit(u, leaves)
             else:  # frozen: no graph, and nothing upstream of it wants a gradient
-                leaf = x.detach()
+                leaves = tuple(t.detach() for t in state)
                 with torch.no_grad():
-                    y = self.encoder.run_unit(u, leaf)
-            units.append((leaf, y))
-            x = y
+                    out = self.encoder.run_unit(u, leaves)
+            units.append((leaves, out))
+            state = out
         if a.k1 == enc_meta.fwd_kernels[a.stage]:
             last = a.stage == enc_meta.num_stages - 1
             key = f"eout.e{a.enc}.m{a.mb}" if last else f"eact.e{a.enc}.s{a.stage + 1}.m{a.mb}"
-            self.tensors[key] = x.detach()
+            (self.tensors[key],) = (t.detach() for t in state)
 
     def _encoder_backward(self, a: Action) -> None:
         enc_meta = self.meta.encoders[a.enc]
@@ -335,15 +338,15 @@ class Executor:
             u = total - 1 - b
             if b == 0:
                 key = f"egrad.e{a.enc}.m{a.mb}" if last else f"egin.e{a.enc}.s{a.stage}.m{a.mb}"
-                grad = self.tensors.pop(key)
+                grads = (self.tensors.pop(key),)
             else:
-                grad = units[u + 1][0].grad
-            leaf, y = units[u]
-            y.backward(grad)
+                grads = tuple(leaf.grad for leaf in units[u + 1][0])
+            outs = [(y, g) for y, g in zip(units[u][1], grads, strict=True) if g is not None]
+            torch.autograd.backward([y for y, _ in outs], [g for _, g in outs])
             self._bwd_done[(a.enc, a.stage, a.mb)] = b + 1
         if a.k1 == enc_meta.bwd_kernels[a.stage]:
             if a.stage > 0 and enc_meta.bwd_kernels[a.stage - 1] > 0:
-                self.tensors[f"egin.e{a.enc}.s{a.stage - 1}.m{a.mb}"] = units[0][0].grad
+                self.tensors[f"egin.e{a.enc}.s{a.stage - 1}.m{a.mb}"] = units[0][0][0].grad
             del self.enc_units[(a.enc, a.stage, a.mb)]
 
     # -- data parallel ---------------------------------------------------------------------

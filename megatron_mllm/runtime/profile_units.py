@@ -64,9 +64,9 @@ def profile_units(
 
     out = {"vit": {"forward": {}, "backward": {}}, "llm": {"forward": {}, "backward": {}}}
     units = {
-        ("vit", "embed"): (lambda x: enc.run_unit(0, x), lambda: images),
-        ("vit", "layer"): (lambda x: enc.run_unit(1, x), leaf(vit_h)),
-        ("vit", "projector"): (lambda x: enc.run_unit(enc.num_units - 1, x), leaf(vit_h)),
+        ("vit", "embed"): (lambda x: enc.run_unit(0, (x,))[0], lambda: images),
+        ("vit", "layer"): (lambda x: enc.run_unit(1, (x,))[0], leaf(vit_h)),
+        ("vit", "projector"): (lambda x: enc.run_unit(enc.num_units - 1, (x,))[0], leaf(vit_h)),
         ("llm", "layer"): (
             lambda x: bb.gpt.decoder.layers[0](hidden_states=x, attention_mask=bb.mask)[0],
             leaf(llm_h),

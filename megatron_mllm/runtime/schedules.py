@@ -69,13 +69,15 @@ def runtime_plan(
     encoder_plan: ParallelPlan | None = None,
     measured: dict | None = None,
     frozen_encoder: bool = False,
+    unit: str = "layer",
     **options,
 ) -> tuple[Schedule, Workload]:
-    """A validated schedule and its costs for the runtime's model at layer granularity:
+    """A validated schedule and its costs for the runtime's model at layer (or, with
+    unit="kernel", kernel) granularity:
     "megatron" (encoder on stage 0, 1F1B, even layer split), "balanced" (the same with the
     balancing first-stage split) or "optimus" (planned, or with `encoder_plan` forced)."""
     job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder)
-    costs = JobCosts(job, measured, unit="layer")
+    costs = JobCosts(job, measured, unit=unit)
     if name not in ("megatron", "balanced", "optimus"):
         raise ConfigError(f"unknown schedule {name!r}; use megatron, balanced or optimus")
     if name in ("megatron", "balanced"):

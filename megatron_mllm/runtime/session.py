@@ -47,6 +47,7 @@ class RuntimeJob:
     ordered_p2p: bool = False  # match messages by posting order, as NCCL does (on with NCCL)
     frozen_encoder: bool = False  # forward only; its projector still trains
     collect_params: bool = False  # result["params"]: this rank's parameter shards at the end
+    encoder_units: str = "layer"  # the schedule's encoder granularity: "layer" or "kernel"
     clip_grad: float = 1.0
     extra: dict = field(default_factory=dict)
 
@@ -147,19 +148,25 @@ def check_job(job: RuntimeJob, world: int) -> None:
                 f"{size // job.micro_batch} micro-batches of {job.micro_batch}"
             )
     enc = meta.encoders[0]
-    frozen_schedule = not any(enc.bwd_kernels[:-1]) and enc.bwd_kernels[-1] == 1
+    frozen_schedule = not any(enc.bwd_kernels[:-1]) and enc.bwd_kernels[-1] in (
+        1 if job.encoder_units == "layer" else 2,
+    )
     if job.frozen_encoder != frozen_schedule:
         raise ConfigError(
             "the encoder is frozen but the schedule trains it; plan with frozen_encoder=True"
             if job.frozen_encoder
             else "the schedule is planned for a frozen encoder but this job trains it"
         )
+    if job.encoder_units not in ("layer", "kernel"):
+        raise ConfigError(f"encoder units {job.encoder_units!r}: use 'layer' or 'kernel'")
+    per_layer, tail = (8, 2) if job.encoder_units == "kernel" else (1, 1)
     for j in range(enc.num_stages):
-        units = (j == 0) + job.cfg.vit_layers // enc_plan.pp + (j == enc.num_stages - 1)
+        last = j == enc.num_stages - 1
+        units = (j == 0) + per_layer * (job.cfg.vit_layers // enc_plan.pp) + tail * last
         if enc.fwd_kernels[j] != units:
             raise ConfigError(
-                f"schedule's encoder stage {j} has {enc.fwd_kernels[j]} units; this "
-                f"model's has {units} (plan schedules with unit='layer')"
+                f"schedule's encoder stage {j} has {enc.fwd_kernels[j]} units; this model's has "
+                f"{units} at {job.encoder_units} granularity (plan with unit='{job.encoder_units}')"
             )
 
 
@@ -313,12 +320,15 @@ class ExecutorRun:
         self.backbone = self.chunks[-1]
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
         self.encoder = None
+        kernels = job.encoder_units == "kernel"
         if self.stage0 and c.stage == 0:
-            self.encoder = EncoderStage(job.cfg, 0, 1, groups.stage0_encoder(), plan.tp)
+            self.encoder = EncoderStage(
+                job.cfg, 0, 1, groups.stage0_encoder(), plan.tp, kernel_units=kernels
+            )
             load_full_state(self.encoder, job.full_state, c.tp, plan.tp)
         elif not self.stage0:
             self.encoder = EncoderStage(
-                job.cfg, c.enc_stage, enc_plan.pp, groups.encoder, enc_plan.tp
+                job.cfg, c.enc_stage, enc_plan.pp, groups.encoder, enc_plan.tp, kernels
             )
             load_full_state(self.encoder, job.full_state, c.enc_tp, enc_plan.tp)
         if job.frozen_encoder and self.encoder is not None:
