@@ -182,7 +182,7 @@ def test_pairwise_order_check_finds_what_tagless_matching_would_mix_up():
     assert problem.startswith("rank 0 -> rank 1: message 0")
 
 
-@pytest.mark.parametrize("layout", ["pp2", "pp2-encoder-dp2"])
+@pytest.mark.parametrize("layout", ["pp2", pytest.param("pp2-encoder-dp2", marks=pytest.mark.slow)])
 def test_ordered_p2p_without_tags_agrees(reference, layout):
     """NCCL semantics on gloo: every message tag 0, receives posted at step start in each
     sender's order on one group per direction. Same losses and gradients."""
@@ -195,7 +195,12 @@ def test_ordered_p2p_without_tags_agrees(reference, layout):
 
 
 @pytest.mark.parametrize(
-    "name, forced", [("megatron", None), ("optimus", None), ("optimus", ParallelPlan(1, 1, 2))]
+    "name, forced",
+    [
+        ("megatron", None),
+        ("optimus", None),
+        pytest.param("optimus", ParallelPlan(1, 1, 2), marks=pytest.mark.slow),
+    ],
 )
 def test_frozen_encoder_trains_only_its_projector(name, forced):
     """A frozen encoder runs forward only (its projector still trains): the same losses and
@@ -229,7 +234,7 @@ def test_frozen_encoder_trains_only_its_projector(name, forced):
         check_job(replace(job, frozen_encoder=False), 2)
 
 
-@pytest.mark.parametrize("layout", ["tp2", "pp2-encoder-pp2"])
+@pytest.mark.parametrize("layout", ["tp2", pytest.param("pp2-encoder-pp2", marks=pytest.mark.slow)])
 def test_kernel_sized_encoder_tasks_agree(reference, layout):
     """Encoder work cut into the schedule core's kernels (ln1, qkv, attn, proj, ln2, fc1, act,
     fc2, projector halves), placed by Optimus into pipeline and TP bubbles (@tp fills on TP=2):
@@ -249,3 +254,34 @@ def test_kernel_sized_encoder_tasks_agree(reference, layout):
     check_against(reference, outs, {"backbone": plan.tp, "encoder": etp, "projector": etp})
     with pytest.raises(ConfigError, match="at layer granularity"):
         check_job(replace(job, encoder_units="layer"), plan.world_size)
+
+
+@pytest.mark.parametrize(
+    "plan, unit",
+    [
+        pytest.param(ParallelPlan(1, 1, 2), "layer", marks=pytest.mark.slow),
+        (ParallelPlan(1, 2, 1), "kernel"),
+    ],
+)
+def test_online_replanning_from_measured_unit_times(plan, unit):
+    """After a step, every rank's measured unit times replace the cost model's and Optimus is
+    planned again; the run continues on the new schedule with the reference's losses."""
+    from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
+
+    state = spawn(make_full_state, 1, TINY, 0)[0]
+    train = dict(TRAIN, steps=3)
+    ref = spawn(
+        run_rank, 1, RuntimeJob(TINY, ParallelPlan(1, 1, 1), 1, N, state, mode="reference", **train)
+    )[0]
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit=unit)
+    job = RuntimeJob(
+        TINY, plan, 1, N, state, schedule=schedule, encoder_units=unit, replan_after=1, **train
+    )
+    outs = spawn(run_rank, plan.world_size, job)
+    assert all(o["replanned"] for o in outs)
+    times = outs[0]["replan_times"]
+    names = set(FORWARD_KERNELS) if unit == "kernel" else {"layer"}
+    assert names <= set(times["vit"]["forward"]) and times["llm"]["forward"]
+    for step, losses in enumerate(ref["history"]):
+        mine = {k: v for o in outs for k, v in o["history"][step].items()}
+        assert all(mine[k] == pytest.approx(v, abs=1e-5) for k, v in losses.items())

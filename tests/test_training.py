@@ -105,6 +105,20 @@ def test_interleaved_backbone_trains_and_reshards_to_non_interleaved(tmp_path):
     assert sorted(again) == [3, 4] and all(abs(again[i] - ref[i]) < 1e-5 for i in (3, 4))
 
 
+def test_kernel_granularity_frozen_encoder_and_online_replanning(tmp_path):
+    """--fill-granularity kernel --freeze-ViT --replan-after-iters 1 on TP=2: trains, re-plans
+    from measured unit times after the first iteration, and the loss still falls."""
+    out = torchrun(
+        "--tensor-model-parallel-size", "2", *COMMON, "--train-iters", "3",
+        "--fill-granularity", "kernel", "--freeze-ViT", "--replan-after-iters", "1",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "frozen: forward only" in out.stdout
+    assert "re-planned from measured unit times" in out.stdout
+    got = losses(out.stdout)
+    assert sorted(got) == [1, 2, 3] and got[3] < got[1]
+
+
 def test_resume_restores_rng_streams_under_dropout(tmp_path):
     """With dropout, a resumed run is bit-identical only if every rank's RNG streams (torch's
     generator for hidden dropout, megatron-core's tracker for attention dropout) come back."""
@@ -129,6 +143,7 @@ def test_resume_restores_rng_streams_under_dropout(tmp_path):
         (["--pipeline-model-parallel-size", "3"], "not divisible by TP 1 x PP 3"),
         (["--data-path", "/nonexistent/shards"], "no .tar shards"),
         (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size"),
+        (["--replan-after-iters", "0"], "--replan-after-iters N needs N >= 1"),
         (
             ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
             "does not split into PP 2 stages",

@@ -18,6 +18,14 @@ import torch
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import CLIP_VIT, LLAMA, MLLMConfig
 
+# Per CLIP encoder layer: our (megatron-core) name -> transformers' name; q/k/v are fused apart.
+_CLIP_LAYER_NAMES = (
+    ("input_layernorm", "layer_norm1"),
+    ("self_attention.linear_proj", "self_attn.out_proj"),
+    ("pre_mlp_layernorm", "layer_norm2"),
+    ("mlp.linear_fc1", "mlp.fc1"),
+    ("mlp.linear_fc2", "mlp.fc2"),
+)
 MAPPED = "LLaVA (LlavaForConditionalGeneration) with a CLIP vision tower and a Llama language model"
 
 
@@ -163,13 +171,7 @@ def llava_to_canonical(sd: dict, cfg: MLLMConfig) -> dict[str, torch.Tensor]:
         for kind in ("weight", "bias"):
             q, k, v = (s[f"{src}self_attn.{n}_proj.{kind}"] for n in "qkv")
             out[f"{dst}self_attention.linear_qkv.{kind}"] = _fuse_qkv(q, k, v, cfg.vit_heads)
-            for ours, theirs in (
-                ("input_layernorm", "layer_norm1"),
-                ("self_attention.linear_proj", "self_attn.out_proj"),
-                ("pre_mlp_layernorm", "layer_norm2"),
-                ("mlp.linear_fc1", "mlp.fc1"),
-                ("mlp.linear_fc2", "mlp.fc2"),
-            ):
+            for ours, theirs in _CLIP_LAYER_NAMES:
                 out[f"{dst}{ours}.{kind}"] = s[f"{src}{theirs}.{kind}"]
     for i in range(cfg.llm_layers):
         src, dst = f"text.layers.{i}.", f"backbone.decoder.layers.{i}."
@@ -277,13 +279,7 @@ def canonical_to_llava(state: dict[str, torch.Tensor], cfg: MLLMConfig) -> dict:
             )
             for n, x in zip("qkv", (q, k, vv), strict=True):
                 out[f"{dst}self_attn.{n}_proj.{kind}"] = x
-            for ours, theirs in (
-                ("input_layernorm", "layer_norm1"),
-                ("self_attention.linear_proj", "self_attn.out_proj"),
-                ("pre_mlp_layernorm", "layer_norm2"),
-                ("mlp.linear_fc1", "mlp.fc1"),
-                ("mlp.linear_fc2", "mlp.fc2"),
-            ):
+            for ours, theirs in _CLIP_LAYER_NAMES:
                 out[f"{dst}{theirs}.{kind}"] = state[f"{src}{ours}.{kind}"]
     for i in range(cfg.llm_layers):
         src, dst = f"backbone.decoder.layers.{i}.", f"{t}layers.{i}."

@@ -21,6 +21,7 @@ from torch import nn
 
 from megatron_mllm.models.config import MLLMConfig, transformer_config
 from megatron_mllm.models.loss import vocab_parallel_cross_entropy
+from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 
 
 def _vit_layer_spec():
@@ -154,6 +155,17 @@ class EncoderStage(nn.Module):
     @property
     def num_units(self) -> int:
         return len(self._unit_table())
+
+    def unit_names(self) -> list[str]:
+        """The schedule core's name of each unit (its measured-times key)."""
+        if getattr(self, "_names", None) is None:
+            names = ["embed"] if self.first else []
+            for _ in self.block.layers:
+                names += list(FORWARD_KERNELS) if self.kernel_units else ["layer"]
+            if self.last:
+                names += ["proj_fc1", "proj_fc2"] if self.kernel_units else ["projector"]
+            self._names = names
+        return self._names
 
     def run_unit(self, u: int, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Unit u on a state (see above); returns the next state."""

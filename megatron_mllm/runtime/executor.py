@@ -35,6 +35,9 @@ class StepResult:
     spans: list[Span] = field(default_factory=list)
     seconds: float = 0.0
     moved: int = 0  # dynamic mode: encoder chunks run ahead of their place in the program
+    # Measured seconds for re-planning: (model, "forward"|"backward", unit name) -> samples;
+    # the backbone's per layer (a chunk's F or B time over its layer count).
+    unit_times: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
 
 
 class Executor:
@@ -215,10 +218,18 @@ class Executor:
         key = f"egrad.e{a.enc}.m{a.mb}" if last else f"egin.e{a.enc}.s{a.stage}.m{a.mb}"
         return key in self.tensors
 
+    def _time(self, model: str, direction: str, name: str, seconds: float) -> None:
+        self.result.unit_times.setdefault((model, direction, name), []).append(seconds)
+
     def _run(self, action: Action, t0: float) -> None:
         start = time.perf_counter() - t0
         self.handlers[action.kind](action)
         end = time.perf_counter() - t0
+        if action.kind in ("F", "B"):
+            layers = len(self.chunks[action.chunk].gpt.decoder.layers)
+            forward = action.kind == "F"
+            name = "layer" if forward else "layer_b"
+            self._time("llm", "forward" if forward else "backward", name, (end - start) / layers)
         category = {"F": "backbone", "B": "backbone", "EF": "encoder", "EB": "encoder"}.get(
             action.kind, "dp"
         )
@@ -313,6 +324,7 @@ class Executor:
             state = (first,)
         else:
             state = units[-1][1]
+        names, t_unit = self.encoder.unit_names(), time.perf_counter()
         for u in range(a.k0, a.k1):
             if self.encoder.unit_trainable(u):
                 upstream = not (a.stage == 0 and u == 0) and not self.encoder_frozen
@@ -324,6 +336,8 @@ class Executor:
                     out = self.encoder.run_unit(u, leaves)
             units.append((leaves, out))
             state = out
+            self._time("vit", "forward", names[u], time.perf_counter() - t_unit)
+            t_unit = time.perf_counter()
         if a.k1 == enc_meta.fwd_kernels[a.stage]:
             last = a.stage == enc_meta.num_stages - 1
             key = f"eout.e{a.enc}.m{a.mb}" if last else f"eact.e{a.enc}.s{a.stage + 1}.m{a.mb}"
@@ -334,7 +348,9 @@ class Executor:
         units = self.enc_units[(a.enc, a.stage, a.mb)]
         total = enc_meta.fwd_kernels[a.stage]
         last = a.stage == enc_meta.num_stages - 1
+        names = self.encoder.unit_names()
         for b in range(a.k0, a.k1):
+            t_unit = time.perf_counter()
             u = total - 1 - b
             if b == 0:
                 key = f"egrad.e{a.enc}.m{a.mb}" if last else f"egin.e{a.enc}.s{a.stage}.m{a.mb}"
@@ -344,6 +360,7 @@ class Executor:
             outs = [(y, g) for y, g in zip(units[u][1], grads, strict=True) if g is not None]
             torch.autograd.backward([y for y, _ in outs], [g for _, g in outs])
             self._bwd_done[(a.enc, a.stage, a.mb)] = b + 1
+            self._time("vit", "backward", names[u] + "_b", time.perf_counter() - t_unit)
         if a.k1 == enc_meta.bwd_kernels[a.stage]:
             if a.stage > 0 and enc_meta.bwd_kernels[a.stage - 1] > 0:
                 self.tensors[f"egin.e{a.enc}.s{a.stage - 1}.m{a.mb}"] = units[0][0][0].grad

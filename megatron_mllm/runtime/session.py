@@ -48,6 +48,7 @@ class RuntimeJob:
     frozen_encoder: bool = False  # forward only; its projector still trains
     collect_params: bool = False  # result["params"]: this rank's parameter shards at the end
     encoder_units: str = "layer"  # the schedule's encoder granularity: "layer" or "kernel"
+    replan_after: int | None = None  # re-plan from measured unit times after this many steps
     clip_grad: float = 1.0
     extra: dict = field(default_factory=dict)
 
@@ -205,6 +206,8 @@ def run_rank(rank: int, world: int, job: RuntimeJob) -> dict:
     run = make_run(rank, world, job)
     for step in range(job.steps):
         run.step(step)
+        if job.replan_after is not None and step + 1 == job.replan_after:
+            run.replan()
     dist.barrier()
     return run.result()
 
@@ -358,6 +361,8 @@ class ExecutorRun:
             (self.encoder, *enc_groups),
         ]
         self.history, self.seconds, self.grads, self.spans = [], [], None, []
+        self.unit_times: dict[tuple[str, str, str], list[float]] = {}
+        self.replanned = None  # (schedule, workload, measured times) once re-planned
         self.selector = None
         if job.coreset is not None:
             from megatron_mllm.data.coreset import CoresetSelector
@@ -381,6 +386,42 @@ class ExecutorRun:
         groups = {pair: dist.new_group(list(pair)) for pair in message_pairs(main, pool)}
         self.ordered = (receive_orders(main, self.rank), groups)
         self.pool_ordered = (receive_orders(pool, self.rank), groups)
+
+    def replan(self) -> bool:
+        """Online re-planning (collective: every rank calls it): plan Optimus again from every
+        rank's measured unit times and run the new schedule from the next step. False where
+        the schedule keeps the encoder on stage 0 or the new plan needs other modules."""
+        from dataclasses import replace
+
+        from megatron_mllm.runtime.program import gpu_program
+        from megatron_mllm.runtime.replan import replan
+
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, self.unit_times)
+        job = self.job
+        enc_plan, stage0 = encoder_plan_of(job.schedule, job.backbone)
+        if stage0:
+            return False
+        out = replan(
+            job.cfg,
+            job.backbone,
+            job.micro_batch,
+            job.num_microbatches,
+            job.schedule,
+            enc_plan,
+            gathered,
+            job.encoder_units,
+            job.frozen_encoder,
+        )
+        if out is None:
+            return False
+        new_job = replace(job, schedule=out[0])
+        check_job(new_job, dist.get_world_size())
+        self.job, self.replanned = new_job, out
+        self.program = gpu_program(out[0], self.groups, self.enc_tp)
+        if self.ordered is not None:
+            self._ordered_p2p(job.backbone, enc_plan)
+        return True
 
     def select(self, step: int) -> list[int]:
         """Coreset: the pool's forward pass without gradients through the whole pipeline; the
@@ -471,6 +512,8 @@ class ExecutorRun:
             executor.run_step()
             os._exit(3)  # die mid-step, as a crashed rank would
         result = executor.run_step()
+        for key, values in result.unit_times.items():
+            self.unit_times.setdefault(key, []).extend(values)
         self.seconds.append(result.seconds)
         self.spans = result.spans
         self.moved = result.moved
@@ -488,6 +531,8 @@ class ExecutorRun:
 
     def result(self) -> dict:
         out = {
+            "replanned": self.replanned is not None,
+            "replan_times": self.replanned[2] if self.replanned is not None else None,
             "moved": getattr(self, "moved", 0),
             "losses": self.history[0],
             "history": self.history,
@@ -546,7 +591,9 @@ def run_interleaved(rank: int, world: int, jobs: list[RuntimeJob], steps: int) -
     _init_rank(rank, world, jobs[0].seed, jobs[0].timeout_s)
     runs = [make_run(rank, world, job) for job in jobs]
     for step in range(steps):
-        for run in runs:
+        for job, run in zip(jobs, runs, strict=True):
             run.step(step)
+            if job.replan_after is not None and step + 1 == job.replan_after:
+                run.replan()
     dist.barrier()
     return [run.result() for run in runs]

@@ -53,6 +53,19 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Megatron's multimodal flag: the encoder runs forward only, its projector trains",
     )
+    g.add_argument(
+        "--fill-granularity",
+        choices=["layer", "kernel"],
+        default="layer",
+        help="encoder work placed into bubbles as whole layers or as kernels "
+        "(norm, QKV, attention, projection, MLP pieces)",
+    )
+    g.add_argument(
+        "--replan-after-iters",
+        type=int,
+        default=None,
+        help="optimus: after N iterations, plan again from the unit times measured so far",
+    )
     g.add_argument("--coreset-features", choices=["zo", "exact"], default="zo")
     g.add_argument("--coreset-directions", type=int, default=16)
     g = p.add_argument_group("model")
@@ -289,6 +302,12 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ConfigError(
                 "--coreset-pool-ratio works on the synthetic data for now; drop "
                 "--data-path or the coreset options"
+            )
+    if args.replan_after_iters is not None:
+        if args.replan_after_iters < 1 or args.bubble_schedule != "optimus":
+            raise ConfigError(
+                "--replan-after-iters N needs N >= 1 and --bubble-schedule optimus "
+                f"(got {args.replan_after_iters}, {args.bubble_schedule})"
             )
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")

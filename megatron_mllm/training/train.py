@@ -200,6 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         args.bubble_schedule,
         encoder_plan=forced,
         frozen_encoder=args.freeze_ViT,
+        unit=args.fill_granularity if args.bubble_schedule == "optimus" else "layer",
     )
     layers = schedule.meta.backbone_layers
     if plan.vpp > 1 and len(set(layers)) > 1:
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
             "megatron" if stage0 else "optimus",
             encoder_plan=None if stage0 else enc_plan,
             frozen_encoder=args.freeze_ViT,
+            unit="layer" if stage0 else args.fill_granularity,
         )
     return _train(args, cfg, plan, n_mb, schedule)
 
@@ -240,6 +242,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
     from megatron_mllm.parallel.groups import build_colocated_groups
 
     enc_plan, stage0 = encoder_plan_of(schedule, plan)
+    units = "layer" if stage0 else args.fill_granularity
     probe = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
     state = initial_weights(cfg, probe)
     full_shapes = {k: tuple(v.shape) for k, v in state.items()}
@@ -259,6 +262,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         pool_schedule=args.pool_schedule,
         data_path=args.data_path,
         frozen_encoder=args.freeze_ViT,
+        encoder_units=units,
     )
     run = ExecutorRun(rank, world, job)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -378,6 +382,20 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
             ):
                 writer.add_scalar(name, value, it + 1)
             writer.add_scalar("lm loss vs samples", mean, step_samples)
+        if args.replan_after_iters == it + 1:
+            replanned = run.replan()
+            if rank == 0:
+                from megatron_mllm.schedule.simulator import simulate
+
+                if replanned:
+                    new = simulate(*run.replanned[:2])
+                    print(
+                        f" > re-planned from measured unit times: predicted step "
+                        f"{1000 * new.step_time_s:.1f} ms, bubble ratio {new.bubble_ratio:.1%}",
+                        flush=True,
+                    )
+                else:
+                    print(" > re-planning kept the current plan", flush=True)
         if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
             save_checkpoint(it + 1)
     if args.save and (not args.save_interval or args.train_iters % args.save_interval):

@@ -1,0 +1,76 @@
+"""Online re-planning: replace the cost model's estimates with the unit times the executor
+measured, and plan the Optimus schedule again for the same modules.
+
+The encoder's units are timed one by one (layer- or kernel-sized, as the run executes them);
+the backbone is timed per layer (a chunk's F or B over its layer count, so the first and last
+chunks carry the embedding and the LM head). In kernel-granularity plans the backbone's kernels
+keep the analytic proportions, scaled to the measured layer time. The encoder plan and the
+backbone's layer split stay what they are (both are built into the modules); the planner
+re-decides micro-batch splits, warm-up, placement into bubbles and TP fills.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.schedule.blocks import JobCosts
+from megatron_mllm.schedule.planner import plan_optimus
+from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.workload import Workload
+
+
+def measured_times(
+    samples: list[dict[tuple[str, str, str], list[float]]],
+    job_costs: JobCosts,
+    unit: str,
+) -> dict[str, dict[str, dict[str, float]]]:
+    """Median unit times over every rank's samples, in the cost model's measured-times form."""
+    merged: dict[tuple[str, str, str], list[float]] = {}
+    for rank_samples in samples:
+        for key, values in rank_samples.items():
+            merged.setdefault(key, []).extend(values)
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for (model, direction, name), values in merged.items():
+        out.setdefault(model, {}).setdefault(direction, {})[name] = statistics.median(values)
+    llm = out.pop("llm", {})
+    if unit == "kernel" and llm:  # per-kernel backbone times: analytic shares of the layer
+        block = job_costs.backbone_layer(job_costs.job.tp)
+        for direction, kernels, name in (
+            ("forward", block.fwd, "layer"),
+            ("backward", block.bwd, "layer_b"),
+        ):
+            layer = llm.get(direction, {}).get(name)
+            analytic = sum(k.compute_s for k in kernels)
+            if layer is not None and analytic > 0:
+                out.setdefault("llm", {})[direction] = {
+                    k.name: k.compute_s * layer / analytic for k in kernels
+                }
+    elif llm:
+        out["llm"] = llm
+    return out
+
+
+def replan(
+    cfg: MLLMConfig,
+    plan: ParallelPlan,
+    micro_batch: int,
+    num_microbatches: int,
+    current: Schedule,
+    encoder_plan: ParallelPlan,
+    samples: list[dict],
+    unit: str,
+    frozen_encoder: bool = False,
+) -> tuple[Schedule, Workload, dict] | None:
+    """The best Optimus schedule under the measured times for the current encoder plan and
+    backbone split, with the times used; None where the best one needs another layer split."""
+    from megatron_mllm.runtime.schedules import job_of
+
+    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder)
+    times = measured_times(samples, JobCosts(job, unit=unit), unit)
+    costs = JobCosts(job, times, unit=unit)
+    best, _, _ = plan_optimus(costs, encoder_plan=encoder_plan)
+    if best.schedule.meta.backbone_layers != current.meta.backbone_layers:
+        return None
+    return best.schedule, best.workload, times
