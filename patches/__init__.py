@@ -15,6 +15,7 @@ import torch
 
 SUPPORTED_MEGATRON_CORE = ("0.16.1",)
 CPU_PATCHES = ("cuda_device_on_cpu", "cpu_rng_tracker", "cuda_allocations_on_cpu")
+RUNTIME_PATCHES = ("async_tp_collectives",)  # on every device
 
 
 def check_version() -> None:
@@ -37,3 +38,11 @@ def apply_cpu_patches() -> list[str]:
         module.apply()
         applied.append(name)
     return applied
+
+
+def apply_runtime_patches() -> list[str]:
+    """Apply the patches our runtime uses on every device; return the names applied."""
+    check_version()
+    for name in RUNTIME_PATCHES:
+        importlib.import_module(f"{__name__}.{name}").apply()
+    return list(RUNTIME_PATCHES)

@@ -285,3 +285,19 @@ def test_online_replanning_from_measured_unit_times(plan, unit):
     for step, losses in enumerate(ref["history"]):
         mine = {k: v for o in outs for k, v in o["history"][step].items()}
         assert all(mine[k] == pytest.approx(v, abs=1e-5) for k, v in losses.items())
+
+
+def test_tp_fills_run_while_backbone_all_reduces_are_in_flight(reference):
+    """patches/async_tp_collectives.py: the backbone's TP all-reduce is issued asynchronously
+    and the action's TP-bubble fills (encoder kernels) run until it completes. Same losses and
+    gradients, and some fills really ran inside a collective."""
+    plan = ParallelPlan(1, 2, 1)
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit="kernel")
+    assert encoder_plan_of(schedule, plan)[0].tp == 1  # fills never carry encoder collectives
+    job = RuntimeJob(
+        TINY, plan, 1, N, reference[0], schedule=schedule, encoder_units="kernel",
+        overlap_tp_fills=True,
+    )  # fmt: skip
+    outs = spawn(run_rank, 2, job)
+    check_against(reference, outs, {"backbone": 2, "encoder": 1, "projector": 1})
+    assert sum(o["overlapped"] for o in outs) > 0

@@ -106,11 +106,12 @@ def test_interleaved_backbone_trains_and_reshards_to_non_interleaved(tmp_path):
 
 
 def test_kernel_granularity_frozen_encoder_and_online_replanning(tmp_path):
-    """--fill-granularity kernel --freeze-ViT --replan-after-iters 1 on TP=2: trains, re-plans
-    from measured unit times after the first iteration, and the loss still falls."""
+    """--fill-granularity kernel --freeze-ViT --replan-after-iters 1 --overlap-tp-fills on TP=2:
+    trains, re-plans from measured unit times after the first iteration, the loss falls."""
     out = torchrun(
         "--tensor-model-parallel-size", "2", *COMMON, "--train-iters", "3",
         "--fill-granularity", "kernel", "--freeze-ViT", "--replan-after-iters", "1",
+        "--overlap-tp-fills",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "frozen: forward only" in out.stdout

@@ -7,6 +7,8 @@ and data, taking steps in turn (A B C ... A B C ...) so machine noise hits them 
   optimus_layer         Optimus planned at layer granularity (encoder layers fill TP bubbles)
   optimus_kernel        Optimus planned at kernel granularity (ln1, qkv, attn, proj, ln2, fc1,
                         act, fc2 ... fill TP bubbles)
+  optimus_overlap       optimus_kernel with its TP-bubble fills run while the backbone's TP
+                        all-reduces are in flight (patches/async_tp_collectives.py)
   frozen_megatron       a frozen encoder (forward only, projector trains), Megatron placement
   frozen_optimus        the same frozen encoder under Optimus, kernel granularity
   optimus_replanned     optimus_kernel re-planned online after half the steps from the unit
@@ -51,6 +53,7 @@ def main() -> int:
         "megatron": ("megatron", "layer", False),
         "optimus_layer": ("optimus", "layer", False),
         "optimus_kernel": ("optimus", "kernel", False),
+        "optimus_overlap": ("optimus", "kernel", False),
         "frozen_megatron": ("megatron", "layer", True),
         "frozen_optimus": ("optimus", "kernel", True),
         "optimus_replanned": ("optimus", "kernel", False),
@@ -75,6 +78,7 @@ def main() -> int:
             frozen_encoder=frozen,
             encoder_units=unit,
             replan_after=replan_at if name == "optimus_replanned" else None,
+            overlap_tp_fills=name == "optimus_overlap",
         )
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
     measured, spread, losses = {}, {}, {}
@@ -102,7 +106,7 @@ def main() -> int:
         "step_range_s": spread,
         "tp_fills": fills,
         "max_abs_loss_diff_trained": diff(
-            ["megatron", "optimus_layer", "optimus_kernel", "optimus_replanned"]
+            ["megatron", "optimus_layer", "optimus_kernel", "optimus_overlap", "optimus_replanned"]
         ),
         "max_abs_loss_diff_frozen": diff(["frozen_megatron", "frozen_optimus"]),
         "two_encoders_s": None,  # not supported by the executor yet

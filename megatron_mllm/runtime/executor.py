@@ -35,6 +35,7 @@ class StepResult:
     spans: list[Span] = field(default_factory=list)
     seconds: float = 0.0
     moved: int = 0  # dynamic mode: encoder chunks run ahead of their place in the program
+    overlapped: int = 0  # fills run while a backbone TP all-reduce was in flight
     # Measured seconds for re-planning: (model, "forward"|"backward", unit name) -> samples;
     # the backbone's per layer (a chunk's F or B time over its layer count).
     unit_times: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
@@ -60,6 +61,7 @@ class Executor:
         forward_only: bool = False,
         dynamic: bool = False,
         ordered: tuple[dict, dict] | None = None,
+        overlap_fills: bool = False,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
@@ -86,6 +88,10 @@ class Executor:
         # posted at step start in its sender's order, so matching by order is matching by key,
         # and no send waits behind a receive on a shared stream.
         self.ordered = ordered
+        # Overlap: a backbone action's TP-bubble fills run while its TP all-reduces are in
+        # flight (patches/async_tp_collectives.py); what is left runs right after it.
+        self.overlap_fills = overlap_fills
+        self._fill_s = 0.0  # seconds spent in fills nested inside backbone actions
         self.last_layer_inputs: dict[int, torch.Tensor] = {}
         self.handlers = {
             "F": self._forward,
@@ -143,9 +149,12 @@ class Executor:
                 continue
             start = time.perf_counter() - t0
             if op.kind == "run":
-                for fill in op.fills:  # TP-bubble fills run just before their action for now
-                    self._run(fill, t0)
-                self._run(op.action, t0)
+                if op.fills and self.overlap_fills:
+                    self._run_overlapped(op, t0)
+                else:  # sequential: the fills just before their backbone action
+                    for fill in op.fills:
+                        self._run(fill, t0)
+                    self._run(op.action, t0)
                 continue
             if op.kind == "send":
                 tensor = self.tensors[op.key].contiguous()
@@ -178,6 +187,25 @@ class Executor:
                     "p2p",
                 )
             )
+
+    def _run_overlapped(self, op: Op, t0: float) -> None:
+        from megatron_mllm_patches.async_tp_collectives import filling
+
+        queue = list(op.fills)
+
+        def fill() -> bool:
+            if not queue:
+                return False
+            start = time.perf_counter()
+            self._run(queue.pop(0), t0)
+            self._fill_s += time.perf_counter() - start
+            self.result.overlapped += 1
+            return True
+
+        with filling(fill):
+            self._run(op.action, t0)
+        for rest in queue:
+            self._run(rest, t0)
 
     def _fill_wait(self, work, i: int, done: list[bool], t0: float) -> None:
         """Dynamic mode: while a message is on its way, run later encoder work that is ready."""
@@ -222,14 +250,15 @@ class Executor:
         self.result.unit_times.setdefault((model, direction, name), []).append(seconds)
 
     def _run(self, action: Action, t0: float) -> None:
-        start = time.perf_counter() - t0
+        start, nested = time.perf_counter() - t0, self._fill_s
         self.handlers[action.kind](action)
         end = time.perf_counter() - t0
         if action.kind in ("F", "B"):
             layers = len(self.chunks[action.chunk].gpt.decoder.layers)
             forward = action.kind == "F"
             name = "layer" if forward else "layer_b"
-            self._time("llm", "forward" if forward else "backward", name, (end - start) / layers)
+            own = end - start - (self._fill_s - nested)  # without fills run inside it
+            self._time("llm", "forward" if forward else "backward", name, own / layers)
         category = {"F": "backbone", "B": "backbone", "EF": "encoder", "EB": "encoder"}.get(
             action.kind, "dp"
         )

@@ -49,6 +49,7 @@ class RuntimeJob:
     collect_params: bool = False  # result["params"]: this rank's parameter shards at the end
     encoder_units: str = "layer"  # the schedule's encoder granularity: "layer" or "kernel"
     replan_after: int | None = None  # re-plan from measured unit times after this many steps
+    overlap_tp_fills: bool = False  # run TP-bubble fills during the backbone's TP all-reduces
     clip_grad: float = 1.0
     extra: dict = field(default_factory=dict)
 
@@ -180,6 +181,7 @@ def _init_rank(rank: int, world: int, seed: int, timeout_s: float) -> None:
     import megatron_mllm_patches
 
     megatron_mllm_patches.apply_cpu_patches()
+    megatron_mllm_patches.apply_runtime_patches()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if torch.cuda.is_available():  # one GPU per rank; torchrun's LOCAL_RANK when there is one
         local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
@@ -507,6 +509,7 @@ class ExecutorRun:
             job.timeout_s,
             dynamic=job.dynamic,
             ordered=self.ordered,
+            overlap_fills=job.overlap_tp_fills and self.enc_tp == 1,
         )
         if job.fail_rank == self.rank:
             executor.run_step()
@@ -517,6 +520,7 @@ class ExecutorRun:
         self.seconds.append(result.seconds)
         self.spans = result.spans
         self.moved = result.moved
+        self.overlapped = result.overlapped
         self.history.append({(c.dp, m): v for m, v in result.losses.items()})
         if job.collect_grads and step == 0:
             self.grads = {k: v for m in self.chunks for k, v in grad_shards(m, c.tp).items()}
@@ -534,6 +538,7 @@ class ExecutorRun:
             "replanned": self.replanned is not None,
             "replan_times": self.replanned[2] if self.replanned is not None else None,
             "moved": getattr(self, "moved", 0),
+            "overlapped": getattr(self, "overlapped", 0),
             "losses": self.history[0],
             "history": self.history,
             "spans": self.spans,

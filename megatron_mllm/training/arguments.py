@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         "(norm, QKV, attention, projection, MLP pieces)",
     )
     g.add_argument(
+        "--overlap-tp-fills",
+        action="store_true",
+        help="optimus: run encoder work placed into a TP bubble while the backbone's TP "
+        "all-reduce is in flight (else just before the backbone action)",
+    )
+    g.add_argument(
         "--replan-after-iters",
         type=int,
         default=None,

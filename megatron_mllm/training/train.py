@@ -263,6 +263,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         data_path=args.data_path,
         frozen_encoder=args.freeze_ViT,
         encoder_units=units,
+        overlap_tp_fills=args.overlap_tp_fills,
     )
     run = ExecutorRun(rank, world, job)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
