@@ -17,7 +17,10 @@ Prints the median step time, the simulator's prediction (analytic CPU cost model
 and the largest loss difference between runs that train the same parameters.
 Not measured yet (the executor lacks it): two encoders.
 
-    python tools/bench_kernel_fill.py [--steps 4] [--microbatches 4] [--json]
+    python tools/bench_kernel_fill.py [--model bench|tiny] [--steps 4] [--microbatches 4] [--json]
+
+On the BENCH model the planner (CPU cost model) finds no TP bubble worth filling; on the TINY
+model, where the all-reduce latency matters more, it places encoder kernels into TP bubbles.
 """
 
 from __future__ import annotations
@@ -35,10 +38,11 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=4, help="measured steps (one more warms up)")
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--model", choices=["bench", "tiny"], default="bench")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
-    from megatron_mllm.models.config import BENCH
+    from megatron_mllm.models.config import BENCH, TINY
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.launch import spawn
     from megatron_mllm.runtime.reference import make_full_state
@@ -46,7 +50,11 @@ def main() -> int:
     from megatron_mllm.runtime.session import RuntimeJob, run_interleaved
     from megatron_mllm.schedule.simulator import simulate
 
-    cfg, plan, n = BENCH, ParallelPlan(1, 2, 1), args.microbatches
+    cfg, plan, n = (
+        BENCH if args.model == "bench" else TINY,
+        ParallelPlan(1, 2, 1),
+        args.microbatches,
+    )
     state = spawn(make_full_state, 1, cfg, 0)[0]
     steps = args.steps + 1
     runs = {  # name: (schedule name, unit, frozen)
@@ -131,7 +139,7 @@ def main() -> int:
         base = measured["frozen_megatron" if name.startswith("frozen") else "megatron"]
         s, p, (lo, hi) = measured[name], predicted[name], spread[name]
         print(
-            f"{name:<17}{s:>9.3f}{lo:>7.3f}-{hi:<6.3f}{base / s:>12.2f}x{p:>13.3f}"
+            f"{name:<17}{s:>9.4f}{lo:>7.4f}-{hi:<7.4f}{base / s:>11.2f}x{p:>13.4f}"
             f"{100 * (p - s) / s:>9.1f}%{fills[name]:>10}"
         )
     r = replanned
