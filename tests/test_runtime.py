@@ -301,3 +301,40 @@ def test_tp_fills_run_while_backbone_all_reduces_are_in_flight(reference):
     outs = spawn(run_rank, 2, job)
     check_against(reference, outs, {"backbone": 2, "encoder": 1, "projector": 1})
     assert sum(o["overlapped"] for o in outs) > 0
+
+
+TWO_ENCODERS = replace(
+    TINY,
+    extra_encoders=(
+        MLLMConfig(image_size=16, patch_size=4, vit_layers=2, vit_hidden=32, vit_heads=2),
+    ),
+)
+
+
+@pytest.mark.parametrize(
+    "plan, unit",
+    [
+        pytest.param(ParallelPlan(1, 1, 2), "layer", marks=pytest.mark.slow),
+        (ParallelPlan(1, 2, 1), "kernel"),
+    ],
+)
+def test_two_encoders_agree(plan, unit):
+    """Two ViTs of different sizes (the second sees the image at its own resolution), their
+    image tokens one after the other: Optimus and the megatron placement both match the
+    reference's losses and gradients."""
+    cfg = TWO_ENCODERS
+    state = spawn(make_full_state, 1, cfg, 0)[0]
+    assert {"encoder1.pos_embed", "projector1.encoder.linear_fc1.weight"} <= set(state)
+    ref = spawn(run_rank, 1, RuntimeJob(cfg, ParallelPlan(1, 1, 1), 1, N, state, mode="reference"))
+    for name in ("megatron", "optimus"):
+        u = unit if name == "optimus" else "layer"
+        schedule = runtime_schedule(cfg, plan, 1, N, name, unit=u)
+        assert len(schedule.meta.encoders) == 2
+        job = RuntimeJob(cfg, plan, 1, N, state, schedule=schedule, encoder_units=u)
+        outs = spawn(run_rank, plan.world_size, job)
+        enc_plan, stage0 = encoder_plan_of(schedule, plan)
+        etp = plan.tp if stage0 else enc_plan.tp
+        parts = ("encoder", "projector", "encoder1", "projector1")
+        check_against((state, ref[0]), outs, {"backbone": plan.tp, **dict.fromkeys(parts, etp)})
+    with pytest.raises(ConfigError, match="runs one encoder"):
+        check_job(RuntimeJob(cfg, plan, 1, N, state, mode="megatron_core"), plan.world_size)

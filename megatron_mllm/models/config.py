@@ -3,7 +3,7 @@ the paper's sizes alike)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -52,6 +52,25 @@ class MLLMConfig:
     # --attention-dropout, 0 by default here.
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # More encoders (e.g. a second ViT of another size): each an MLLMConfig whose encoder fields
+    # (VIT_FIELDS) describe it; their image tokens follow this encoder's in the backbone input.
+    extra_encoders: tuple[MLLMConfig, ...] = ()
+
+    @property
+    def num_encoders(self) -> int:
+        return 1 + len(self.extra_encoders)
+
+    def encoder_config(self, e: int) -> MLLMConfig:
+        """Encoder e's view: its encoder fields, this model's backbone (e = 0: this config)."""
+        if e == 0:
+            return self
+        other = self.extra_encoders[e - 1]
+        return replace(self, **{f: getattr(other, f) for f in VIT_FIELDS}, extra_encoders=())
+
+    @property
+    def image_tokens(self) -> int:
+        """Image tokens in the backbone's input: every encoder's patches, in encoder order."""
+        return sum(self.encoder_config(e).num_patches for e in range(self.num_encoders))
 
     @property
     def num_patches(self) -> int:
@@ -68,7 +87,7 @@ class MLLMConfig:
 
     @property
     def seq_len(self) -> int:
-        return self.num_patches + self.text_len
+        return self.image_tokens + self.text_len
 
     def num_params(self) -> tuple[int, int]:
         """(encoder + projector, backbone) parameter counts of the unsharded model."""
@@ -113,7 +132,21 @@ class MLLMConfig:
             ),
         )
 
+    def encoder_name(self, e: int) -> str:
+        """Encoder e's model name in the schedule core (and in measured-times files)."""
+        return "vit" if e == 0 else f"vit{e}"
+
+    def encoder_specs(self) -> tuple:
+        """Every encoder's shape for the schedule core's cost model, in encoder order."""
+        specs = []
+        for e in range(self.num_encoders):
+            vit = self.encoder_config(e).transformer_specs()[0]
+            specs.append(replace(vit, name=self.encoder_name(e)))
+        return tuple(specs)
+
     def validate(self, tp: int = 1, encoder_tp: int = 1) -> None:
+        for e in range(1, self.num_encoders):
+            self.encoder_config(e).validate(tp, encoder_tp)
         if self.image_size % self.patch_size:
             raise ConfigError(
                 f"image size {self.image_size} is not a multiple of patch size {self.patch_size}"
@@ -143,6 +176,23 @@ class MLLMConfig:
                 f"normalization '{self.llm_normalization}' is not one of LayerNorm, RMSNorm"
             )
 
+
+VIT_FIELDS = (
+    "image_size",
+    "patch_size",
+    "channels",
+    "vit_layers",
+    "vit_hidden",
+    "vit_heads",
+    "vit_ffn",
+    "vit_class_token",
+    "vit_pre_norm",
+    "vit_final_norm",
+    "vit_patch_bias",
+    "vit_activation",
+    "vit_norm_eps",
+    "projector_bias",
+)
 
 TINY = MLLMConfig()
 # LLaVA-1.5's parts: CLIP vision tower, Llama backbone (sizes come from the checkpoint).

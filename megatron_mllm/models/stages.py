@@ -75,14 +75,22 @@ def _layer_kernels(layer) -> list[Callable]:
 
 
 class EncoderStage(nn.Module):
-    """Encoder stage `stage` of `num_stages` (layers split evenly) on TP group `pg.tp`; its work
-    as units of layer or kernel size (`kernel_units`)."""
+    """Encoder `index`'s stage `stage` of `num_stages` (layers split evenly) on TP group
+    `pg.tp`; its work as units of layer or kernel size (`kernel_units`)."""
 
     def __init__(
-        self, cfg: MLLMConfig, stage: int, num_stages: int, pg, tp: int, kernel_units: bool = False
+        self,
+        cfg: MLLMConfig,
+        stage: int,
+        num_stages: int,
+        pg,
+        tp: int,
+        kernel_units: bool = False,
+        index: int = 0,
     ) -> None:
         super().__init__()
-        self.kernel_units = kernel_units
+        self.kernel_units, self.index = kernel_units, index
+        cfg = cfg.encoder_config(index)
         from megatron.core.models.vision.multimodal_projector import MultimodalProjector
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
         from megatron.core.transformer.mlp import MLPSubmodules
@@ -203,6 +211,9 @@ class EncoderStage(nn.Module):
         """[b, c, H, W] images -> [encoder tokens, b, vit_hidden]."""
         p = self.cfg.patch_size
         b = images.shape[0]
+        if images.shape[-1] != self.cfg.image_size:  # an encoder with its own resolution
+            size = (self.cfg.image_size, self.cfg.image_size)
+            images = torch.nn.functional.interpolate(images, size=size, mode="nearest")
         patches = images.unfold(2, p, p).unfold(3, p, p)  # b, c, gh, gw, p, p
         patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, self.cfg.num_patches, -1)
         x = self.patch_embed(patches).transpose(0, 1)
@@ -274,6 +285,6 @@ class BackboneStage(nn.Module):
 
     def loss(self, logits: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss over the text tokens; `logits` is [b, s, vocab/tp]."""
-        n = self.cfg.num_patches
+        n = self.cfg.image_tokens
         pred = logits[:, n - 1 : n - 1 + text.shape[1]]
         return vocab_parallel_cross_entropy(pred, text, self.pg.tp).mean()

@@ -2,7 +2,8 @@
 state onto a stage, and the inverse for gradients.
 
 Canonical names: `encoder.pos_embed`, `encoder.patch_embed.*`, `encoder.layers.{i}.*` (global
-layer index), `encoder.final_layernorm.*`, `projector.*`, `backbone.embedding.*`,
+layer index), `encoder.final_layernorm.*`, `projector.*` (encoder e > 0: `encoder{e}.*`,
+`projector{e}.*`), `backbone.embedding.*`,
 `backbone.decoder.layers.{i}.*`, `backbone.decoder.final_layernorm.*`, `backbone.output_layer.*`.
 A tensor-parallel shard differs from the full tensor in one dimension, split into TP contiguous
 chunks (megatron-core's column-, row- and vocab-parallel layouts all are), except a SwiGLU
@@ -50,19 +51,21 @@ def canonical_names(module: nn.Module) -> dict[str, str]:
 
     backbone = isinstance(module, BackboneStage)
     layers = module.gpt.decoder.layers if backbone else module.block.layers
+    index = 0 if backbone else module.index
+    suffix = str(index) if index else ""  # encoder 0: "encoder.", encoder 1: "encoder1.", ...
     out = {}
     for name, _ in module.named_parameters():
         m = _LAYER.match(name)
         if m:
             layer = layers[int(m[2])].layer_number - 1  # megatron-core numbers layers globally
-            prefix = "backbone.decoder.layers" if backbone else "encoder.layers"
+            prefix = "backbone.decoder.layers" if backbone else f"encoder{suffix}.layers"
             out[name] = f"{prefix}.{layer}.{m[3]}"
         elif backbone:
             out[name] = "backbone." + name.removeprefix("gpt.")
         elif name.startswith("projector."):
-            out[name] = name
+            out[name] = f"projector{suffix}." + name.removeprefix("projector.")
         else:
-            out[name] = "encoder." + name.removeprefix("block.")
+            out[name] = f"encoder{suffix}." + name.removeprefix("block.")
     return out
 
 

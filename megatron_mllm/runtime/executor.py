@@ -65,13 +65,19 @@ class Executor:
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
-        self.chunks, self.encoder = backbone, encoder
+        self.chunks = backbone
+        # This GPU's stage of each encoder (None where it holds none), indexed by encoder.
+        self.encoders = encoder if isinstance(encoder, list) else [encoder]
         self.backbone = backbone[-1]
         self.device = next(self.backbone.parameters()).device  # buffers and batches go here
         # A frozen encoder trains its projector only: no gradient flows into its layers.
-        self.encoder_frozen = encoder is not None and not any(
-            p.requires_grad for n, p in encoder.named_parameters() if not n.startswith("projector.")
-        )
+        self.encoder_frozen = [
+            enc is not None
+            and not any(
+                p.requires_grad for n, p in enc.named_parameters() if not n.startswith("projector")
+            )
+            for enc in self.encoders
+        ]
         self.data, self.micro_batch = data, micro_batch
         self.bb_dp_group, self.enc_dp_group, self.bb_dp = (
             backbone_dp_group,
@@ -284,9 +290,10 @@ class Executor:
         prefix = key.split(".", 1)[0]
         if prefix in ("act", "grad"):
             return (cfg.seq_len, b, cfg.llm_hidden)
+        enc = cfg.encoder_config(int(key.split(".")[1][1:]))  # keys name their encoder: e{e}
         if prefix in ("eout", "egrad"):
-            return (cfg.num_patches, b, cfg.llm_hidden)
-        return (cfg.encoder_seq_len, b, cfg.vit_hidden)
+            return (enc.num_patches, b, cfg.llm_hidden)
+        return (enc.encoder_seq_len, b, enc.vit_hidden)
 
     def _batch(self, mb: int):
         if mb not in self._batches:
@@ -353,19 +360,20 @@ class Executor:
             state = (first,)
         else:
             state = units[-1][1]
-        names, t_unit = self.encoder.unit_names(), time.perf_counter()
+        encoder, model = self.encoders[a.enc], self.cfg.encoder_name(a.enc)
+        names, t_unit = encoder.unit_names(), time.perf_counter()
         for u in range(a.k0, a.k1):
-            if self.encoder.unit_trainable(u):
-                upstream = not (a.stage == 0 and u == 0) and not self.encoder_frozen
+            if encoder.unit_trainable(u):
+                upstream = not (a.stage == 0 and u == 0) and not self.encoder_frozen[a.enc]
                 leaves = tuple(t.detach().requires_grad_(upstream) for t in state)
-                out = self.encoder.run_unit(u, leaves)
+                out = encoder.run_unit(u, leaves)
             else:  # frozen: no graph, and nothing upstream of it wants a gradient
                 leaves = tuple(t.detach() for t in state)
                 with torch.no_grad():
-                    out = self.encoder.run_unit(u, leaves)
+                    out = encoder.run_unit(u, leaves)
             units.append((leaves, out))
             state = out
-            self._time("vit", "forward", names[u], time.perf_counter() - t_unit)
+            self._time(model, "forward", names[u], time.perf_counter() - t_unit)
             t_unit = time.perf_counter()
         if a.k1 == enc_meta.fwd_kernels[a.stage]:
             last = a.stage == enc_meta.num_stages - 1
@@ -377,7 +385,7 @@ class Executor:
         units = self.enc_units[(a.enc, a.stage, a.mb)]
         total = enc_meta.fwd_kernels[a.stage]
         last = a.stage == enc_meta.num_stages - 1
-        names = self.encoder.unit_names()
+        names, model = self.encoders[a.enc].unit_names(), self.cfg.encoder_name(a.enc)
         for b in range(a.k0, a.k1):
             t_unit = time.perf_counter()
             u = total - 1 - b
@@ -389,7 +397,7 @@ class Executor:
             outs = [(y, g) for y, g in zip(units[u][1], grads, strict=True) if g is not None]
             torch.autograd.backward([y for y, _ in outs], [g for _, g in outs])
             self._bwd_done[(a.enc, a.stage, a.mb)] = b + 1
-            self._time("vit", "backward", names[u] + "_b", time.perf_counter() - t_unit)
+            self._time(model, "backward", names[u] + "_b", time.perf_counter() - t_unit)
         if a.k1 == enc_meta.bwd_kernels[a.stage]:
             if a.stage > 0 and enc_meta.bwd_kernels[a.stage - 1] > 0:
                 self.tensors[f"egin.e{a.enc}.s{a.stage - 1}.m{a.mb}"] = units[0][0][0].grad
@@ -401,7 +409,7 @@ class Executor:
 
     def _reduce_scatter(self, a: Action) -> None:
         """Average the part's gradients over its own DP group (one flat all-reduce)."""
-        modules = self.chunks if a.key == "bb" else [self.encoder]
+        modules = self.chunks if a.key == "bb" else [self.encoders[int(a.key[1:])]]
         group = self.bb_dp_group if a.key == "bb" else self.enc_dp_group
         if modules[0] is None or dist.get_world_size(group) == 1 and self.bb_dp == 1:
             return

@@ -18,6 +18,8 @@ def make_full_state(rank: int, world: int, cfg: MLLMConfig, seed: int) -> dict[s
     _init_rank(rank, world, seed, 60.0)
     one = ParallelPlan(1, 1, 1)
     groups = build_colocated_groups(one, one, 1, 0)
-    encoder = EncoderStage(cfg, 0, 1, groups.encoder, 1)
+    encoders = [
+        EncoderStage(cfg, 0, 1, groups.encoder, 1, index=e) for e in range(cfg.num_encoders)
+    ]
     backbone = BackboneStage(cfg, True, True, groups.backbone, 1, 1)
-    return full_state(encoder, backbone)
+    return full_state(*encoders, backbone)

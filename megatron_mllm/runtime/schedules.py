@@ -38,9 +38,9 @@ def job_of(
     frozen_encoder: bool = False,
 ) -> MLLMJob:
     """The schedule core's job for the runtime's model (for planning and simulation)."""
-    vit, llm = cfg.transformer_specs()
+    llm = cfg.transformer_specs()[1]
     return MLLMJob(
-        (vit,),
+        cfg.encoder_specs(),
         llm,
         plan.world_size,
         plan.tp,

@@ -96,6 +96,8 @@ def check_job(job: RuntimeJob, world: int) -> None:
         raise ConfigError(
             f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
         )
+    if job.mode == "megatron_core" and job.cfg.num_encoders > 1:
+        raise ConfigError("the megatron-core baseline runs one encoder; use the executor")
     if job.mode != "executor":
         return
     if job.schedule is None:
@@ -120,14 +122,18 @@ def check_job(job: RuntimeJob, world: int) -> None:
             f"schedule splits {sum(meta.backbone_layers)} backbone layers; the "
             f"model has {job.cfg.llm_layers}"
         )
-    if len(meta.encoders) != 1:
-        raise ConfigError("the executor runs one encoder for now")
+    if len(meta.encoders) != job.cfg.num_encoders:
+        raise ConfigError(
+            f"schedule has {len(meta.encoders)} encoder(s); the model has {job.cfg.num_encoders}"
+        )
     enc_plan, _ = encoder_plan_of(job.schedule, job.backbone)
     job.cfg.validate(job.backbone.tp, enc_plan.tp)
-    if job.cfg.vit_layers % enc_plan.pp:
-        raise ConfigError(
-            f"{job.cfg.vit_layers} encoder layers do not split evenly over encoder PP {enc_plan.pp}"
-        )
+    for e in range(job.cfg.num_encoders):
+        layers = job.cfg.encoder_config(e).vit_layers
+        if layers % enc_plan.pp:
+            raise ConfigError(
+                f"encoder {e}'s {layers} layers do not split evenly over encoder PP {enc_plan.pp}"
+            )
     if job.coreset is not None:
         if job.backbone.tp != 1:
             raise ConfigError(
@@ -149,27 +155,26 @@ def check_job(job: RuntimeJob, world: int) -> None:
                 f"the coreset pool of {size} needs a pool schedule of "
                 f"{size // job.micro_batch} micro-batches of {job.micro_batch}"
             )
-    enc = meta.encoders[0]
-    frozen_schedule = not any(enc.bwd_kernels[:-1]) and enc.bwd_kernels[-1] in (
-        1 if job.encoder_units == "layer" else 2,
-    )
-    if job.frozen_encoder != frozen_schedule:
-        raise ConfigError(
-            "the encoder is frozen but the schedule trains it; plan with frozen_encoder=True"
-            if job.frozen_encoder
-            else "the schedule is planned for a frozen encoder but this job trains it"
-        )
     if job.encoder_units not in ("layer", "kernel"):
         raise ConfigError(f"encoder units {job.encoder_units!r}: use 'layer' or 'kernel'")
     per_layer, tail = (8, 2) if job.encoder_units == "kernel" else (1, 1)
-    for j in range(enc.num_stages):
-        last = j == enc.num_stages - 1
-        units = (j == 0) + per_layer * (job.cfg.vit_layers // enc_plan.pp) + tail * last
-        if enc.fwd_kernels[j] != units:
+    for e, enc in enumerate(meta.encoders):
+        frozen_schedule = not any(enc.bwd_kernels[:-1]) and enc.bwd_kernels[-1] == tail
+        if job.frozen_encoder != frozen_schedule:
             raise ConfigError(
-                f"schedule's encoder stage {j} has {enc.fwd_kernels[j]} units; this model's has "
-                f"{units} at {job.encoder_units} granularity (plan with unit='{job.encoder_units}')"
+                "the encoder is frozen but the schedule trains it; plan with frozen_encoder=True"
+                if job.frozen_encoder
+                else "the schedule is planned for a frozen encoder but this job trains it"
             )
+        layers = job.cfg.encoder_config(e).vit_layers // enc_plan.pp
+        for j in range(enc.num_stages):
+            units = (j == 0) + per_layer * layers + tail * (j == enc.num_stages - 1)
+            if enc.fwd_kernels[j] != units:
+                raise ConfigError(
+                    f"schedule's encoder {e} stage {j} has {enc.fwd_kernels[j]} units; this "
+                    f"model's has {units} at {job.encoder_units} granularity (plan with "
+                    f"unit='{job.encoder_units}')"
+                )
 
 
 def _init_rank(rank: int, world: int, seed: int, timeout_s: float) -> None:
@@ -257,32 +262,36 @@ def _reference(job: RuntimeJob) -> dict:
 
     one = ParallelPlan(1, 1, 1)
     groups = build_colocated_groups(one, one, 1, 0)
-    encoder = EncoderStage(job.cfg, 0, 1, groups.encoder, 1)
+    encoders = [
+        EncoderStage(job.cfg, 0, 1, groups.encoder, 1, index=e) for e in range(job.cfg.num_encoders)
+    ]
     backbone = BackboneStage(job.cfg, True, True, groups.backbone, 1, 1)
-    load_full_state(encoder, job.full_state, 0, 1)
-    load_full_state(backbone, job.full_state, 0, 1)
+    for module in (*encoders, backbone):
+        load_full_state(module, job.full_state, 0, 1)
     if job.frozen_encoder:
-        encoder.freeze()
-    optimizer = build_optimizer([encoder, backbone], job.lr) if job.lr > 0 else None
+        for encoder in encoders:
+            encoder.freeze()
+    optimizer = build_optimizer([*encoders, backbone], job.lr) if job.lr > 0 else None
     n = job.num_microbatches * job.backbone.dp
     history = []
     for step in range(job.steps):
-        for p in [*encoder.parameters(), *backbone.parameters()]:
+        for p in [p for m in (*encoders, backbone) for p in m.parameters()]:
             p.grad = None
         losses = {}
         data = _data(job, step)
         for dp in range(job.backbone.dp):
             for m in range(job.num_microbatches):
                 images, text = data(m, dp)
-                out = backbone(None, backbone.decoder_input([encoder(images)], text))
+                embeds = [encoder(images) for encoder in encoders]
+                out = backbone(None, backbone.decoder_input(embeds, text))
                 loss = backbone.loss(out, text)
                 (loss / n).backward()
                 losses[(dp, m)] = loss.item()
         history.append(losses)
         if step == 0:
-            grads = {**grad_shards(encoder, 0), **grad_shards(backbone, 0)}
+            grads = {k: v for m in (*encoders, backbone) for k, v in grad_shards(m, 0).items()}
         if optimizer is not None:
-            clip_by_global_norm([(encoder, None, None), (backbone, None, None)], job.clip_grad)
+            clip_by_global_norm([(m, None, None) for m in (*encoders, backbone)], job.clip_grad)
             optimizer.step()
     return {"losses": history[0], "history": history, "grads": grads}
 
@@ -324,21 +333,23 @@ class ExecutorRun:
             load_full_state(chunk, job.full_state, c.tp, plan.tp)
         self.backbone = self.chunks[-1]
         device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-        self.encoder = None
+        # This rank's stage of every encoder (all share the encoder plan); self.encoder: the first.
         kernels = job.encoder_units == "kernel"
-        if self.stage0 and c.stage == 0:
-            self.encoder = EncoderStage(
-                job.cfg, 0, 1, groups.stage0_encoder(), plan.tp, kernel_units=kernels
-            )
-            load_full_state(self.encoder, job.full_state, c.tp, plan.tp)
-        elif not self.stage0:
-            self.encoder = EncoderStage(
-                job.cfg, c.enc_stage, enc_plan.pp, groups.encoder, enc_plan.tp, kernels
-            )
-            load_full_state(self.encoder, job.full_state, c.enc_tp, enc_plan.tp)
-        if job.frozen_encoder and self.encoder is not None:
-            self.encoder.freeze()
-        for module in (*self.chunks, self.encoder):
+        self.encoders: list[EncoderStage | None] = [None] * job.cfg.num_encoders
+        for e in range(job.cfg.num_encoders):
+            if self.stage0 and c.stage == 0:
+                pg, stage, stages, tp, tp_rank = groups.stage0_encoder(), 0, 1, plan.tp, c.tp
+            elif not self.stage0:
+                pg, stage, stages = groups.encoder, c.enc_stage, enc_plan.pp
+                tp, tp_rank = enc_plan.tp, c.enc_tp
+            else:
+                continue
+            self.encoders[e] = EncoderStage(job.cfg, stage, stages, pg, tp, kernels, index=e)
+            load_full_state(self.encoders[e], job.full_state, tp_rank, tp)
+            if job.frozen_encoder:
+                self.encoders[e].freeze()
+        self.encoder = self.encoders[0]
+        for module in (*self.chunks, *self.encoders):
             if module is not None:
                 module.to(device)  # built on the CPU (use_cpu_initialization), run on the GPU
         self.enc_tp = plan.tp if self.stage0 else enc_plan.tp
@@ -350,7 +361,7 @@ class ExecutorRun:
             self.program = self.program[: job.fail_at_op]
         self.enc_dp_group = groups.backbone.dp if self.stage0 else groups.encoder.dp
         self.optimizer = (
-            build_optimizer([*self.chunks, self.encoder], job.lr) if job.lr > 0 else None
+            build_optimizer([*self.chunks, *self.encoders], job.lr) if job.lr > 0 else None
         )
         # Clipping norm: each part once, summed over its own plan's model-parallel group.
         enc_groups = (
@@ -360,7 +371,7 @@ class ExecutorRun:
         )
         self.parts = [
             *((chunk, groups.backbone.mp, groups.backbone.tp) for chunk in self.chunks),
-            (self.encoder, *enc_groups),
+            *((encoder, *enc_groups) for encoder in self.encoders),
         ]
         self.history, self.seconds, self.grads, self.spans = [], [], None, []
         self.unit_times: dict[tuple[str, str, str], list[float]] = {}
@@ -445,7 +456,7 @@ class ExecutorRun:
             job.cfg,
             self.rank,
             self.chunks,
-            self.encoder,
+            self.encoders,
             lambda m: samples(job.cfg, ids[m * mb : (m + 1) * mb], job.seed)[:2],
             mb,
             self.groups.backbone.dp,
@@ -464,7 +475,7 @@ class ExecutorRun:
 
             picked = self.selector.select(
                 source,
-                caption_replay_loss(job.cfg.num_patches),
+                caption_replay_loss(job.cfg.image_tokens),
                 hidden,
                 text,
                 self.backbone.gpt.output_layer.weight.detach(),
@@ -482,7 +493,7 @@ class ExecutorRun:
         from megatron_mllm.runtime.optimizer import clip_by_global_norm
 
         job, c = self.job, self.groups.coords
-        for module in (*self.chunks, self.encoder):
+        for module in (*self.chunks, *self.encoders):
             for p in module.parameters() if module is not None else ():
                 p.grad = None
         data = _data(job, step)
@@ -500,7 +511,7 @@ class ExecutorRun:
             job.cfg,
             self.rank,
             self.chunks,
-            self.encoder,
+            self.encoders,
             lambda m: data(m, c.dp),
             job.micro_batch,
             self.groups.backbone.dp,
@@ -527,7 +538,8 @@ class ExecutorRun:
             if self.encoder is not None and (
                 self.stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)
             ):
-                self.grads.update(grad_shards(self.encoder, c.enc_tp if not self.stage0 else c.tp))
+                for encoder in self.encoders:
+                    self.grads.update(grad_shards(encoder, c.enc_tp if not self.stage0 else c.tp))
         clip = job.clip_grad if self.optimizer is not None else 0.0
         self.last_grad_norm = clip_by_global_norm(self.parts, clip)
         if self.optimizer is not None:
@@ -552,9 +564,9 @@ class ExecutorRun:
 
             c = self.groups.coords
             out["params"] = {k: v for m in self.chunks for k, v in param_shards(m, c.tp).items()}
-            if self.encoder is not None:
-                enc_tp = c.tp if self.stage0 else c.enc_tp
-                out["params"].update(param_shards(self.encoder, enc_tp))
+            enc_tp = c.tp if self.stage0 else c.enc_tp
+            for encoder in (e for e in self.encoders if e is not None):
+                out["params"].update(param_shards(encoder, enc_tp))
         return out
 
 

@@ -98,9 +98,9 @@ def initial_weights(cfg: MLLMConfig, groups) -> dict[str, torch.Tensor]:
     for name in ("tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp"):
         setattr(alone, name, groups.solo)
     alone.embd = alone.pos_embd = None
-    encoder = EncoderStage(cfg, 0, 1, alone, 1)
+    encoders = [EncoderStage(cfg, 0, 1, alone, 1, index=e) for e in range(cfg.num_encoders)]
     backbone = BackboneStage(cfg, True, True, alone, 1, 1)
-    return full_state(encoder, backbone)
+    return full_state(*encoders, backbone)
 
 
 def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
@@ -288,7 +288,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         c.dp if run.stage0 else (c.enc_slot + run.groups.slots * (c.dp + plan.dp * c.enc_row))
     )
     parts = [(chunk, c.tp, plan.tp, c.dp) for chunk in run.chunks]
-    parts.append((run.encoder, enc_tp, run.enc_tp, enc_replica))
+    parts += [(encoder, enc_tp, run.enc_tp, enc_replica) for encoder in run.encoders]
     # The coreset selector (last stage, TP rank 0 of each replica) is checkpointed per replica.
     holds_selector = run.selector is not None and run.backbone.post_process and c.tp == 0
 
