@@ -127,3 +127,23 @@ def test_malformed_csv(run_tool, tmp_path):
     proc = run_tool("check_schedule.py", str(bad))
     assert proc.returncode == 2 and "first line must be" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_encoder_set_and_measured_times_mismatches_fail_clearly(run_tool, tmp_path):
+    """Two encoders whose shared encoder plan cannot hold the smaller one, and a measured-times
+    file for a model that is not in the run: one line each."""
+    small = tmp_path / "small_vit.yaml"
+    small.write_text("num_layers: 2\nhidden_size: 1024\nnum_heads: 16\n")
+    times = tmp_path / "times.json"
+    times.write_text(json.dumps({"other-vit": {"forward": {"ln1": 0.1}}}))
+    cases = [
+        (
+            [*SMALL, "--encoder", str(small), "--encoder-tp", "1", "--encoder-pp", "4"],
+            "more stages than the encoder's 2 layers",
+        ),
+        ([*SMALL, "--measured-times", str(times)], "model 'other-vit' is not in this run"),
+    ]
+    for argv, expected in cases:
+        proc = run_tool("plan_schedule.py", *argv)
+        lines = proc.stderr.strip().splitlines()
+        assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
