@@ -207,7 +207,9 @@ def run_rank(rank: int, world: int, job: RuntimeJob) -> dict:
     check_job(job, world)
     _init_rank(rank, world, job.seed, job.timeout_s)
     if job.mode == "reference":
-        return _reference(job)
+        from megatron_mllm.runtime.reference import reference_run
+
+        return reference_run(job)
     import torch.distributed as dist
 
     run = make_run(rank, world, job)
@@ -251,49 +253,6 @@ def _data(job: RuntimeJob, step: int):
         return microbatch(job.cfg, index, job.micro_batch, job.seed)
 
     return get
-
-
-def _reference(job: RuntimeJob) -> dict:
-    """Every micro-batch of every DP replica in turn, in one process (no parallelism)."""
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
-    from megatron_mllm.models.weights import grad_shards, load_full_state
-    from megatron_mllm.parallel.groups import build_colocated_groups
-    from megatron_mllm.runtime.optimizer import build_optimizer, clip_by_global_norm
-
-    one = ParallelPlan(1, 1, 1)
-    groups = build_colocated_groups(one, one, 1, 0)
-    encoders = [
-        EncoderStage(job.cfg, 0, 1, groups.encoder, 1, index=e) for e in range(job.cfg.num_encoders)
-    ]
-    backbone = BackboneStage(job.cfg, True, True, groups.backbone, 1, 1)
-    for module in (*encoders, backbone):
-        load_full_state(module, job.full_state, 0, 1)
-    if job.frozen_encoder:
-        for encoder in encoders:
-            encoder.freeze()
-    optimizer = build_optimizer([*encoders, backbone], job.lr) if job.lr > 0 else None
-    n = job.num_microbatches * job.backbone.dp
-    history = []
-    for step in range(job.steps):
-        for p in [p for m in (*encoders, backbone) for p in m.parameters()]:
-            p.grad = None
-        losses = {}
-        data = _data(job, step)
-        for dp in range(job.backbone.dp):
-            for m in range(job.num_microbatches):
-                images, text = data(m, dp)
-                embeds = [encoder(images) for encoder in encoders]
-                out = backbone(None, backbone.decoder_input(embeds, text))
-                loss = backbone.loss(out, text)
-                (loss / n).backward()
-                losses[(dp, m)] = loss.item()
-        history.append(losses)
-        if step == 0:
-            grads = {k: v for m in (*encoders, backbone) for k, v in grad_shards(m, 0).items()}
-        if optimizer is not None:
-            clip_by_global_norm([(m, None, None) for m in (*encoders, backbone)], job.clip_grad)
-            optimizer.step()
-    return {"losses": history[0], "history": history, "grads": grads}
 
 
 class ExecutorRun:
