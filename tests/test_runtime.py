@@ -22,13 +22,16 @@ N = 4  # micro-batches
 TRAIN = dict(steps=2, lr=1e-2, clip_grad=0.5)  # two steps with megatron-core's optimizer
 
 
+def reference_of(cfg, **job_fields) -> tuple[dict, dict]:
+    """(canonical weights from seed 0, the one-process reference run on them)."""
+    state = spawn(make_full_state, 1, cfg, 0)[0]
+    job = RuntimeJob(cfg, ParallelPlan(1, 1, 1), 1, N, state, mode="reference", **job_fields)
+    return state, spawn(run_rank, 1, job)[0]
+
+
 @pytest.fixture(scope="module")
 def reference():
-    state = spawn(make_full_state, 1, TINY, 0)[0]
-    ref = spawn(
-        run_rank, 1, RuntimeJob(TINY, ParallelPlan(1, 1, 1), 1, N, state, mode="reference", **TRAIN)
-    )[0]
-    return state, ref
+    return reference_of(TINY, **TRAIN)
 
 
 def check_against(reference, outs, tp_of: dict[str, int]):
@@ -145,15 +148,14 @@ def test_llava_shaped_model_agrees_on_tp2():
     """CLIP-style encoder (class token, pre-norm, quick_gelu) and a Llama backbone (RMSNorm,
     SwiGLU, no bias, grouped-query attention): the SwiGLU fc1 shards as [gate_r; up_r]."""
     cfg = MLLMConfig(image_size=16, patch_size=4, llm_query_groups=2, **CLIP_VIT, **LLAMA)
-    state = spawn(make_full_state, 1, cfg, 0)[0]
+    state, ref = reference_of(cfg)
     for model in (cfg, TINY):  # the analytic count --dry-run prints is exact
         counted = spawn(make_full_state, 1, model, 0)[0] if model is TINY else state
         assert sum(v.numel() for v in counted.values()) == sum(model.num_params())
-    ref = spawn(run_rank, 1, RuntimeJob(cfg, ParallelPlan(1, 1, 1), 1, N, state, mode="reference"))
     plan = ParallelPlan(1, 2, 1)
     schedule = runtime_schedule(cfg, plan, 1, N, "optimus")
     outs = spawn(run_rank, 2, RuntimeJob(cfg, plan, 1, N, state, schedule=schedule))
-    check_against((state, ref[0]), outs, {"backbone": 2, "encoder": 2, "projector": 2})
+    check_against((state, ref), outs, {"backbone": 2, "encoder": 2, "projector": 2})
 
 
 def _programs(plan, name, forced=None):
@@ -208,9 +210,7 @@ def test_frozen_encoder_trains_only_its_projector(name, forced):
     from megatron_mllm.models.weights import assemble_grads as assemble
 
     plan = ParallelPlan(1, 1, 2)
-    state = spawn(make_full_state, 1, TINY, 0)[0]
-    ref_job = RuntimeJob(TINY, ParallelPlan(1, 1, 1), 1, N, state, mode="reference", **TRAIN)
-    ref = spawn(run_rank, 1, replace(ref_job, frozen_encoder=True))[0]
+    state, ref = reference_of(TINY, frozen_encoder=True, **TRAIN)
     schedule = runtime_schedule(TINY, plan, 1, N, name, encoder_plan=forced, frozen_encoder=True)
     job = RuntimeJob(TINY, plan, 1, N, state, schedule=schedule, frozen_encoder=True, **TRAIN)
     outs = spawn(run_rank, 2, replace(job, collect_params=True))
@@ -268,11 +268,8 @@ def test_online_replanning_from_measured_unit_times(plan, unit):
     planned again; the run continues on the new schedule with the reference's losses."""
     from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 
-    state = spawn(make_full_state, 1, TINY, 0)[0]
     train = dict(TRAIN, steps=3)
-    ref = spawn(
-        run_rank, 1, RuntimeJob(TINY, ParallelPlan(1, 1, 1), 1, N, state, mode="reference", **train)
-    )[0]
+    state, ref = reference_of(TINY, **train)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit=unit)
     job = RuntimeJob(
         TINY, plan, 1, N, state, schedule=schedule, encoder_units=unit, replan_after=1, **train
@@ -323,9 +320,8 @@ def test_two_encoders_agree(plan, unit):
     image tokens one after the other: Optimus and the megatron placement both match the
     reference's losses and gradients."""
     cfg = TWO_ENCODERS
-    state = spawn(make_full_state, 1, cfg, 0)[0]
+    state, ref = reference_of(cfg)
     assert {"encoder1.pos_embed", "projector1.encoder.linear_fc1.weight"} <= set(state)
-    ref = spawn(run_rank, 1, RuntimeJob(cfg, ParallelPlan(1, 1, 1), 1, N, state, mode="reference"))
     for name in ("megatron", "optimus"):
         u = unit if name == "optimus" else "layer"
         schedule = runtime_schedule(cfg, plan, 1, N, name, unit=u)
@@ -335,6 +331,6 @@ def test_two_encoders_agree(plan, unit):
         enc_plan, stage0 = encoder_plan_of(schedule, plan)
         etp = plan.tp if stage0 else enc_plan.tp
         parts = ("encoder", "projector", "encoder1", "projector1")
-        check_against((state, ref[0]), outs, {"backbone": plan.tp, **dict.fromkeys(parts, etp)})
+        check_against((state, ref), outs, {"backbone": plan.tp, **dict.fromkeys(parts, etp)})
     with pytest.raises(ConfigError, match="runs one encoder"):
         check_job(RuntimeJob(cfg, plan, 1, N, state, mode="megatron_core"), plan.world_size)

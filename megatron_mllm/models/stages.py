@@ -135,28 +135,31 @@ class EncoderStage(nn.Module):
     # bias-dropout-add), ln2, fc1, act, fc2 (+ bias-dropout-add), then [proj_fc1 (final norm, fc1,
     # activation), proj_fc2]. Residual streams ride along in the state, so the executor can stop
     # between any two units and run each backward on its own.
-    def _unit_table(self) -> list[tuple[Callable, list[torch.Tensor]]]:
+    def _unit_table(self) -> list[tuple[str, Callable, list[torch.Tensor]]]:
+        """(schedule-core name, function, parameters) of each unit, built once."""
         if getattr(self, "_units", None) is not None:
             return self._units
         units = []
         if self.first:
             own = [p for n, p in self.named_parameters() if not n.startswith(("block.", "proj"))]
-            units.append((lambda st: (self.embed(st[0]),), own))
+            units.append(("embed", lambda st: (self.embed(st[0]),), own))
         for layer in self.block.layers:
             params = [*layer.parameters()]
             if not self.kernel_units:
-                units.append((lambda st, layer=layer: (_layer(layer, st[0]),), params))
+                units.append(("layer", lambda st, layer=layer: (_layer(layer, st[0]),), params))
             else:
-                units += [(fn, params) for fn in _layer_kernels(layer)]
+                kernels = _layer_kernels(layer)
+                units += [(n, fn, params) for n, fn in zip(FORWARD_KERNELS, kernels, strict=True)]
         if self.last:
             tail = [*self.projector.parameters()]
             if self.block.final_layernorm is not None:
                 tail += [*self.block.final_layernorm.parameters()]
             if not self.kernel_units:
-                units.append((lambda st: (self._projector_fc2(self._projector_fc1(st[0])),), tail))
+                whole = lambda st: (self._projector_fc2(self._projector_fc1(st[0])),)  # noqa: E731
+                units.append(("projector", whole, tail))
             else:
-                units.append((lambda st: (self._projector_fc1(st[0]),), tail))
-                units.append((lambda st: (self._projector_fc2(st[0]),), tail))
+                units.append(("proj_fc1", lambda st: (self._projector_fc1(st[0]),), tail))
+                units.append(("proj_fc2", lambda st: (self._projector_fc2(st[0]),), tail))
         self._units = units
         return units
 
@@ -166,22 +169,15 @@ class EncoderStage(nn.Module):
 
     def unit_names(self) -> list[str]:
         """The schedule core's name of each unit (its measured-times key)."""
-        if getattr(self, "_names", None) is None:
-            names = ["embed"] if self.first else []
-            for _ in self.block.layers:
-                names += list(FORWARD_KERNELS) if self.kernel_units else ["layer"]
-            if self.last:
-                names += ["proj_fc1", "proj_fc2"] if self.kernel_units else ["projector"]
-            self._names = names
-        return self._names
+        return [name for name, _, _ in self._unit_table()]
 
     def run_unit(self, u: int, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """Unit u on a state (see above); returns the next state."""
-        return self._unit_table()[u][0](state)
+        return self._unit_table()[u][1](state)
 
     def unit_trainable(self, u: int) -> bool:
         """Whether unit u has parameters that train (else it runs without an autograd graph)."""
-        return any(p.requires_grad for p in self._unit_table()[u][1])
+        return any(p.requires_grad for p in self._unit_table()[u][2])
 
     def freeze(self) -> None:
         """A frozen encoder: every parameter but the projector's stops training."""

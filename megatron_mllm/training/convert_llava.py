@@ -8,7 +8,6 @@ any output file is touched; nothing existing is overwritten.
 
 from __future__ import annotations
 
-import argparse
 import os
 from pathlib import Path
 
@@ -105,13 +104,10 @@ def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = No
     from transformers import LlavaForConditionalGeneration
 
     from megatron_mllm.training import checkpointing
-    from megatron_mllm.training.arguments import build_parser
-    from megatron_mllm.training.train import model_config
+    from megatron_mllm.training.train import checkpoint_model_config
 
     common = checkpointing.read_common(load_dir, "--load-dir")
-    args = vars(build_parser().parse_args([]))
-    args.update({k: v for k, v in common.get("args", {}).items() if k in args})
-    cfg = model_config(argparse.Namespace(**args))
+    cfg = checkpoint_model_config(common)
     check_exportable(cfg)
     if image_token_index is None:  # the source model's, else the last vocabulary entry
         source = common.get("source", {}).get("llava_config", {})
@@ -153,12 +149,9 @@ def checkpoint_logits(
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.session import _init_rank
     from megatron_mllm.training import checkpointing
-    from megatron_mllm.training.arguments import build_parser
-    from megatron_mllm.training.train import initial_weights, model_config
+    from megatron_mllm.training.train import checkpoint_model_config, initial_weights
 
-    args = vars(build_parser().parse_args([]))
-    args.update(checkpointing.read_common(load_dir)["args"])
-    cfg = model_config(argparse.Namespace(**args))
+    cfg = checkpoint_model_config(checkpointing.read_common(load_dir))
     _init_rank(rank, world, 1234, 120.0)
     plan = ParallelPlan(world // tp, tp, 1)
     groups = build_colocated_groups(plan, plan, world, rank)

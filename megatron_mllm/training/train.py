@@ -52,6 +52,15 @@ def model_config(args: argparse.Namespace) -> MLLMConfig:
     return cfg
 
 
+def checkpoint_model_config(common: dict) -> MLLMConfig:
+    """The model a checkpoint's common state describes (its saved arguments over defaults)."""
+    from megatron_mllm.training.arguments import build_parser
+
+    args = vars(build_parser().parse_args([]))
+    args.update({k: v for k, v in common.get("args", {}).items() if k in args})
+    return model_config(argparse.Namespace(**args))
+
+
 def model_args(cfg: MLLMConfig) -> dict:
     """The inverse of `model_config`: argument values (MODEL_ARGS) that rebuild `cfg`."""
     clip = all(getattr(cfg, k) == v for k, v in CLIP_VIT.items() if k != "vit_activation")
