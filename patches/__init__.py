@@ -15,7 +15,7 @@ import torch
 
 SUPPORTED_MEGATRON_CORE = ("0.16.1",)
 CPU_PATCHES = ("cuda_device_on_cpu", "cpu_rng_tracker", "cuda_allocations_on_cpu")
-RUNTIME_PATCHES = ("async_tp_collectives",)  # on every device
+RUNTIME_PATCHES = ("async_tp_collectives", "sequence_parallel_torch_norm")  # on every device
 
 
 def check_version() -> None:

@@ -51,22 +51,27 @@ def check_against(reference, outs, tp_of: dict[str, int]):
         torch.testing.assert_close(grads[name], expected, rtol=1e-4, atol=1e-6, msg=name)
 
 
-LAYOUTS = {
-    "pp2": (ParallelPlan(1, 1, 2), None),
-    "tp2": (ParallelPlan(1, 2, 1), None),
-    "pp2-encoder-dp2": (ParallelPlan(1, 1, 2), ParallelPlan(2, 1, 1)),
-    "pp2-vpp2": (ParallelPlan(1, 1, 2, vpp=2), None),  # interleaved: two model chunks per rank
+LAYOUTS = {  # name: (backbone plan, forced encoder plan, sequence parallelism)
+    "pp2": (ParallelPlan(1, 1, 2), None, False),
+    "tp2": (ParallelPlan(1, 2, 1), None, False),
+    "tp2-sp": (ParallelPlan(1, 2, 1), None, True),  # activations split over TP
+    "pp2-encoder-dp2": (ParallelPlan(1, 1, 2), ParallelPlan(2, 1, 1), False),
+    "pp2-vpp2": (ParallelPlan(1, 1, 2, vpp=2), None, False),  # two model chunks per rank
+    "pp2-tp2-sp": (ParallelPlan(1, 2, 2), None, True),  # [s/tp, b, h] between the stages
 }
+SLOW_LAYOUTS = {"pp2-tp2-sp"}  # four ranks
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize(
+    "layout",
+    [pytest.param(k, marks=pytest.mark.slow) if k in SLOW_LAYOUTS else k for k in LAYOUTS],
+)
 def test_four_ways_agree(reference, layout):
-    plan, forced = LAYOUTS[layout]
+    plan, forced, sp = LAYOUTS[layout]
     state = reference[0]
     tp_all = {"backbone": plan.tp, "encoder": plan.tp, "projector": plan.tp}
-    core = spawn(
-        run_rank, plan.world_size, RuntimeJob(TINY, plan, 1, N, state, mode="megatron_core")
-    )
+    core_job = RuntimeJob(TINY, plan, 1, N, state, mode="megatron_core", sequence_parallel=sp)
+    core = spawn(run_rank, plan.world_size, core_job)
     check_against(reference, core, tp_all)
     for name in ("megatron", "optimus"):
         schedule = runtime_schedule(
@@ -78,7 +83,7 @@ def test_four_ways_agree(reference, layout):
         outs = spawn(
             run_rank,
             plan.world_size,
-            RuntimeJob(TINY, plan, 1, N, state, schedule=schedule, **TRAIN),
+            RuntimeJob(TINY, plan, 1, N, state, schedule=schedule, sequence_parallel=sp, **TRAIN),
         )
         etp = plan.tp if stage0 else enc_plan.tp
         check_against(reference, outs, {"backbone": plan.tp, "encoder": etp, "projector": etp})
@@ -119,6 +124,10 @@ def test_configuration_errors_come_before_any_process_group():
     other = runtime_schedule(TINY, ParallelPlan(1, 1, 1), 1, N, "optimus")
     with pytest.raises(ConfigError, match="PP 1"):
         check_job(RuntimeJob(TINY, plan, 1, N, {}, schedule=other), world=2)
+    odd = replace(TINY, text_len=TINY.text_len + 1)  # an odd sequence cannot split over TP 2
+    sp_job = RuntimeJob(odd, ParallelPlan(1, 2, 1), 1, N, {}, mode="megatron_core")
+    with pytest.raises(ConfigError, match="sequence parallelism splits the 33-token"):
+        check_job(replace(sp_job, sequence_parallel=True), world=2)
     with pytest.raises(RankFailed, match="needs 2 ranks"):
         spawn(run_rank, 1, RuntimeJob(TINY, plan, 1, N, {}, schedule=schedule))
 
@@ -284,20 +293,24 @@ def test_online_replanning_from_measured_unit_times(plan, unit):
         assert all(mine[k] == pytest.approx(v, abs=1e-5) for k, v in losses.items())
 
 
-def test_tp_fills_run_while_backbone_all_reduces_are_in_flight(reference):
-    """patches/async_tp_collectives.py: the backbone's TP all-reduce is issued asynchronously
-    and the action's TP-bubble fills (encoder kernels) run until it completes. Same losses and
-    gradients, and some fills really ran inside a collective."""
+@pytest.mark.parametrize("sp", [False, True], ids=["all-reduce", "sequence-parallel"])
+def test_tp_fills_run_while_backbone_tp_collectives_are_in_flight(reference, sp):
+    """patches/async_tp_collectives.py: the backbone's TP collectives (all-reduces; with sequence
+    parallelism all-gathers and reduce-scatters) are issued asynchronously and the action's
+    TP-bubble fills (encoder kernels) run until they complete. Same losses and gradients, and
+    fills really ran inside those collectives."""
     plan = ParallelPlan(1, 2, 1)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit="kernel")
     assert encoder_plan_of(schedule, plan)[0].tp == 1  # fills never carry encoder collectives
     job = RuntimeJob(
         TINY, plan, 1, N, reference[0], schedule=schedule, encoder_units="kernel",
-        overlap_tp_fills=True,
+        overlap_tp_fills=True, sequence_parallel=sp,
     )  # fmt: skip
     outs = spawn(run_rank, 2, job)
     check_against(reference, outs, {"backbone": 2, "encoder": 1, "projector": 1})
+    inside = {k for o in outs for k, n in o["overlapped_in"].items() if n}
     assert sum(o["overlapped"] for o in outs) > 0
+    assert inside >= ({"all_gather", "reduce_scatter"} if sp else {"all_reduce"}), inside
 
 
 TWO_ENCODERS = replace(

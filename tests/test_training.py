@@ -74,10 +74,12 @@ def test_resume_is_bit_identical_and_reshards(tmp_path):
     again = losses(resumed.stdout)
     assert sorted(again) == [4, 5, 6]
     assert all(again[i] == ref[i] for i in (4, 5, 6))
-    # Another pair of plans (TP=2, Megatron schedule) loads the same checkpoint.
+    # Another pair of plans (TP=2 with sequence parallelism, Megatron schedule) loads the same
+    # checkpoint.
     resharded = torchrun(
         "--tensor-model-parallel-size",
         "2",
+        "--sequence-parallel",
         "--bubble-schedule",
         "megatron",
         *COMMON,
@@ -106,15 +108,16 @@ def test_interleaved_backbone_trains_and_reshards_to_non_interleaved(tmp_path):
 
 
 def test_kernel_granularity_frozen_encoder_and_online_replanning(tmp_path):
-    """--fill-granularity kernel --freeze-ViT --replan-after-iters 1 --overlap-tp-fills on TP=2:
-    trains, re-plans from measured unit times after the first iteration, the loss falls."""
+    """--fill-granularity kernel --freeze-ViT --replan-after-iters 1 --overlap-tp-fills
+    --sequence-parallel on TP=2: trains, re-plans from measured unit times after the first
+    iteration, the loss falls."""
     out = torchrun(
         "--tensor-model-parallel-size", "2", *COMMON, "--train-iters", "3",
         "--fill-granularity", "kernel", "--freeze-ViT", "--replan-after-iters", "1",
-        "--overlap-tp-fills",
+        "--overlap-tp-fills", "--sequence-parallel",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "frozen: forward only" in out.stdout
+    assert "frozen: forward only" in out.stdout and "(world size 2), sequence parallel" in out.stdout
     assert "re-planned from measured unit times" in out.stdout
     got = losses(out.stdout)
     assert sorted(got) == [1, 2, 3] and got[3] < got[1]
@@ -145,6 +148,10 @@ def test_resume_restores_rng_streams_under_dropout(tmp_path):
         (["--data-path", "/nonexistent/shards"], "no .tar shards"),
         (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size"),
         (["--replan-after-iters", "0"], "--replan-after-iters N needs N >= 1"),
+        (
+            ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"],
+            "sequence parallelism splits the 31-token sequence",
+        ),
         (
             ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
             "does not split into PP 2 stages",

@@ -144,9 +144,16 @@ class MLLMConfig:
             specs.append(replace(vit, name=self.encoder_name(e)))
         return tuple(specs)
 
-    def validate(self, tp: int = 1, encoder_tp: int = 1) -> None:
+    def validate(self, tp: int = 1, encoder_tp: int = 1, sequence_parallel: bool = False) -> None:
+        """One ConfigError line for the first shape that cannot be split as asked."""
         for e in range(1, self.num_encoders):
             self.encoder_config(e).validate(tp, encoder_tp)
+        if sequence_parallel and tp > 1 and self.seq_len % tp:
+            raise ConfigError(
+                f"sequence parallelism splits the {self.seq_len}-token sequence "
+                f"({self.image_tokens} image + {self.text_len} text) over TP {tp}; choose "
+                f"--seq-length so that the total is divisible by {tp}"
+            )
         if self.image_size % self.patch_size:
             raise ConfigError(
                 f"image size {self.image_size} is not a multiple of patch size {self.patch_size}"

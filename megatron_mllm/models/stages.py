@@ -225,7 +225,12 @@ def causal_mask(seq_len: int) -> torch.Tensor:
 
 
 class BackboneStage(nn.Module):
-    """A GPTModel pipeline stage (`pg.pp` decides which layers it holds)."""
+    """A GPTModel pipeline stage (`pg.pp` decides which layers it holds).
+
+    With `sequence_parallel` (TP > 1) the stage's activations are [s/tp, b, h]: megatron-core's
+    linear layers all-gather and reduce-scatter them, and stage 0 scatters its decoder input
+    after putting the image tokens in front of the (full, unscattered) text embeddings.
+    """
 
     def __init__(
         self,
@@ -236,6 +241,7 @@ class BackboneStage(nn.Module):
         tp: int,
         pp: int,
         vp_stage: int | None = None,
+        sequence_parallel: bool = False,
         **config_overrides,
     ) -> None:
         super().__init__()
@@ -246,6 +252,8 @@ class BackboneStage(nn.Module):
 
         self.cfg, self.pg = cfg, pg
         self.pre_process, self.post_process = pre_process, post_process
+        self.sequence_parallel = sequence_parallel and tp > 1
+        config_overrides.setdefault("sequence_parallel", self.sequence_parallel)
         config = transformer_config(cfg, "llm", tp, pp, **config_overrides)
         self.gpt = GPTModel(
             config,
@@ -259,17 +267,29 @@ class BackboneStage(nn.Module):
             rotary_base=int(cfg.rope_base),
             pg_collection=pg,
             vp_stage=vp_stage,
+            scatter_embedding_sequence_parallel=False,  # decoder_input scatters after the concat
         )
+        if self.sequence_parallel and pre_process:
+            # The text embedding runs as without sequence parallelism (full sequence, dropout from
+            # the default RNG, the same on every TP rank); its own config says so.
+            self.gpt.embedding.config = copy.copy(config)
+            self.gpt.embedding.config.sequence_parallel = False
         self.register_buffer("mask", causal_mask(cfg.seq_len), persistent=False)
 
     def set_input_tensor(self, tensor) -> None:
         self.gpt.set_input_tensor(tensor)
 
     def decoder_input(self, image_embeds: list[torch.Tensor], text: torch.Tensor) -> torch.Tensor:
-        """Stage 0: [image tokens of every encoder; text tokens] as [s, b, h]."""
+        """Stage 0: [image tokens of every encoder; text tokens] as [s, b, h] (this TP rank's
+        [s/tp, b, h] slice with sequence parallelism)."""
         positions = torch.arange(text.shape[1]).unsqueeze(0).expand_as(text)
         words = self.gpt.embedding(input_ids=text, position_ids=positions)
-        return torch.cat([*image_embeds, words], dim=0)
+        tokens = torch.cat([*image_embeds, words], dim=0)
+        if not self.sequence_parallel:
+            return tokens
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        return scatter_to_sequence_parallel_region(tokens, group=self.pg.tp)
 
     def forward(self, hidden: torch.Tensor | None, decoder_input: torch.Tensor | None = None):
         """Non-first stages pass `hidden`; stage 0 passes `decoder_input`."""

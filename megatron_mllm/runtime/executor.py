@@ -35,7 +35,8 @@ class StepResult:
     spans: list[Span] = field(default_factory=list)
     seconds: float = 0.0
     moved: int = 0  # dynamic mode: encoder chunks run ahead of their place in the program
-    overlapped: int = 0  # fills run while a backbone TP all-reduce was in flight
+    overlapped: int = 0  # fills run while a backbone TP collective was in flight
+    overlapped_in: dict[str, int] = field(default_factory=dict)  # ... per collective kind
     # Measured seconds for re-planning: (model, "forward"|"backward", unit name) -> samples;
     # the backbone's per layer (a chunk's F or B time over its layer count).
     unit_times: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
@@ -199,13 +200,18 @@ class Executor:
 
         queue = list(op.fills)
 
-        def fill() -> bool:
+        def fill(kind: str) -> bool:
             if not queue:
                 return False
             start = time.perf_counter()
-            self._run(queue.pop(0), t0)
+            # A wait inside the backbone's backward runs under autograd's no-grad mode; an
+            # encoder forward fill still builds its graph (and a backward fill re-enters).
+            with torch.set_grad_enabled(not self.forward_only):
+                self._run(queue.pop(0), t0)
             self._fill_s += time.perf_counter() - start
             self.result.overlapped += 1
+            inside = self.result.overlapped_in
+            inside[kind] = inside.get(kind, 0) + 1
             return True
 
         with filling(fill):
@@ -288,8 +294,10 @@ class Executor:
     def _shape(self, key: str) -> tuple[int, ...]:
         cfg, b = self.cfg, self.micro_batch
         prefix = key.split(".", 1)[0]
-        if prefix in ("act", "grad"):
-            return (cfg.seq_len, b, cfg.llm_hidden)
+        if prefix in ("act", "grad"):  # [s/tp, b, h] with sequence parallelism
+            config = self.backbone.gpt.config
+            split = config.tensor_model_parallel_size if config.sequence_parallel else 1
+            return (cfg.seq_len // split, b, cfg.llm_hidden)
         enc = cfg.encoder_config(int(key.split(".")[1][1:]))  # keys name their encoder: e{e}
         if prefix in ("eout", "egrad"):
             return (enc.num_patches, b, cfg.llm_hidden)

@@ -62,7 +62,7 @@ class MegatronCoreRun:
                 create_gloo_process_groups=False,
             )
         pg = ProcessGroupCollection.use_mpu_process_groups()
-        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.tp_rank, self.tp_group = ps.get_tensor_model_parallel_rank(), pg.tp
         stage = ps.get_pipeline_model_parallel_rank()
         solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
         overrides = {}
@@ -82,6 +82,7 @@ class MegatronCoreRun:
                 plan.tp,
                 plan.pp,
                 vp_stage=v if vpp else None,
+                sequence_parallel=job.sequence_parallel,
                 **overrides,
             )
             for v in chunks
@@ -107,6 +108,7 @@ class MegatronCoreRun:
 
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
+        from megatron_mllm.runtime.optimizer import allreduce_sequence_parallel_grads
         from megatron_mllm.runtime.session import _data
 
         job, backbone = self.job, self.backbone
@@ -134,6 +136,7 @@ class MegatronCoreRun:
             micro_batch_size=job.micro_batch,
             forward_only=False,
         )
+        allreduce_sequence_parallel_grads(self.chunks, self.tp_group)
         _all_reduce_dp(self.model, self.dp_group, job.backbone.dp)
         self.seconds.append(time.perf_counter() - t0)
         self.history.append({(self.dp_rank, m): float(r["lm loss"]) for m, r in enumerate(reduced)})

@@ -26,6 +26,27 @@ def build_optimizer(modules: list[torch.nn.Module], lr: float, weight_decay: flo
     return FP32Optimizer(inner, config, init_state_fn=None)
 
 
+def allreduce_sequence_parallel_grads(modules: list[torch.nn.Module | None], tp_group) -> None:
+    """Sum, over the TP group, the gradients of parameters that sequence parallelism leaves
+    replicated but feeds different tokens on each TP rank (norms; megatron-core marks them
+    `sequence_parallel`). What megatron-core's finalize_model_grads does for them."""
+    grads = [
+        p.grad
+        for m in modules
+        if m is not None
+        for p in m.parameters()
+        if getattr(p, "sequence_parallel", False) and p.grad is not None
+    ]
+    if not grads or dist.get_world_size(tp_group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=tp_group)
+    i = 0
+    for g in grads:
+        g.copy_(flat[i : i + g.numel()].view_as(g))
+        i += g.numel()
+
+
 def clip_by_global_norm(
     parts: list[tuple[torch.nn.Module | None, object, object]], max_norm: float
 ) -> float:

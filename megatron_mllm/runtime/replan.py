@@ -62,12 +62,13 @@ def replan(
     samples: list[dict],
     unit: str,
     frozen_encoder: bool = False,
+    sequence_parallel: bool = False,
 ) -> tuple[Schedule, Workload, dict] | None:
     """The best Optimus schedule under the measured times for the current encoder plan and
     backbone split, with the times used; None where the best one needs another layer split."""
     from megatron_mllm.runtime.schedules import job_of
 
-    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder)
+    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder, sequence_parallel)
     times = measured_times(samples, JobCosts(job, unit=unit), unit)
     costs = JobCosts(job, times, unit=unit)
     best, _, _ = plan_optimus(costs, encoder_plan=encoder_plan)

@@ -36,6 +36,7 @@ def job_of(
     micro_batch: int,
     num_microbatches: int,
     frozen_encoder: bool = False,
+    sequence_parallel: bool = False,
 ) -> MLLMJob:
     """The schedule core's job for the runtime's model (for planning and simulation)."""
     llm = cfg.transformer_specs()[1]
@@ -50,7 +51,7 @@ def job_of(
         micro_batch=micro_batch,
         seq_len=cfg.seq_len,
         hw=CPU,
-        sequence_parallel=False,
+        sequence_parallel=sequence_parallel and plan.tp > 1,
         frozen_encoders=frozen_encoder,
     )
 
@@ -70,13 +71,15 @@ def runtime_plan(
     measured: dict | None = None,
     frozen_encoder: bool = False,
     unit: str = "layer",
+    sequence_parallel: bool = False,
     **options,
 ) -> tuple[Schedule, Workload]:
     """A validated schedule and its costs for the runtime's model at layer (or, with
     unit="kernel", kernel) granularity:
     "megatron" (encoder on stage 0, 1F1B, even layer split), "balanced" (the same with the
-    balancing first-stage split) or "optimus" (planned, or with `encoder_plan` forced)."""
-    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder)
+    balancing first-stage split) or "optimus" (planned, or with `encoder_plan` forced).
+    `sequence_parallel`: the backbone's TP collectives are reduce-scatters and all-gathers."""
+    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder, sequence_parallel)
     costs = JobCosts(job, measured, unit=unit)
     if name not in ("megatron", "balanced", "optimus"):
         raise ConfigError(f"unknown schedule {name!r}; use megatron, balanced or optimus")

@@ -49,7 +49,8 @@ class RuntimeJob:
     collect_params: bool = False  # result["params"]: this rank's parameter shards at the end
     encoder_units: str = "layer"  # the schedule's encoder granularity: "layer" or "kernel"
     replan_after: int | None = None  # re-plan from measured unit times after this many steps
-    overlap_tp_fills: bool = False  # run TP-bubble fills during the backbone's TP all-reduces
+    overlap_tp_fills: bool = False  # run TP-bubble fills during the backbone's TP collectives
+    sequence_parallel: bool = False  # the backbone's activations split over TP (TP > 1 only)
     clip_grad: float = 1.0
     extra: dict = field(default_factory=dict)
 
@@ -91,7 +92,7 @@ def check_job(job: RuntimeJob, world: int) -> None:
             f"plan {job.backbone} needs {job.backbone.world_size} ranks; "
             f"the job was started with {world}"
         )
-    job.cfg.validate(job.backbone.tp)
+    job.cfg.validate(job.backbone.tp, sequence_parallel=job.sequence_parallel)
     if job.cfg.llm_layers % job.backbone.pp:
         raise ConfigError(
             f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
@@ -284,6 +285,7 @@ class ExecutorRun:
                 plan.tp,
                 plan.pp,
                 vp_stage=v if vpp > 1 else None,
+                sequence_parallel=job.sequence_parallel,
                 **overrides,
             )
             for v in range(vpp)
@@ -384,6 +386,7 @@ class ExecutorRun:
             gathered,
             job.encoder_units,
             job.frozen_encoder,
+            job.sequence_parallel,
         )
         if out is None:
             return False
@@ -449,7 +452,10 @@ class ExecutorRun:
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
         from megatron_mllm.runtime.executor import Executor
-        from megatron_mllm.runtime.optimizer import clip_by_global_norm
+        from megatron_mllm.runtime.optimizer import (
+            allreduce_sequence_parallel_grads,
+            clip_by_global_norm,
+        )
 
         job, c = self.job, self.groups.coords
         for module in (*self.chunks, *self.encoders):
@@ -485,12 +491,13 @@ class ExecutorRun:
             executor.run_step()
             os._exit(3)  # die mid-step, as a crashed rank would
         result = executor.run_step()
+        allreduce_sequence_parallel_grads(self.chunks, self.groups.backbone.tp)
         for key, values in result.unit_times.items():
             self.unit_times.setdefault(key, []).extend(values)
         self.seconds.append(result.seconds)
         self.spans = result.spans
         self.moved = result.moved
-        self.overlapped = result.overlapped
+        self.overlapped, self.overlapped_in = result.overlapped, result.overlapped_in
         self.history.append({(c.dp, m): v for m, v in result.losses.items()})
         if job.collect_grads and step == 0:
             self.grads = {k: v for m in self.chunks for k, v in grad_shards(m, c.tp).items()}
@@ -510,6 +517,7 @@ class ExecutorRun:
             "replan_times": self.replanned[2] if self.replanned is not None else None,
             "moved": getattr(self, "moved", 0),
             "overlapped": getattr(self, "overlapped", 0),
+            "overlapped_in": getattr(self, "overlapped_in", {}),
             "losses": self.history[0],
             "history": self.history,
             "spans": self.spans,

@@ -26,6 +26,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="interleaved pipeline: backbone layers per model chunk",
     )
+    g.add_argument(
+        "--sequence-parallel",
+        action="store_true",
+        help="split the backbone's activations over the TP group between its TP regions "
+        "(ignored, with a warning, at TP 1, as in Megatron)",
+    )
     g = p.add_argument_group("encoder plan and schedule (ours)")
     g.add_argument(
         "--encoder-tensor-model-parallel-size",
@@ -232,6 +238,14 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     dp = world // (tp * pp)
     args.data_parallel_size = dp
+    if args.sequence_parallel and tp == 1:  # Megatron's rule: a warning, not an error
+        if args.rank == 0:
+            print(
+                "WARNING: Disabling sequence parallelism because tensor model parallelism is "
+                "disabled",
+                file=sys.stderr,
+            )
+        args.sequence_parallel = False
     if args.global_batch_size % (args.micro_batch_size * dp):
         raise ConfigError(
             f"--global-batch-size {args.global_batch_size} is not divisible by "

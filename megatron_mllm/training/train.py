@@ -48,6 +48,7 @@ def model_config(args: argparse.Namespace) -> MLLMConfig:
     cfg.validate(
         getattr(args, "tensor_model_parallel_size", 1),
         getattr(args, "encoder_tensor_model_parallel_size", None) or 1,
+        getattr(args, "sequence_parallel", False),
     )
     return cfg
 
@@ -120,7 +121,8 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
         where += "; frozen: forward only, its projector trains"
     return "\n".join(
         [
-            f" > backbone plan: {plan} (world size {plan.world_size})",
+            f" > backbone plan: {plan} (world size {plan.world_size})"
+            + (", sequence parallel" if args.sequence_parallel else ""),
             f" > encoder plan:  {enc_plan} ({where})",
             f" > schedule: {args.bubble_schedule}; {n_mb} micro-batches of {args.micro_batch_size} "
             f"per step and DP replica",
@@ -140,7 +142,8 @@ def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int
             " > arguments checked for world size {} ({})".format(
                 plan.world_size, "dry run: nothing started"
             ),
-            f" > backbone plan: {plan}; encoder plan: {enc}; schedule {args.bubble_schedule}",
+            f" > backbone plan: {plan}{', sequence parallel' if args.sequence_parallel else ''}; "
+            f"encoder plan: {enc}; schedule {args.bubble_schedule}",
             f" > encoder: {cfg.vit_layers} layers x {cfg.vit_hidden} ({vit / 1e9:.2f}B "
             f"params), {cfg.encoder_seq_len} tokens per image",
             f" > backbone: {cfg.llm_layers} layers x {cfg.llm_hidden} ({llm / 1e9:.2f}B "
@@ -210,6 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         encoder_plan=forced,
         frozen_encoder=args.freeze_ViT,
         unit=args.fill_granularity if args.bubble_schedule == "optimus" else "layer",
+        sequence_parallel=args.sequence_parallel,
     )
     layers = schedule.meta.backbone_layers
     if plan.vpp > 1 and len(set(layers)) > 1:
@@ -273,6 +277,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         frozen_encoder=args.freeze_ViT,
         encoder_units=units,
         overlap_tp_fills=args.overlap_tp_fills,
+        sequence_parallel=args.sequence_parallel,
     )
     run = ExecutorRun(rank, world, job)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
