@@ -14,6 +14,9 @@ and data, taking steps in turn (A B C ... A B C ...) so machine noise hits them 
   two_megatron          two encoders (the second a ViT of half the width and depth, at half the
                         image size), both on stage 0
   two_optimus           the same two encoders under Optimus, kernel granularity
+  sp_megatron           megatron with sequence parallelism (the backbone's TP collectives are
+                        all-gathers and reduce-scatters of [s/tp, b, h] activations)
+  sp_overlap            optimus_overlap with sequence parallelism: fills run inside those
   optimus_replanned     optimus_kernel re-planned online after half the steps from the unit
                         times it measured (step time before / after)
 Prints the median step time, the simulator's prediction (analytic CPU cost model) and its error,
@@ -73,26 +76,28 @@ def main() -> int:
         args.microbatches,
     )
     steps = args.steps + 1
-    runs = {  # name: (schedule name, unit, frozen)
-        "megatron": ("megatron", "layer", False),
-        "optimus_layer": ("optimus", "layer", False),
-        "optimus_kernel": ("optimus", "kernel", False),
-        "optimus_overlap": ("optimus", "kernel", False),
-        "frozen_megatron": ("megatron", "layer", True),
-        "frozen_optimus": ("optimus", "kernel", True),
-        "two_megatron": ("megatron", "layer", False),
-        "two_optimus": ("optimus", "kernel", False),
-        "optimus_replanned": ("optimus", "kernel", False),
+    runs = {  # name: (schedule name, unit, frozen, sequence parallel)
+        "megatron": ("megatron", "layer", False, False),
+        "optimus_layer": ("optimus", "layer", False, False),
+        "optimus_kernel": ("optimus", "kernel", False, False),
+        "optimus_overlap": ("optimus", "kernel", False, False),
+        "frozen_megatron": ("megatron", "layer", True, False),
+        "frozen_optimus": ("optimus", "kernel", True, False),
+        "two_megatron": ("megatron", "layer", False, False),
+        "two_optimus": ("optimus", "kernel", False, False),
+        "sp_megatron": ("megatron", "layer", False, True),
+        "sp_overlap": ("optimus", "kernel", False, True),
+        "optimus_replanned": ("optimus", "kernel", False, False),
     }
     two = replace(cfg, extra_encoders=(second_encoder(cfg),))
     state = spawn(make_full_state, 1, cfg, 0)[0]
     two_state = spawn(make_full_state, 1, two, 0)[0]
     replan_at = 1 + args.steps // 2  # steps 1 .. replan_at-1 before, the rest after
     jobs, predicted, fills = {}, {}, {}
-    for name, (schedule_name, unit, frozen) in runs.items():
+    for name, (schedule_name, unit, frozen, sp) in runs.items():
         model = two if name.startswith("two") else cfg
         schedule, workload = runtime_plan(
-            model, plan, 1, n, schedule_name, frozen_encoder=frozen, unit=unit
+            model, plan, 1, n, schedule_name, frozen_encoder=frozen, unit=unit, sequence_parallel=sp
         )
         predicted[name] = simulate(schedule, workload).step_time_s
         fills[name] = sum("@tp" in str(a) for rank in schedule.ranks for a in rank)
@@ -108,7 +113,8 @@ def main() -> int:
             frozen_encoder=frozen,
             encoder_units=unit,
             replan_after=replan_at if name == "optimus_replanned" else None,
-            overlap_tp_fills=name == "optimus_overlap",
+            overlap_tp_fills=name.endswith("_overlap"),
+            sequence_parallel=sp,
         )
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
     measured, spread, losses = {}, {}, {}
@@ -136,7 +142,15 @@ def main() -> int:
         "step_range_s": spread,
         "tp_fills": fills,
         "max_abs_loss_diff_trained": diff(
-            ["megatron", "optimus_layer", "optimus_kernel", "optimus_overlap", "optimus_replanned"]
+            [
+                "megatron",
+                "optimus_layer",
+                "optimus_kernel",
+                "optimus_overlap",
+                "optimus_replanned",
+                "sp_megatron",
+                "sp_overlap",
+            ]
         ),
         "max_abs_loss_diff_frozen": diff(["frozen_megatron", "frozen_optimus"]),
         "max_abs_loss_diff_two_encoders": diff(["two_megatron", "two_optimus"]),
@@ -158,8 +172,8 @@ def main() -> int:
     for name in runs:
         if name == "optimus_replanned":
             continue
-        family = name.split("_")[0]  # frozen_* and two_* compare with their own megatron run
-        base = measured[f"{family}_megatron" if family in ("frozen", "two") else "megatron"]
+        family = name.split("_")[0]  # frozen_*, two_*, sp_* compare with their own megatron run
+        base = measured[f"{family}_megatron" if family in ("frozen", "two", "sp") else "megatron"]
         s, p, (lo, hi) = measured[name], predicted[name], spread[name]
         print(
             f"{name:<17}{s:>9.4f}{lo:>7.4f}-{hi:<7.4f}{base / s:>11.2f}x{p:>13.4f}"

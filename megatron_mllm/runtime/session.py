@@ -184,6 +184,8 @@ def _init_rank(rank: int, world: int, seed: int, timeout_s: float) -> None:
     import torch.distributed as dist
 
     warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    # megatron-core 0.16.1 still calls these torch names (sequence parallelism)
+    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor)")
     import megatron_mllm_patches
 
     megatron_mllm_patches.apply_cpu_patches()
