@@ -26,6 +26,7 @@ never runs inside a backbone one.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -40,6 +41,8 @@ CHECKED_ON = ("0.16.1",)
 # Runs one queued fill inside the named collective ("all_reduce", "all_gather",
 # "reduce_scatter"); returns False when none is left.
 _filler: Callable[[str], bool] | None = None
+# Told (kind, seconds blocked in the collective without fills, whether fills ran) per wait.
+_observer: Callable[[str, float, bool], None] | None = None
 
 
 @contextlib.contextmanager
@@ -54,18 +57,36 @@ def filling(filler: Callable[[str], bool] | None) -> Iterator[None]:
         _filler = previous
 
 
+@contextlib.contextmanager
+def observing(observer: Callable[[str, float, bool], None] | None) -> Iterator[None]:
+    """Within the block, every wait on a TP collective reports to `observer(kind, seconds
+    blocked without fills, filled)` (the executor's measured communication times)."""
+    global _observer
+    previous, _observer = _observer, observer
+    try:
+        yield
+    finally:
+        _observer = previous
+
+
 def wait_filling(work, kind: str) -> None:
     """Run fills while `work` (a `kind` collective) is in flight, then wait for it."""
-    global _filler
-    filler = _filler
+    global _filler, _observer
+    filler, observer = _filler, _observer
+    start, in_fills, filled = time.perf_counter(), 0.0, False
     if filler is not None:
-        _filler = None  # a fill's own collectives (none at encoder TP 1) would not fill
+        _filler = _observer = None  # a fill's own collectives (none at encoder TP 1) don't count
         try:
-            while not work.is_completed() and filler(kind):
-                pass
+            while not work.is_completed():
+                t = time.perf_counter()
+                if not filler(kind):
+                    break
+                in_fills, filled = in_fills + time.perf_counter() - t, True
         finally:
-            _filler = filler
+            _filler, _observer = filler, observer
     work.wait()
+    if observer is not None:
+        observer(kind, time.perf_counter() - start - in_fills, filled)
 
 
 class FillingWork:

@@ -131,11 +131,36 @@ def test_measured_times_replace_the_analytic_ones(tmp_path):
     for bad, msg in (
         ({"other": {}}, "not in this run"),
         ({"tiny-vit": {"forward": {"fc9": 1.0}}}, "unknown forward kernel"),
-        ({"tiny-vit": {"sideways": {}}}, "use forward or backward"),
+        ({"tiny-vit": {"sideways": {}}}, "use forward, backward or collectives"),
+        ({"tiny-gpt": {"collectives": {"broadcast": 1.0}}}, "unknown collectives kernel"),
     ):
         path.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=msg):
             load_measured_times(str(path), ["tiny-vit", "tiny-gpt"])
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_measured_collectives_replace_the_analytic_tp_bubbles(tmp_path, sp):
+    """The executor's measured TP collective times become the backbone layer's TP bubbles, at
+    kernel and at layer granularity (the layer's compute measured apart)."""
+    from dataclasses import replace
+
+    job = replace(tiny_job(), sequence_parallel=sp)
+    kinds = {"all_gather": 0.1, "reduce_scatter": 0.2} if sp else {"all_reduce": 0.3}
+    kinds |= {k + "_b": 2 * v for k, v in kinds.items()}
+    path = tmp_path / "times.json"
+    path.write_text(json.dumps({"tiny-gpt": {"collectives": kinds}}))
+    measured = load_measured_times(str(path), ["tiny-vit", "tiny-gpt"])
+    layer = JobCosts(job, measured).backbone_layer(job.tp)
+    expected_fwd = {"ln1": 0.1, "proj": 0.2, "ln2": 0.1, "fc2": 0.2} if sp else {}
+    expected_fwd = expected_fwd or {"proj": 0.3, "fc2": 0.3}
+    assert {k.name: k.comm_s for k in layer.fwd if k.comm_s} == pytest.approx(expected_fwd)
+    assert sum(k.comm_s for k in layer.bwd) == pytest.approx(2 * sum(expected_fwd.values()))
+    measured["tiny-gpt"]["forward"] = {"layer": 1.0}
+    unit = JobCosts(job, measured, unit="layer").backbone_layer(job.tp)
+    assert [(k.compute_s, k.comm_s) for k in unit.fwd] == [
+        (1.0, pytest.approx(sum(expected_fwd.values())))
+    ]
 
 
 def test_sequence_parallel_splits_each_all_reduce():

@@ -18,9 +18,12 @@ and data, taking steps in turn (A B C ... A B C ...) so machine noise hits them 
                         all-gathers and reduce-scatters of [s/tp, b, h] activations)
   sp_overlap            optimus_overlap with sequence parallelism: fills run inside those
   optimus_replanned     optimus_kernel re-planned online after half the steps from the unit
-                        times it measured (step time before / after)
+                        and TP-collective times it measured (step time before / after, and the
+                        simulator's prediction for the new plan under those times)
 Prints the median step time, the simulator's prediction (analytic CPU cost model) and its error,
-and the largest loss difference between runs that train the same parameters.
+the simulator's prediction for the same schedule on the unit and TP-collective times measured in
+the run ("on measured"), and the largest loss difference between runs that train the same
+parameters.
 
 
     python tools/bench_kernel_fill.py [--model bench|tiny] [--steps 4] [--microbatches 4] [--json]
@@ -66,6 +69,7 @@ def main() -> int:
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.launch import spawn
     from megatron_mllm.runtime.reference import make_full_state
+    from megatron_mllm.runtime.replan import predicted_with_measured
     from megatron_mllm.runtime.schedules import runtime_plan
     from megatron_mllm.runtime.session import RuntimeJob, run_interleaved
     from megatron_mllm.schedule.simulator import simulate
@@ -117,9 +121,14 @@ def main() -> int:
             sequence_parallel=sp,
         )
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
-    measured, spread, losses = {}, {}, {}
+    measured, spread, losses, calibrated = {}, {}, {}, {}
     for i, name in enumerate(jobs):
         out = [rank_results[i] for rank_results in per_rank]
+        _, unit, frozen, sp = runs[name]
+        calibrated[name] = predicted_with_measured(
+            jobs[name].schedule, jobs[name].cfg, plan, 1, [o["unit_times"] for o in out], unit,
+            frozen, sp,
+        )  # fmt: skip
         per_step = [max(o["seconds"][s] for o in out) for s in range(1, steps)]
         measured[name] = statistics.median(per_step)
         spread[name] = (min(per_step), max(per_step))
@@ -130,6 +139,7 @@ def main() -> int:
                 "replanned": out[0]["replanned"],
                 "before_s": statistics.median(before),
                 "after_s": statistics.median(after),
+                "predicted_after_s": out[0]["replan_predicted_s"],
             }
 
     def diff(names):
@@ -139,6 +149,7 @@ def main() -> int:
     result = {
         **{f"{name}_s": measured[name] for name in runs},
         "predicted_s": predicted,
+        "predicted_measured_s": calibrated,
         "step_range_s": spread,
         "tp_fills": fills,
         "max_abs_loss_diff_trained": diff(
@@ -167,7 +178,7 @@ def main() -> int:
     )
     print(
         f"{'run':<17}{'step s':>9}{'min-max':>14}{'vs megatron':>13}{'predicted s':>13}"
-        f"{'pred. err':>10}{'TP fills':>10}"
+        f"{'pred. err':>10}{'on measured':>13}{'err':>8}{'TP fills':>10}"
     )
     for name in runs:
         if name == "optimus_replanned":
@@ -175,9 +186,11 @@ def main() -> int:
         family = name.split("_")[0]  # frozen_*, two_*, sp_* compare with their own megatron run
         base = measured[f"{family}_megatron" if family in ("frozen", "two", "sp") else "megatron"]
         s, p, (lo, hi) = measured[name], predicted[name], spread[name]
+        c = calibrated[name]
+        on_measured = f"{c:>13.4f}{100 * (c - s) / s:>7.1f}%" if c else f"{'-':>13}{'-':>8}"
         print(
             f"{name:<17}{s:>9.4f}{lo:>7.4f}-{hi:<7.4f}{base / s:>11.2f}x{p:>13.4f}"
-            f"{100 * (p - s) / s:>9.1f}%{fills[name]:>10}"
+            f"{100 * (p - s) / s:>9.1f}%{on_measured}{fills[name]:>10}"
         )
     r = replanned
     print(
@@ -185,6 +198,12 @@ def main() -> int:
         f"{'re-planned' if r['replanned'] else 'kept the plan'}; step {r['before_s']:.3f} s "
         f"before, {r['after_s']:.3f} s after ({r['before_s'] / r['after_s']:.2f}x)"
     )
+    if r["predicted_after_s"] is not None:
+        p, a = r["predicted_after_s"], r["after_s"]
+        print(
+            f"  the simulator on the measured unit and TP-collective times predicts {p:.3f} s "
+            f"for the new plan ({100 * (p - a) / a:+.1f}%)"
+        )
     print(
         f"max |loss diff|: trained runs {result['max_abs_loss_diff_trained']:.2e}, frozen runs "
         f"{result['max_abs_loss_diff_frozen']:.2e}, two-encoder runs "

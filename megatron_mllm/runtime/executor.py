@@ -38,7 +38,8 @@ class StepResult:
     overlapped: int = 0  # fills run while a backbone TP collective was in flight
     overlapped_in: dict[str, int] = field(default_factory=dict)  # ... per collective kind
     # Measured seconds for re-planning: (model, "forward"|"backward", unit name) -> samples;
-    # the backbone's per layer (a chunk's F or B time over its layer count).
+    # the backbone's per layer (a chunk's F or B compute time over its layer count) and per TP
+    # collective: ("llm", "collectives", "all_reduce" | "all_gather" | "reduce_scatter" [+ "_b"]).
     unit_times: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
 
 
@@ -263,13 +264,27 @@ class Executor:
 
     def _run(self, action: Action, t0: float) -> None:
         start, nested = time.perf_counter() - t0, self._fill_s
-        self.handlers[action.kind](action)
+        if action.kind in ("F", "B"):
+            from megatron_mllm_patches.async_tp_collectives import observing
+
+            forward, blocked = action.kind == "F", []
+
+            def observe(kind: str, seconds: float, filled: bool) -> None:
+                blocked.append(seconds)
+                if not filled:  # a clean sample of what the collective costs the action
+                    self._time("llm", "collectives", kind + ("" if forward else "_b"), seconds)
+
+            with observing(observe):
+                self.handlers[action.kind](action)
+        else:
+            self.handlers[action.kind](action)
         end = time.perf_counter() - t0
         if action.kind in ("F", "B"):
             layers = len(self.chunks[action.chunk].gpt.decoder.layers)
-            forward = action.kind == "F"
             name = "layer" if forward else "layer_b"
-            own = end - start - (self._fill_s - nested)  # without fills run inside it
+            # Compute only: without fills run inside it and without time blocked in collectives
+            # (measured separately, above).
+            own = end - start - (self._fill_s - nested) - sum(blocked)
             self._time("llm", "forward" if forward else "backward", name, own / layers)
         category = {"F": "backbone", "B": "backbone", "EF": "encoder", "EB": "encoder"}.get(
             action.kind, "dp"

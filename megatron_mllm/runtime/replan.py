@@ -26,15 +26,18 @@ def measured_times(
     job_costs: JobCosts,
     unit: str,
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """Median unit times over every rank's samples, in the cost model's measured-times form."""
+    """Mean unit times over every rank's samples, in the cost model's measured-times form (a
+    step is a sum of units: means add up to its time; medians of skewed samples fall short)."""
     merged: dict[tuple[str, str, str], list[float]] = {}
     for rank_samples in samples:
         for key, values in rank_samples.items():
             merged.setdefault(key, []).extend(values)
     out: dict[str, dict[str, dict[str, float]]] = {}
     for (model, direction, name), values in merged.items():
-        out.setdefault(model, {}).setdefault(direction, {})[name] = statistics.median(values)
+        out.setdefault(model, {}).setdefault(direction, {})[name] = statistics.fmean(values)
     llm = out.pop("llm", {})
+    if "collectives" in llm:  # the backbone's TP collectives, measured apart from its compute
+        out.setdefault("llm", {})["collectives"] = llm["collectives"]
     if unit == "kernel" and llm:  # per-kernel backbone times: analytic shares of the layer
         block = job_costs.backbone_layer(job_costs.job.tp)
         for direction, kernels, name in (
@@ -48,7 +51,7 @@ def measured_times(
                     k.name: k.compute_s * layer / analytic for k in kernels
                 }
     elif llm:
-        out["llm"] = llm
+        out.setdefault("llm", {}).update(llm)
     return out
 
 
@@ -75,3 +78,43 @@ def replan(
     if best.schedule.meta.backbone_layers != current.meta.backbone_layers:
         return None
     return best.schedule, best.workload, times
+
+
+def predicted_with_measured(
+    schedule: Schedule,
+    cfg: MLLMConfig,
+    plan: ParallelPlan,
+    micro_batch: int,
+    samples: list[dict],
+    unit: str,
+    frozen_encoder: bool = False,
+    sequence_parallel: bool = False,
+) -> float | None:
+    """The simulator's step time for `schedule` itself (the one that ran) with the unit and
+    TP-collective times measured while it ran; None where its costs cannot be rebuilt (the
+    rebuilt layout has another backbone split)."""
+    from megatron_mllm.runtime.schedules import job_of, runtime_plan
+    from megatron_mllm.runtime.session import encoder_plan_of
+    from megatron_mllm.schedule.simulator import simulate
+
+    n = schedule.meta.num_microbatches
+    job = job_of(cfg, plan, micro_batch, n, frozen_encoder, sequence_parallel)
+    times = measured_times(samples, JobCosts(job, unit=unit), unit)
+    enc_plan, stage0 = encoder_plan_of(schedule, plan)
+    for name in ("megatron", "balanced") if stage0 else ("optimus",):
+        rebuilt, workload = runtime_plan(
+            cfg,
+            plan,
+            micro_batch,
+            n,
+            name,
+            encoder_plan=None if stage0 else enc_plan,
+            measured=times,
+            frozen_encoder=frozen_encoder,
+            unit=unit,
+            sequence_parallel=sequence_parallel,
+        )
+        if rebuilt.meta.backbone_layers == schedule.meta.backbone_layers:
+            workload.check_matches(schedule.meta)
+            return simulate(schedule, workload).step_time_s
+    return None

@@ -513,10 +513,19 @@ class ExecutorRun:
         if self.optimizer is not None:
             self.optimizer.step()
 
+    def _replan_predicted_s(self) -> float | None:
+        """The simulator's step time for the re-planned schedule under the measured times."""
+        if self.replanned is None:
+            return None
+        from megatron_mllm.schedule.simulator import simulate
+
+        return simulate(self.replanned[0], self.replanned[1]).step_time_s
+
     def result(self) -> dict:
         out = {
             "replanned": self.replanned is not None,
             "replan_times": self.replanned[2] if self.replanned is not None else None,
+            "replan_predicted_s": self._replan_predicted_s(),
             "moved": getattr(self, "moved", 0),
             "overlapped": getattr(self, "overlapped", 0),
             "overlapped_in": getattr(self, "overlapped_in", {}),
@@ -524,6 +533,7 @@ class ExecutorRun:
             "history": self.history,
             "spans": self.spans,
             "seconds": self.seconds,
+            "unit_times": self.unit_times,  # every step's measured unit and collective times
             "coords": self.groups.coords,
         }
         if self.job.collect_grads:

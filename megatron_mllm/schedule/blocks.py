@@ -83,8 +83,9 @@ class JobCosts:
             if not kernels:
                 return []
             seconds = measured.get(direction, {}).get(unit)
-            if seconds is not None:
-                return [Kernel(unit, seconds, 0.0)]
+            if seconds is not None:  # measured compute; its collectives measured apart, or in it
+                comm = sum(k.comm_s for k in kernels) if "collectives" in measured else 0.0
+                return [Kernel(unit, seconds, comm)]
             return [Kernel(unit, sum(k.compute_s for k in kernels), sum(k.comm_s for k in kernels))]
 
         block.fwd = one(block.fwd, "forward", name)

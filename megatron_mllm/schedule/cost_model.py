@@ -19,6 +19,7 @@ BF16 = 2
 FP32 = 4
 FORWARD_KERNELS = ("ln1", "qkv", "attn", "proj", "ln2", "fc1", "act", "fc2")
 BACKWARD_KERNELS = tuple(f"{k}_b" for k in reversed(FORWARD_KERNELS))
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # a layer's TP collectives
 
 
 @dataclass(frozen=True)
@@ -79,6 +80,11 @@ class CostModel:
         # With sequence parallelism a TP all-reduce becomes a reduce-scatter plus an all-gather.
         gather = self._collective_s(act, tp, 1) if self.sp else 0.0
         reduce = self._collective_s(act, tp, 1 if self.sp else 2)
+        if tp > 1:  # measured collective times where given (see `measured_collective`)
+            suffix = "_b" if backward else ""
+            gather = self.measured_collective(spec.name, "all_gather" + suffix, gather)
+            kind = ("reduce_scatter" if self.sp else "all_reduce") + suffix
+            reduce = self.measured_collective(spec.name, kind, reduce)
         fwd = [
             Kernel("ln1", self._mem_s(2 * act / sp_div), gather),
             Kernel("qkv", self._flops_s(2 * b * s * h * 3 * h / tp)),
@@ -134,6 +140,13 @@ class CostModel:
         )
         return [fc2, fc1] if backward else [fc1, fc2]
 
+    def measured_collective(self, model: str, kind: str, analytic: float) -> float:
+        """Seconds a layer's `kind` TP collective ("all_reduce", "all_gather", "reduce_scatter";
+        "_b" for backward's) blocks its next kernel, as measured, else `analytic`."""
+        if not self.sp and kind.startswith("all_gather"):
+            return analytic
+        return self.measured.get(model, {}).get("collectives", {}).get(kind, analytic)
+
     def _apply_measured(self, model: str, direction: str, kernels: list[Kernel]) -> list[Kernel]:
         times = self.measured.get(model, {}).get(direction)
         if not times:
@@ -176,7 +189,9 @@ def model_state_bytes_per_param(dp: int) -> float:
 def load_measured_times(
     path: str, model_names: list[str]
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """Measured per-kernel times: {model: {"forward"|"backward": {kernel: seconds}}}."""
+    """Measured per-kernel times: {model: {"forward"|"backward": {kernel: seconds}}}, and for
+    a model's TP collectives {model: {"collectives": {kind: seconds}}} (the time one blocks its
+    layer; kinds all_reduce, all_gather, reduce_scatter, each also with "_b" for backward)."""
     p = Path(path)
     try:
         raw = json.loads(p.read_text())
@@ -190,6 +205,7 @@ def load_measured_times(
     names = {
         "forward": set(FORWARD_KERNELS) | set(units),
         "backward": set(BACKWARD_KERNELS) | {u + "_b" for u in units},
+        "collectives": {k + b for k in COLLECTIVES for b in ("", "_b")},
     }
     for model, dirs in raw.items():
         if model not in model_names:
@@ -198,7 +214,9 @@ def load_measured_times(
             )
         for direction, times in (dirs or {}).items():
             if direction not in names:
-                raise ConfigError(f"{path}: '{direction}' under {model}; use forward or backward")
+                raise ConfigError(
+                    f"{path}: '{direction}' under {model}; use forward, backward or collectives"
+                )
             bad = set(times) - names[direction]
             if bad:
                 raise ConfigError(
