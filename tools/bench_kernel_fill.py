@@ -17,7 +17,7 @@ and data, taking steps in turn (A B C ... A B C ...) so machine noise hits them 
   sp_megatron           megatron with sequence parallelism (the backbone's TP collectives are
                         all-gathers and reduce-scatters of [s/tp, b, h] activations)
   sp_overlap            optimus_overlap with sequence parallelism: fills run inside those
-  optimus_replanned     optimus_kernel re-planned online after half the steps from the unit
+  optimus_replanned     optimus_overlap re-planned online after half the steps from the unit
                         and TP-collective times it measured (step time before / after, and the
                         simulator's prediction for the new plan under those times)
 Prints the median step time, the simulator's prediction (analytic CPU cost model) and its error,
@@ -117,7 +117,7 @@ def main() -> int:
             frozen_encoder=frozen,
             encoder_units=unit,
             replan_after=replan_at if name == "optimus_replanned" else None,
-            overlap_tp_fills=name.endswith("_overlap"),
+            overlap_tp_fills=name.endswith(("_overlap", "_replanned")),
             sequence_parallel=sp,
         )
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
@@ -194,7 +194,8 @@ def main() -> int:
         )
     r = replanned
     print(
-        f"online re-planning (optimus, kernel units, after step {replan_at - 1}): "
+        f"online re-planning (optimus, kernel units, overlapped fills, after step "
+        f"{replan_at - 1}): "
         f"{'re-planned' if r['replanned'] else 'kept the plan'}; step {r['before_s']:.3f} s "
         f"before, {r['after_s']:.3f} s after ({r['before_s'] / r['after_s']:.2f}x)"
     )

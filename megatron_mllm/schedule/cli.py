@@ -65,7 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--measured-times",
         default=None,
-        help="JSON of measured per-kernel seconds replacing the analytic ones",
+        help="JSON of measured seconds replacing the analytic ones: {model: {forward|backward: "
+        "{kernel: s}, collectives: {all_reduce|all_gather|reduce_scatter[_b]: s}}}",
     )
     p.add_argument("--trace", default=None, help="write the Optimus Chrome trace JSON here")
     p.add_argument("--png", default=None, help="write a PNG timeline of all three schedules")
