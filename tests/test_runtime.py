@@ -144,7 +144,7 @@ def test_megatron_core_interleaved_schedule_runs_on_cpu(reference):
 def test_dynamic_mode_agrees(reference):
     """Dynamic mode (ready encoder work runs while a message is on its way) changes only when
     work runs, not what it computes."""
-    plan, forced = LAYOUTS["pp2-encoder-dp2"]
+    plan, forced, _ = LAYOUTS["pp2-encoder-dp2"]
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced)
     outs = spawn(
         run_rank,
@@ -199,7 +199,7 @@ def test_pairwise_order_check_finds_what_tagless_matching_would_mix_up():
 def test_ordered_p2p_without_tags_agrees(reference, layout):
     """NCCL semantics on gloo: every message tag 0, receives posted at step start in each
     sender's order on one group per direction. Same losses and gradients."""
-    plan, forced = LAYOUTS[layout]
+    plan, forced, _ = LAYOUTS[layout]
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced)
     job = RuntimeJob(TINY, plan, 1, N, reference[0], schedule=schedule, ordered_p2p=True)
     outs = spawn(run_rank, plan.world_size, job)
