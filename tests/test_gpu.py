@@ -10,10 +10,11 @@ import torch
 
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.job import RuntimeJob
 from megatron_mllm.runtime.launch import spawn
 from megatron_mllm.runtime.reference import make_full_state
 from megatron_mllm.runtime.schedules import runtime_schedule
-from megatron_mllm.runtime.session import RuntimeJob, run_rank
+from megatron_mllm.runtime.session import run_rank
 
 pytestmark = [
     pytest.mark.gpu,

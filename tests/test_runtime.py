@@ -13,11 +13,12 @@ from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import CLIP_VIT, LLAMA, TINY, MLLMConfig
 from megatron_mllm.models.weights import assemble_grads
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of
 from megatron_mllm.runtime.launch import RankFailed, spawn
 from megatron_mllm.runtime.reference import make_full_state
 from megatron_mllm.runtime.replan import predicted_with_measured
 from megatron_mllm.runtime.schedules import runtime_schedule
-from megatron_mllm.runtime.session import RuntimeJob, check_job, encoder_plan_of, run_rank
+from megatron_mllm.runtime.session import run_rank
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 N = 4  # micro-batches

@@ -54,11 +54,12 @@ def main() -> int:
 
     from megatron_mllm.models.config import BENCH
     from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.job import RuntimeJob
     from megatron_mllm.runtime.launch import spawn
     from megatron_mllm.runtime.profile_units import profile_units
     from megatron_mllm.runtime.reference import make_full_state
     from megatron_mllm.runtime.schedules import job_of
-    from megatron_mllm.runtime.session import RuntimeJob, run_interleaved
+    from megatron_mllm.runtime.session import run_interleaved
     from megatron_mllm.schedule.baselines import megatron_schedule
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.planner import plan_optimus

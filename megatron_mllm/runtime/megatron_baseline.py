@@ -49,7 +49,7 @@ class MegatronCoreRun:
 
         from megatron_mllm.models.stages import BackboneStage, EncoderStage
         from megatron_mllm.models.weights import load_full_state
-        from megatron_mllm.runtime.session import layer_overrides
+        from megatron_mllm.runtime.job import layer_overrides
 
         self.job, plan = job, job.backbone
         vpp = plan.vpp if plan.vpp > 1 else None

@@ -93,8 +93,8 @@ def predicted_with_measured(
     """The simulator's step time for `schedule` itself (the one that ran) with the unit and
     TP-collective times measured while it ran; None where its costs cannot be rebuilt (the
     rebuilt layout has another backbone split)."""
+    from megatron_mllm.runtime.job import encoder_plan_of
     from megatron_mllm.runtime.schedules import job_of, runtime_plan
-    from megatron_mllm.runtime.session import encoder_plan_of
     from megatron_mllm.schedule.simulator import simulate
 
     n = schedule.meta.num_microbatches

@@ -226,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     args.predicted = simulate(schedule, workload)
     args.pool_schedule = None
     if args.coreset is not None:
+        from megatron_mllm.runtime.job import encoder_plan_of
         from megatron_mllm.runtime.schedules import runtime_schedule
-        from megatron_mllm.runtime.session import encoder_plan_of
 
         enc_plan, stage0 = encoder_plan_of(schedule, plan)
         pool_mbs = args.coreset.pool_size // args.micro_batch_size
@@ -247,7 +247,8 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args, cfg, plan, n_mb, schedule) -> int:
     import torch.distributed as dist
 
-    from megatron_mllm.runtime.session import ExecutorRun, RuntimeJob, _init_rank, encoder_plan_of
+    from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
+    from megatron_mllm.runtime.session import ExecutorRun, _init_rank
     from megatron_mllm.training import checkpointing
 
     rank, world = args.rank, args.world_size

@@ -1,0 +1,168 @@
+"""What a runtime job is (`RuntimeJob`: model, plans, schedule, mode and knobs) and every
+check of it that must pass before any process group exists (`check_job`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.schedule.schedule import Schedule
+
+
+@dataclass
+class RuntimeJob:
+    cfg: MLLMConfig
+    backbone: ParallelPlan
+    micro_batch: int
+    num_microbatches: int
+    full_state: dict[str, torch.Tensor]
+    mode: str = "executor"
+    schedule: Schedule | None = None
+    steps: int = 1
+    seed: int = 0
+    collect_grads: bool = True
+    timeout_s: float = 60.0
+    fail_rank: int | None = None  # fault injection: this rank exits ...
+    fail_at_op: int = 0  # ... before its program's op with this index
+    backbone_first_stage_layers: int | None = None  # megatron_core mode: uneven first stage
+    dynamic: bool = False  # executor: run ready encoder work while waiting for messages
+    data_path: str | None = None  # WebDataset-style image-caption shards (else synthetic)
+    coreset: object = None  # a CoresetConfig: train on B chosen from a pool of r x B samples
+    pool_schedule: Schedule | None = None  # forward-only pass over the pool (its micro-batches)
+    lr: float = 0.0  # > 0: take an optimizer step (AdamW) after every step
+    ordered_p2p: bool = False  # match messages by posting order, as NCCL does (on with NCCL)
+    frozen_encoder: bool = False  # forward only; its projector still trains
+    collect_params: bool = False  # result["params"]: this rank's parameter shards at the end
+    encoder_units: str = "layer"  # the schedule's encoder granularity: "layer" or "kernel"
+    replan_after: int | None = None  # re-plan from measured unit times after this many steps
+    overlap_tp_fills: bool = False  # run TP-bubble fills during the backbone's TP collectives
+    sequence_parallel: bool = False  # the backbone's activations split over TP (TP > 1 only)
+    clip_grad: float = 1.0
+    extra: dict = field(default_factory=dict)
+
+
+def layer_overrides(layers: tuple[int, ...] | list[int], pp: int) -> dict:
+    """TransformerConfig fields for an uneven first/last stage (Megatron's own knobs)."""
+    if not layers or pp == 1 or len(set(layers)) == 1:
+        return {}
+    out = {"num_layers_in_first_pipeline_stage": layers[0]}
+    if pp > 2:
+        out["num_layers_in_last_pipeline_stage"] = layers[-1]
+    return out
+
+
+def encoder_plan_of(schedule: Schedule, backbone: ParallelPlan) -> tuple[ParallelPlan, bool]:
+    """The encoder plan a schedule implies, and whether it is the stage-0 (Megatron) placement."""
+    meta = schedule.meta
+    if not meta.encoders:
+        raise ConfigError("the runtime needs a schedule with the encoder as its own actions")
+    enc = meta.encoders[0]
+    stages, pipes = enc.num_stages, enc.num_pipes
+    tp_e = backbone.tp // meta.slots
+    if pipes * stages == 1 and meta.slots == 1 and backbone.pp > 1:
+        return ParallelPlan(backbone.dp, backbone.tp, 1), True
+    if pipes != (backbone.pp // stages) * meta.slots:
+        raise ConfigError(
+            f"schedule's encoder layout ({pipes} pipelines x {stages} stages) does "
+            f"not colocate with backbone {backbone}"
+        )
+    return ParallelPlan(backbone.world_size // (tp_e * stages), tp_e, stages), False
+
+
+def check_job(job: RuntimeJob, world: int) -> None:
+    """Every configuration error, before any process group exists."""
+    if job.mode not in ("executor", "megatron_core", "reference"):
+        raise ConfigError(f"unknown mode {job.mode!r}; use executor, megatron_core or reference")
+    if job.mode != "reference" and job.backbone.world_size != world:
+        raise ConfigError(
+            f"plan {job.backbone} needs {job.backbone.world_size} ranks; "
+            f"the job was started with {world}"
+        )
+    job.cfg.validate(job.backbone.tp, sequence_parallel=job.sequence_parallel)
+    if job.cfg.llm_layers % job.backbone.pp:
+        raise ConfigError(
+            f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
+        )
+    if job.mode == "megatron_core" and job.cfg.num_encoders > 1:
+        raise ConfigError("the megatron-core baseline runs one encoder; use the executor")
+    if job.mode != "executor":
+        return
+    if job.schedule is None:
+        raise ConfigError("executor mode needs a schedule")
+    meta = job.schedule.meta
+    if meta.pp != job.backbone.pp or meta.num_microbatches != job.num_microbatches:
+        raise ConfigError(
+            f"schedule is for PP {meta.pp} x {meta.num_microbatches} micro-batches;"
+            f" the job has PP {job.backbone.pp} x {job.num_microbatches}"
+        )
+    if meta.vpp != job.backbone.vpp:
+        raise ConfigError(
+            f"schedule is for VPP {meta.vpp}; the job's backbone plan has VPP {job.backbone.vpp}"
+        )
+    if meta.vpp > 1 and len(set(meta.backbone_layers)) > 1:
+        raise ConfigError(
+            f"an interleaved backbone needs an even layer split; the schedule has "
+            f"{list(meta.backbone_layers)} (use the megatron or optimus schedule)"
+        )
+    if meta.backbone_layers and sum(meta.backbone_layers) != job.cfg.llm_layers:
+        raise ConfigError(
+            f"schedule splits {sum(meta.backbone_layers)} backbone layers; the "
+            f"model has {job.cfg.llm_layers}"
+        )
+    if len(meta.encoders) != job.cfg.num_encoders:
+        raise ConfigError(
+            f"schedule has {len(meta.encoders)} encoder(s); the model has {job.cfg.num_encoders}"
+        )
+    enc_plan, _ = encoder_plan_of(job.schedule, job.backbone)
+    job.cfg.validate(job.backbone.tp, enc_plan.tp)
+    for e in range(job.cfg.num_encoders):
+        layers = job.cfg.encoder_config(e).vit_layers
+        if layers % enc_plan.pp:
+            raise ConfigError(
+                f"encoder {e}'s {layers} layers do not split evenly over encoder PP {enc_plan.pp}"
+            )
+    if job.coreset is not None:
+        if job.backbone.tp != 1:
+            raise ConfigError(
+                "coreset selection runs with TP 1 for now (its features replay a "
+                "vocabulary-parallel output layer otherwise)"
+            )
+        size = job.coreset.pool_size
+        if job.coreset.batch_size != job.num_microbatches * job.micro_batch:
+            raise ConfigError(
+                f"coreset batch {job.coreset.batch_size} must equal the step's "
+                f"{job.num_microbatches} x {job.micro_batch} samples"
+            )
+        if (
+            size % job.micro_batch
+            or job.pool_schedule is None
+            or job.pool_schedule.meta.num_microbatches != size // job.micro_batch
+        ):
+            raise ConfigError(
+                f"the coreset pool of {size} needs a pool schedule of "
+                f"{size // job.micro_batch} micro-batches of {job.micro_batch}"
+            )
+    if job.encoder_units not in ("layer", "kernel"):
+        raise ConfigError(f"encoder units {job.encoder_units!r}: use 'layer' or 'kernel'")
+    per_layer, tail = (8, 2) if job.encoder_units == "kernel" else (1, 1)
+    for e, enc in enumerate(meta.encoders):
+        frozen_schedule = not any(enc.bwd_kernels[:-1]) and enc.bwd_kernels[-1] == tail
+        if job.frozen_encoder != frozen_schedule:
+            raise ConfigError(
+                "the encoder is frozen but the schedule trains it; plan with frozen_encoder=True"
+                if job.frozen_encoder
+                else "the schedule is planned for a frozen encoder but this job trains it"
+            )
+        layers = job.cfg.encoder_config(e).vit_layers // enc_plan.pp
+        for j in range(enc.num_stages):
+            units = (j == 0) + per_layer * layers + tail * (j == enc.num_stages - 1)
+            if enc.fwd_kernels[j] != units:
+                raise ConfigError(
+                    f"schedule's encoder {e} stage {j} has {enc.fwd_kernels[j]} units; this "
+                    f"model's has {units} at {job.encoder_units} granularity (plan with "
+                    f"unit='{job.encoder_units}')"
+                )
