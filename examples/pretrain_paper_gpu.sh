@@ -56,7 +56,7 @@ DISTRIBUTED_ARGS=(
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT"
 )
 PARALLEL_ARGS=(
-    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+    --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" --sequence-parallel
     --bubble-schedule "$SCHEDULE"
 )
 DATA_ARGS=()

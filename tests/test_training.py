@@ -251,3 +251,4 @@ def test_gpu_recipes_pass_argument_checks(model, world):
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"arguments checked for world size {world}" in out.stdout
+    assert "sequence parallel" in out.stdout  # as Megatron users run TP
