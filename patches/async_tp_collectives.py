@@ -133,7 +133,9 @@ class _DistributedForLayers:
     all_reduce = staticmethod(_asynchronous(torch.distributed.all_reduce, "all_reduce"))
 
     def __getattr__(self, name):
-        return getattr(torch.distributed, name)
+        value = getattr(torch.distributed, name)
+        setattr(self, name, value)  # later lookups skip __getattr__ (layers.py's hot path)
+        return value
 
 
 class _TorchForLayers:
@@ -142,7 +144,9 @@ class _TorchForLayers:
     distributed = _DistributedForLayers()
 
     def __getattr__(self, name):
-        return getattr(torch, name)
+        value = getattr(torch, name)
+        setattr(self, name, value)  # later lookups skip __getattr__ (layers.py's hot path)
+        return value
 
 
 COLLECTIVES = {"dist_all_gather_func": "all_gather", "dist_reduce_scatter_func": "reduce_scatter"}
