@@ -348,6 +348,7 @@ def test_two_encoders_agree(plan, unit):
     cfg = TWO_ENCODERS
     state, ref = reference_of(cfg)
     assert {"encoder1.pos_embed", "projector1.encoder.linear_fc1.weight"} <= set(state)
+    assert sum(v.numel() for v in state.values()) == sum(cfg.num_params())  # exact, both
     for name in ("megatron", "optimus"):
         u = unit if name == "optimus" else "layer"
         schedule = runtime_schedule(cfg, plan, 1, N, name, unit=u)

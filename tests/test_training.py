@@ -124,6 +124,26 @@ def test_kernel_granularity_frozen_encoder_and_online_replanning(tmp_path):
     assert sorted(got) == [1, 2, 3] and got[3] < got[1]
 
 
+def test_two_encoders_train_and_resume_from_checkpoint_args(tmp_path):
+    """--extra-encoder: a second ViT (half the width, its own resolution) beside the first under
+    PP=2 Optimus; a resume that takes the model from the checkpoint (--use-checkpoint-args, no
+    --extra-encoder given) continues bit for bit."""
+    second = "num-layers=1,hidden-size=32,num-attention-heads=2,img-h=16,patch-dim=4"
+    args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "3"]
+    args += ["--global-batch-size", "4"]
+    straight = torchrun(
+        *args, "--extra-encoder", second, "--save", str(tmp_path / "a"), "--save-interval", "2"
+    )
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert "2 encoders, each colocated" in straight.stdout
+    ref = losses(straight.stdout)
+    (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = torchrun(*args, "--load", str(tmp_path / "a"), "--use-checkpoint-args")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    again = losses(resumed.stdout)
+    assert sorted(again) == [3] and again[3] == ref[3]
+
+
 def test_resume_restores_rng_streams_under_dropout(tmp_path):
     """With dropout, a resumed run is bit-identical only if every rank's RNG streams (torch's
     generator for hidden dropout, megatron-core's tracker for attention dropout) come back."""
@@ -149,6 +169,8 @@ def test_resume_restores_rng_streams_under_dropout(tmp_path):
         (["--data-path", "/nonexistent/shards"], "no .tar shards"),
         (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size"),
         (["--replan-after-iters", "0"], "--replan-after-iters N needs N >= 1"),
+        (["--extra-encoder", "num-layers=1,hidden-size=32"], "give num-attention-heads"),
+        (["--extra-encoder", "layers=1"], "is not key=value with a key among num-layers"),
         (
             ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--seq-length", "15"],
             "sequence parallelism splits the 31-token sequence",

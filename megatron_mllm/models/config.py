@@ -90,7 +90,8 @@ class MLLMConfig:
         return self.image_tokens + self.text_len
 
     def num_params(self) -> tuple[int, int]:
-        """(encoder + projector, backbone) parameter counts of the unsharded model."""
+        """(every encoder + projector, backbone) parameter counts of the unsharded model."""
+        extra = sum(self.encoder_config(e).num_params()[0] for e in range(1, self.num_encoders))
         h, f = self.vit_hidden, self.vit_ffn or 4 * self.vit_hidden
         vit = self.vit_layers * (4 * h * h + 2 * h * f + 9 * h + f)
         vit += (self.patch_dim + self.encoder_seq_len + int(self.vit_patch_bias)) * h
@@ -104,7 +105,7 @@ class MLLMConfig:
         layer = 2 * h * h + 2 * h * kv + up * h + f * h + 2 * norm
         if self.llm_bias:
             layer += h + 2 * kv + h + up + h
-        return vit, self.llm_layers * layer + 2 * self.vocab_size * h + norm
+        return vit + extra, self.llm_layers * layer + 2 * self.vocab_size * h + norm
 
     def transformer_specs(self):
         """(encoder, backbone) shapes for the schedule core's cost model."""

@@ -189,6 +189,11 @@ def llava_to_canonical(sd: dict, cfg: MLLMConfig) -> dict[str, torch.Tensor]:
 
 def check_exportable(cfg: MLLMConfig) -> None:
     """ConfigError unless `cfg` is an architecture LLaVA can express."""
+    if cfg.num_encoders > 1:
+        raise ConfigError(
+            f"this checkpoint's model has {cfg.num_encoders} encoders; LLaVA has one vision "
+            "tower (train without --extra-encoder to export)"
+        )
     wanted = {**CLIP_VIT, **LLAMA, "llm_norm_eps": cfg.llm_norm_eps}
     wanted["vit_activation"] = cfg.vit_activation
     have = asdict(cfg)

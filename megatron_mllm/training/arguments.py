@@ -115,6 +115,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--rotary-base", type=float, default=10000.0)
     g.add_argument("--disable-projector-bias", action="store_true")
+    g.add_argument(
+        "--extra-encoder",
+        action="append",
+        default=[],
+        metavar="SPEC",
+        help="another encoder (repeatable; its image tokens follow the first's): comma-separated "
+        f"key=value of {', '.join(ENCODER_SPEC_KEYS)}, e.g. "
+        "num-layers=1,hidden-size=32,num-attention-heads=2,img-h=16,patch-dim=4 "
+        "(img-h and patch-dim default to the first encoder's)",
+    )
     g = p.add_argument_group("data")
     g.add_argument(
         "--data-path",
@@ -166,6 +176,45 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# --extra-encoder keys: the first encoder's flags without "--encoder-" (img-h, patch-dim as is).
+ENCODER_SPEC_KEYS = {
+    "num-layers": int,
+    "hidden-size": int,
+    "num-attention-heads": int,
+    "ffn-hidden-size": int,
+    "img-h": int,
+    "patch-dim": int,
+    "arch": ("vit", "clip"),
+    "activation": ("gelu", "quick_gelu"),
+}
+REQUIRED_ENCODER_SPEC_KEYS = ("num-layers", "hidden-size", "num-attention-heads")
+
+
+def parse_encoder_spec(spec: str) -> dict[str, int | str]:
+    """One --extra-encoder value as {key: value}; a ConfigError line for anything malformed."""
+    out: dict[str, int | str] = {}
+    for item in spec.split(","):
+        key, sep, value = item.strip().partition("=")
+        kind = ENCODER_SPEC_KEYS.get(key)
+        if not sep or kind is None:
+            raise ConfigError(
+                f"--extra-encoder {spec!r}: '{item}' is not key=value with a key among "
+                f"{', '.join(ENCODER_SPEC_KEYS)}"
+            )
+        if kind is int:
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"--extra-encoder {spec!r}: {key} must be a positive integer")
+            out[key] = int(value)
+        elif value not in kind:
+            raise ConfigError(f"--extra-encoder {spec!r}: {key} must be one of {', '.join(kind)}")
+        else:
+            out[key] = value
+    missing = [k for k in REQUIRED_ENCODER_SPEC_KEYS if k not in out]
+    if missing:
+        raise ConfigError(f"--extra-encoder {spec!r}: give {', '.join(missing)}")
+    return out
+
+
 # Arguments that define the model (saved in every checkpoint; see --use-checkpoint-args).
 MODEL_ARGS = (
     "num_layers",
@@ -191,6 +240,7 @@ MODEL_ARGS = (
     "num_query_groups",
     "rotary_base",
     "disable_projector_bias",
+    "extra_encoder",
 )
 
 
@@ -236,6 +286,8 @@ def validate_args(args: argparse.Namespace) -> None:
             f"world size {world} is not divisible by TP {tp} x PP {pp}; start "
             f"a multiple of {tp * pp} processes"
         )
+    for spec in args.extra_encoder:
+        parse_encoder_spec(spec)
     dp = world // (tp * pp)
     args.data_parallel_size = dp
     if args.sequence_parallel and tp == 1:  # Megatron's rule: a warning, not an error

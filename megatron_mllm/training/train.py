@@ -44,6 +44,9 @@ def model_config(args: argparse.Namespace) -> MLLMConfig:
         rope_base=args.rotary_base,
         hidden_dropout=getattr(args, "hidden_dropout", 0.0),
         attention_dropout=getattr(args, "attention_dropout", 0.0),
+        extra_encoders=tuple(
+            extra_encoder_config(spec, args) for spec in getattr(args, "extra_encoder", [])
+        ),
     )
     cfg.validate(
         getattr(args, "tensor_model_parallel_size", 1),
@@ -51,6 +54,40 @@ def model_config(args: argparse.Namespace) -> MLLMConfig:
         getattr(args, "sequence_parallel", False),
     )
     return cfg
+
+
+def extra_encoder_config(spec: str, args: argparse.Namespace) -> MLLMConfig:
+    """An --extra-encoder SPEC as the encoder fields of an MLLMConfig (see encoder_config)."""
+    from megatron_mllm.training.arguments import parse_encoder_spec
+
+    fields = parse_encoder_spec(spec)
+    arch = dict(CLIP_VIT) if fields.get("arch") == "clip" else {}
+    if "activation" in fields:
+        arch["vit_activation"] = fields["activation"]
+    return MLLMConfig(
+        image_size=fields.get("img-h", args.img_h),
+        patch_size=fields.get("patch-dim", args.patch_dim),
+        channels=args.num_channels,
+        vit_layers=fields["num-layers"],
+        vit_hidden=fields["hidden-size"],
+        vit_heads=fields["num-attention-heads"],
+        vit_ffn=fields.get("ffn-hidden-size"),
+        **arch,
+    )
+
+
+def _is_clip(cfg: MLLMConfig) -> bool:
+    return all(getattr(cfg, k) == v for k, v in CLIP_VIT.items() if k != "vit_activation")
+
+
+def encoder_spec(enc: MLLMConfig) -> str:
+    """The inverse of `extra_encoder_config`: the --extra-encoder SPEC of an extra encoder."""
+    spec = (
+        f"num-layers={enc.vit_layers},hidden-size={enc.vit_hidden},"
+        f"num-attention-heads={enc.vit_heads},img-h={enc.image_size},patch-dim={enc.patch_size},"
+        f"arch={'clip' if _is_clip(enc) else 'vit'},activation={enc.vit_activation}"
+    )
+    return spec + (f",ffn-hidden-size={enc.vit_ffn}" if enc.vit_ffn else "")
 
 
 def checkpoint_model_config(common: dict) -> MLLMConfig:
@@ -64,7 +101,7 @@ def checkpoint_model_config(common: dict) -> MLLMConfig:
 
 def model_args(cfg: MLLMConfig) -> dict:
     """The inverse of `model_config`: argument values (MODEL_ARGS) that rebuild `cfg`."""
-    clip = all(getattr(cfg, k) == v for k, v in CLIP_VIT.items() if k != "vit_activation")
+    clip = _is_clip(cfg)
     args = dict(
         num_layers=cfg.llm_layers,
         hidden_size=cfg.llm_hidden,
@@ -89,6 +126,7 @@ def model_args(cfg: MLLMConfig) -> dict:
         num_query_groups=cfg.llm_query_groups or 1,
         rotary_base=cfg.rope_base,
         disable_projector_bias=not cfg.projector_bias,
+        extra_encoder=[encoder_spec(e) for e in cfg.extra_encoders],
     )
     rebuilt = model_config(argparse.Namespace(**args))
     if rebuilt != cfg:
@@ -117,6 +155,8 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
     """Both plans and the predicted bubble ratio, one screen."""
     p = args.predicted
     where = "whole, on backbone stage 0" if stage0 else "colocated on every backbone stage"
+    if args.extra_encoder:
+        where = f"{1 + len(args.extra_encoder)} encoders, each " + where
     if args.freeze_ViT:
         where += "; frozen: forward only, its projector trains"
     return "\n".join(
@@ -145,7 +185,8 @@ def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int
             f" > backbone plan: {plan}{', sequence parallel' if args.sequence_parallel else ''}; "
             f"encoder plan: {enc}; schedule {args.bubble_schedule}",
             f" > encoder: {cfg.vit_layers} layers x {cfg.vit_hidden} ({vit / 1e9:.2f}B "
-            f"params), {cfg.encoder_seq_len} tokens per image",
+            f"params, all encoders), {cfg.encoder_seq_len} tokens per image"
+            + (f"; {cfg.num_encoders - 1} more encoder(s)" if cfg.num_encoders > 1 else ""),
             f" > backbone: {cfg.llm_layers} layers x {cfg.llm_hidden} ({llm / 1e9:.2f}B "
             f"params), {cfg.seq_len} tokens per sample",
             f" > {n_mb} micro-batches of {args.micro_batch_size} per step and DP replica",
