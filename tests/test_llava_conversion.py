@@ -160,3 +160,16 @@ def test_other_architecture_fails_clearly(tmp_path):
     ).save_pretrained(tmp_path / "hf")
     rc, log = convert("hf-to-mcore", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "o")
     assert rc == 2 and "architecture 'llama' is not mapped" in log
+
+
+def test_a_model_with_several_encoders_does_not_export():
+    from dataclasses import replace
+
+    from megatron_mllm.errors import ConfigError
+    from megatron_mllm.models.config import CLIP_VIT, LLAMA, MLLMConfig
+    from megatron_mllm.models.hf_llava import check_exportable
+
+    llava = MLLMConfig(**CLIP_VIT, **LLAMA)
+    check_exportable(llava)  # one CLIP tower + Llama: exportable
+    with pytest.raises(ConfigError, match="has 2 encoders; LLaVA has one vision tower"):
+        check_exportable(replace(llava, extra_encoders=(MLLMConfig(**CLIP_VIT),)))
