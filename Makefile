@@ -4,7 +4,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-all gpu-check lint bench clean
+.PHONY: demo test test-all test-slow gpu-check lint bench clean
 
 $(STAMP): setup.py
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests
+
+# The heavier variants make test leaves out (CI runs them after make test).
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -m slow tests
 
 # On a CUDA machine: the tests marked gpu (NCCL, CUDA tensors); they skip without CUDA.
 gpu-check: $(STAMP)

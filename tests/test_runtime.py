@@ -211,7 +211,7 @@ def test_ordered_p2p_without_tags_agrees(reference, layout):
 @pytest.mark.parametrize(
     "name, forced",
     [
-        ("megatron", None),
+        pytest.param("megatron", None, marks=pytest.mark.slow),
         ("optimus", None),
         pytest.param("optimus", ParallelPlan(1, 1, 2), marks=pytest.mark.slow),
     ],

@@ -91,6 +91,7 @@ def test_resume_is_bit_identical_and_reshards(tmp_path):
     assert all(abs(other[i] - ref[i]) < 1e-4 for i in (4, 5, 6))
 
 
+@pytest.mark.slow  # VPP correctness: test_runtime's four-ways test (pp2-vpp2), in make test
 def test_interleaved_backbone_trains_and_reshards_to_non_interleaved(tmp_path):
     """--num-layers-per-virtual-pipeline-stage: two model chunks per rank (Optimus schedule);
     its checkpoint resumes on a non-interleaved backbone with the same losses."""
