@@ -8,7 +8,7 @@ and data, taking steps in turn (A B C ... A B C ...) so machine noise hits them 
   optimus_kernel        Optimus planned at kernel granularity (ln1, qkv, attn, proj, ln2, fc1,
                         act, fc2 ... fill TP bubbles)
   optimus_overlap       optimus_kernel with its TP-bubble fills run while the backbone's TP
-                        all-reduces are in flight (patches/async_tp_collectives.py)
+                        collectives are in flight (patches/async_tp_collectives.py)
   frozen_megatron       a frozen encoder (forward only, projector trains), Megatron placement
   frozen_optimus        the same frozen encoder under Optimus, kernel granularity
   two_megatron          two encoders (the second a ViT of half the width and depth, at half the

@@ -70,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--overlap-tp-fills",
         action="store_true",
         help="optimus: run encoder work placed into a TP bubble while the backbone's TP "
-        "all-reduce is in flight (else just before the backbone action)",
+        "collectives (all-reduces; all-gathers and reduce-scatters with --sequence-parallel) "
+        "are in flight (else just before the backbone action)",
     )
     g.add_argument(
         "--replan-after-iters",
