@@ -55,6 +55,23 @@ def measured_times(
     return out
 
 
+def _job_and_times(
+    cfg: MLLMConfig,
+    plan: ParallelPlan,
+    micro_batch: int,
+    num_microbatches: int,
+    samples: list[dict],
+    unit: str,
+    frozen_encoder: bool,
+    sequence_parallel: bool,
+) -> tuple:
+    """The schedule core's job for the runtime's model and the measured times from `samples`."""
+    from megatron_mllm.runtime.schedules import job_of
+
+    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder, sequence_parallel)
+    return job, measured_times(samples, JobCosts(job, unit=unit), unit)
+
+
 def replan(
     cfg: MLLMConfig,
     plan: ParallelPlan,
@@ -69,12 +86,10 @@ def replan(
 ) -> tuple[Schedule, Workload, dict] | None:
     """The best Optimus schedule under the measured times for the current encoder plan and
     backbone split, with the times used; None where the best one needs another layer split."""
-    from megatron_mllm.runtime.schedules import job_of
-
-    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder, sequence_parallel)
-    times = measured_times(samples, JobCosts(job, unit=unit), unit)
-    costs = JobCosts(job, times, unit=unit)
-    best, _, _ = plan_optimus(costs, encoder_plan=encoder_plan)
+    job, times = _job_and_times(
+        cfg, plan, micro_batch, num_microbatches, samples, unit, frozen_encoder, sequence_parallel
+    )
+    best, _, _ = plan_optimus(JobCosts(job, times, unit=unit), encoder_plan=encoder_plan)
     if best.schedule.meta.backbone_layers != current.meta.backbone_layers:
         return None
     return best.schedule, best.workload, times
@@ -94,12 +109,13 @@ def predicted_with_measured(
     TP-collective times measured while it ran; None where its costs cannot be rebuilt (the
     rebuilt layout has another backbone split)."""
     from megatron_mllm.runtime.job import encoder_plan_of
-    from megatron_mllm.runtime.schedules import job_of, runtime_plan
+    from megatron_mllm.runtime.schedules import runtime_plan
     from megatron_mllm.schedule.simulator import simulate
 
     n = schedule.meta.num_microbatches
-    job = job_of(cfg, plan, micro_batch, n, frozen_encoder, sequence_parallel)
-    times = measured_times(samples, JobCosts(job, unit=unit), unit)
+    _, times = _job_and_times(
+        cfg, plan, micro_batch, n, samples, unit, frozen_encoder, sequence_parallel
+    )
     enc_plan, stage0 = encoder_plan_of(schedule, plan)
     for name in ("megatron", "balanced") if stage0 else ("optimus",):
         rebuilt, workload = runtime_plan(

@@ -15,26 +15,54 @@ from megatron_mllm.models.config import CLIP_VIT, MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
 
 
+def _encoder_fields(
+    arch: str | None,
+    activation: str | None,
+    image_size: int,
+    patch_size: int,
+    channels: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    ffn: int | None,
+) -> dict:
+    """MLLMConfig's encoder fields for one encoder (the first or an --extra-encoder)."""
+    fields = dict(CLIP_VIT) if arch == "clip" else {}
+    if activation:
+        fields["vit_activation"] = activation
+    return dict(
+        fields,
+        image_size=image_size,
+        patch_size=patch_size,
+        channels=channels,
+        vit_layers=layers,
+        vit_hidden=hidden,
+        vit_heads=heads,
+        vit_ffn=ffn,
+    )
+
+
 def model_config(args: argparse.Namespace) -> MLLMConfig:
     """The model the arguments describe (see arguments.MODEL_ARGS and `model_args`)."""
-    arch = dict(CLIP_VIT) if args.encoder_arch == "clip" else {}
-    if args.encoder_activation:
-        arch["vit_activation"] = args.encoder_activation
+    encoder = _encoder_fields(
+        args.encoder_arch,
+        args.encoder_activation,
+        args.img_h,
+        args.patch_dim,
+        args.num_channels,
+        args.encoder_num_layers,
+        args.encoder_hidden_size,
+        args.encoder_num_attention_heads,
+        args.encoder_ffn_hidden_size,
+    )
     cfg = MLLMConfig(
-        image_size=args.img_h,
-        patch_size=args.patch_dim,
-        channels=args.num_channels,
-        vit_layers=args.encoder_num_layers,
-        vit_hidden=args.encoder_hidden_size,
-        vit_heads=args.encoder_num_attention_heads,
-        vit_ffn=args.encoder_ffn_hidden_size,
+        **encoder,
         llm_layers=args.num_layers,
         llm_hidden=args.hidden_size,
         llm_heads=args.num_attention_heads,
         llm_ffn=args.ffn_hidden_size,
         vocab_size=args.vocab_size,
         text_len=args.seq_length,
-        **arch,
         projector_bias=not args.disable_projector_bias,
         llm_normalization=args.normalization,
         llm_norm_eps=args.norm_epsilon,
@@ -61,18 +89,18 @@ def extra_encoder_config(spec: str, args: argparse.Namespace) -> MLLMConfig:
     from megatron_mllm.training.arguments import parse_encoder_spec
 
     fields = parse_encoder_spec(spec)
-    arch = dict(CLIP_VIT) if fields.get("arch") == "clip" else {}
-    if "activation" in fields:
-        arch["vit_activation"] = fields["activation"]
     return MLLMConfig(
-        image_size=fields.get("img-h", args.img_h),
-        patch_size=fields.get("patch-dim", args.patch_dim),
-        channels=args.num_channels,
-        vit_layers=fields["num-layers"],
-        vit_hidden=fields["hidden-size"],
-        vit_heads=fields["num-attention-heads"],
-        vit_ffn=fields.get("ffn-hidden-size"),
-        **arch,
+        **_encoder_fields(
+            fields.get("arch"),
+            fields.get("activation"),
+            fields.get("img-h", args.img_h),
+            fields.get("patch-dim", args.patch_dim),
+            args.num_channels,
+            fields["num-layers"],
+            fields["hidden-size"],
+            fields["num-attention-heads"],
+            fields.get("ffn-hidden-size"),
+        )
     )
 
 
