@@ -46,7 +46,8 @@ def test_json_output(run_tool):
     plan = out["schedules"]["optimus"]["encoder_plan"]
     assert plan["dp"] * plan["tp"] * plan["pp"] == 64
     assert out["limit_step_time_s"] <= out["schedules"]["optimus"]["step_time_s"]
-    assert out["schedules"]["optimus"]["step_time_s"] <= out["schedules"]["megatron"]["step_time_s"]
+    # Strict: this job has pipeline bubbles for the encoder to fill.
+    assert out["schedules"]["optimus"]["step_time_s"] < out["schedules"]["megatron"]["step_time_s"]
     assert out["planner_seconds"] < 10
 
 

@@ -17,8 +17,8 @@ from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of
 from megatron_mllm.runtime.launch import RankFailed, spawn
 from megatron_mllm.runtime.reference import make_full_state
 from megatron_mllm.runtime.replan import predicted_with_measured
+from megatron_mllm.runtime.runs import run_rank
 from megatron_mllm.runtime.schedules import runtime_schedule
-from megatron_mllm.runtime.session import run_rank
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 N = 4  # micro-batches
@@ -95,9 +95,14 @@ def test_four_ways_agree(reference, layout):
         for k, v in reference[1]["history"][1].items():
             assert after[k] == pytest.approx(v, abs=1e-4)
         # The executor records what ran: every compute action of the rank's program.
-        ran = {str(s.action) for o in outs for s in o["spans"] if s.stream == "compute"}
-        planned = {str(a) for acts in schedule.ranks for a in acts if a.is_compute}
-        assert planned <= ran | {str(a).split("@")[0] for a in planned}
+        # (Names without their "@tp" bubble suffix on both sides: a fill runs as its action.)
+        ran = {_stripped(s.action) for o in outs for s in o["spans"] if s.stream == "compute"}
+        planned = {_stripped(a) for acts in schedule.ranks for a in acts if a.is_compute}
+        assert planned <= ran, sorted(planned - ran)[:5]
+
+
+def _stripped(action) -> str:
+    return str(action).split("@")[0]
 
 
 def test_dead_rank_is_named_within_the_timeout(reference):

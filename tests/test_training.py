@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from megatron_mllm.runtime.launch import free_port
 from tests.conftest import ROOT
@@ -47,6 +48,26 @@ def losses(stdout: str) -> dict[int, float]:
     return out
 
 
+def _plain_tensors(rank: int, world: int, path: str) -> dict:
+    """Every tensor a torch_dist checkpoint holds, whole (run in a one-rank gloo process)."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return dict(load_plain_tensors(path))
+
+
+def assert_same_checkpoint(a, b) -> None:
+    """Bit for bit: the same tensors (weights and optimizer moments) in both checkpoints."""
+    from megatron_mllm.runtime.launch import spawn
+
+    x, y = (spawn(_plain_tensors, 1, str(p))[0] for p in (a, b))
+    assert set(x) == set(y) and len(x) > 10
+    for name, tensor in x.items():
+        if hasattr(tensor, "shape"):
+            assert torch.equal(tensor, y[name]), name
+
+
 def test_resume_is_bit_identical_and_reshards(tmp_path):
     straight = torchrun(
         "--pipeline-model-parallel-size",
@@ -68,12 +89,13 @@ def test_resume_is_bit_identical_and_reshards(tmp_path):
     # Resume from iteration 3 of the same layout: 4..6 again, bit for bit.
     (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("3")
     resumed = torchrun(
-        "--pipeline-model-parallel-size", "2", *COMMON, "--load", str(tmp_path / "a")
-    )
+        "--pipeline-model-parallel-size", "2", *COMMON, "--load", str(tmp_path / "a"),
+        "--save", str(tmp_path / "b"), "--save-interval", "3",
+    )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     again = losses(resumed.stdout)
     assert sorted(again) == [4, 5, 6]
-    assert all(again[i] == ref[i] for i in (4, 5, 6))
+    assert_same_checkpoint(tmp_path / "a" / "iter_0000006", tmp_path / "b" / "iter_0000006")
     # Another pair of plans (TP=2 with sequence parallelism, Megatron schedule) loads the same
     # checkpoint.
     resharded = torchrun(
@@ -154,10 +176,23 @@ def test_resume_restores_rng_streams_under_dropout(tmp_path):
     assert straight.returncode == 0, straight.stderr[-2000:]
     ref = losses(straight.stdout)
     (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = torchrun(*args, "--load", str(tmp_path / "a"))
+    resumed = torchrun(*args, "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     again = losses(resumed.stdout)
     assert sorted(again) == [3, 4] and all(again[i] == ref[i] for i in (3, 4))
+    assert_same_checkpoint(tmp_path / "a" / "iter_0000004", tmp_path / "b" / "iter_0000004")
+
+
+def test_log_line_counts_nan_and_skipped_iterations():
+    """A step whose gradient norm is not finite is skipped (not applied, counted), and a NaN
+    loss is counted: here a learning rate of 1e30 makes every step after the first NaN."""
+    args = [*COMMON[:2], "--train-iters", "3", "--log-interval", "1", "--lr", "1e30"]
+    out = torchrun("--pipeline-model-parallel-size", "2", *args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    counts = re.findall(
+        r"skipped iterations:\s+(\d+) \| number of nan iterations:\s+(\d+)", out.stdout
+    )
+    assert counts == [("0", "0"), ("1", "1"), ("1", "1")], counts
 
 
 @pytest.mark.parametrize(

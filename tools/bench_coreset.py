@@ -58,9 +58,9 @@ def run(rank: int, world: int, args) -> dict:
     from megatron_mllm.models.stages import causal_mask
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.session import _init_rank
+    from megatron_mllm.runtime.bootstrap import init_rank, seed_model_parallel
 
-    _init_rank(rank, world, 0, 60.0)
+    init_rank(rank, world, 0, 60.0)
     one = ParallelPlan(1, 1, 1)
     groups = build_colocated_groups(one, one, 1, 0)
     seq = 32
@@ -70,9 +70,7 @@ def run(rank: int, world: int, args) -> dict:
 
     def new_model(seed):
         torch.manual_seed(seed)
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-        model_parallel_cuda_manual_seed(seed, tp_rank=0)
+        seed_model_parallel(seed)
         cfg = transformer_config(
             MLLMConfig(llm_layers=2, llm_hidden=64, llm_heads=4, vocab_size=len(VOCAB)), "llm", 1, 1
         )
@@ -130,14 +128,10 @@ def run_mllm(rank: int, world: int, args) -> dict:
     from megatron_mllm.data.sampler import caption_replay_loss
     from megatron_mllm.data.webdataset import ImageCaptionShards, write_digit_shards
     from megatron_mllm.models.config import MLLMConfig
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
-    from megatron_mllm.parallel.groups import build_colocated_groups
-    from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.session import _init_rank
+    from megatron_mllm.runtime.bootstrap import init_rank, seed_model_parallel
+    from megatron_mllm.runtime.model_builder import build_full_model
 
-    _init_rank(rank, world, 0, 60.0)
-    one = ParallelPlan(1, 1, 1)
-    groups = build_colocated_groups(one, one, 1, 0)
+    init_rank(rank, world, 0, 60.0)
     cfg = MLLMConfig(llm_layers=2, text_len=20)
     with tempfile.TemporaryDirectory() as tmp:
         write_digit_shards(tmp, energon=False)
@@ -163,18 +157,16 @@ def run_mllm(rank: int, world: int, args) -> dict:
     class TinyMLLM(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
-            self.encoder = EncoderStage(cfg, 0, 1, groups.encoder, 1)
-            self.backbone = BackboneStage(cfg, True, True, groups.backbone, 1, 1)
+            built = build_full_model(cfg)
+            self.encoder, self.backbone = built.encoders[0], built.backbone
 
         def forward(self, idx):
             bb = self.backbone
             return bb(None, bb.decoder_input([self.encoder(images[idx])], text[idx]))
 
     def new_model(seed):
-        from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
         torch.manual_seed(seed)
-        model_parallel_cuda_manual_seed(seed, tp_rank=0)
+        seed_model_parallel(seed)
         return TinyMLLM()
 
     def per_example(model, idx):

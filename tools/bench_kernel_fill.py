@@ -71,8 +71,8 @@ def main() -> int:
     from megatron_mllm.runtime.launch import spawn
     from megatron_mllm.runtime.reference import make_full_state
     from megatron_mllm.runtime.replan import predicted_with_measured
+    from megatron_mllm.runtime.runs import run_interleaved
     from megatron_mllm.runtime.schedules import runtime_plan
-    from megatron_mllm.runtime.session import run_interleaved
     from megatron_mllm.schedule.simulator import simulate
 
     cfg, plan, n = (

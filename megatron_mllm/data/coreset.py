@@ -241,7 +241,7 @@ class CoresetSelector:
                 keep = f.mean(0).abs().topk(h).indices
                 picked = facility_location(f[:, keep], budgets[s])
                 chosen += rows[start - n : start][picked].tolist()
-        return torch.tensor(sorted(chosen), dtype=torch.long)
+        return torch.tensor(sorted(chosen), dtype=torch.long, device="cpu")  # host indices
 
     def state_dict(self) -> dict:
         return {

@@ -114,13 +114,20 @@ class CoresetHook:
 
 
 def broadcast_selection(
-    indices: torch.Tensor | None, batch_size: int, group, src: int
+    indices: torch.Tensor | None,
+    batch_size: int,
+    group,
+    src: int,
+    device: torch.device | str = "cpu",
 ) -> torch.Tensor:
     """Pipeline parallelism: the last stage (global rank `src`) selects, every stage of the
-    pipeline (`group`) gets the same B indices."""
+    pipeline (`group`) gets the same B indices, on `device` (the group's: CUDA under NCCL)."""
     import torch.distributed as dist
 
-    buf = indices.clone() if indices is not None else torch.empty(batch_size, dtype=torch.long)
+    if indices is not None:
+        buf = indices.to(device, dtype=torch.long, copy=True)
+    else:
+        buf = torch.empty(batch_size, dtype=torch.long, device=device)
     dist.broadcast(buf, src=src, group=group)
     return buf
 

@@ -10,11 +10,14 @@ import torch
 from megatron_mllm.models.config import MLLMConfig
 
 NUM_CLASSES = 10
+HOST = "cpu"  # batches are made on the host; each run mode moves them to its device
 
 
 def _patterns(cfg: MLLMConfig) -> torch.Tensor:
     g = torch.Generator().manual_seed(12345)
-    return torch.randn(NUM_CLASSES, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+    return torch.randn(
+        NUM_CLASSES, cfg.channels, cfg.image_size, cfg.image_size, generator=g, device=HOST
+    )
 
 
 def microbatch(
@@ -25,10 +28,11 @@ def microbatch(
     The same index gives the same tensors in every process, whatever the parallel layout.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    classes = torch.randint(0, NUM_CLASSES, (micro_batch,), generator=g)
-    noise = torch.randn(micro_batch, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+    classes = torch.randint(0, NUM_CLASSES, (micro_batch,), generator=g, device=HOST)
+    shape = (micro_batch, cfg.channels, cfg.image_size, cfg.image_size)
+    noise = torch.randn(shape, generator=g, device=HOST)
     images = _patterns(cfg)[classes] + 0.5 * noise
-    steps = torch.arange(cfg.text_len)
+    steps = torch.arange(cfg.text_len, device=HOST)
     text = (classes[:, None] * 7 + steps[None, :] * (classes[:, None] + 1)) % cfg.vocab_size
     return images, text
 
@@ -38,14 +42,16 @@ def samples(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Individually indexed samples (for coreset pools): images, captions and their class as the
     source id. Classes are imbalanced (probability ~ 1 / (class + 1)), like a real mixture."""
-    probs = 1.0 / torch.arange(1, NUM_CLASSES + 1, dtype=torch.float64)
+    probs = 1.0 / torch.arange(1, NUM_CLASSES + 1, dtype=torch.float64, device=HOST)
     patterns = _patterns(cfg)
-    steps = torch.arange(cfg.text_len)
+    steps = torch.arange(cfg.text_len, device=HOST)
     images, texts, classes = [], [], []
     for i in indices:
         g = torch.Generator().manual_seed(seed * 1_000_003 + 7_777_777 + i)
         c = torch.multinomial(probs, 1, generator=g)
-        noise = torch.randn(1, cfg.channels, cfg.image_size, cfg.image_size, generator=g)
+        noise = torch.randn(
+            1, cfg.channels, cfg.image_size, cfg.image_size, generator=g, device=HOST
+        )
         images.append(patterns[c] + 0.5 * noise)
         texts.append(((c * 7 + steps * (c + 1)) % cfg.vocab_size).unsqueeze(0))
         classes.append(c)

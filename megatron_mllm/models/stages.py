@@ -282,7 +282,7 @@ class BackboneStage(nn.Module):
     def decoder_input(self, image_embeds: list[torch.Tensor], text: torch.Tensor) -> torch.Tensor:
         """Stage 0: [image tokens of every encoder; text tokens] as [s, b, h] (this TP rank's
         [s/tp, b, h] slice with sequence parallelism)."""
-        positions = torch.arange(text.shape[1]).unsqueeze(0).expand_as(text)
+        positions = torch.arange(text.shape[1], device=text.device).unsqueeze(0).expand_as(text)
         words = self.gpt.embedding(input_ids=text, position_ids=positions)
         tokens = torch.cat([*image_embeds, words], dim=0)
         if not self.sequence_parallel:

@@ -79,6 +79,20 @@ def split_dim(full: torch.Size, local: torch.Size, tp: int) -> int | None:
     return dims[0]
 
 
+def save_full_state(state: dict[str, torch.Tensor], path: str) -> str:
+    """Write canonical weights for `open_full_state` (each rank then maps, not copies, them)."""
+    torch.save(state, path)
+    return path
+
+
+def open_full_state(source: dict[str, torch.Tensor] | str) -> dict[str, torch.Tensor]:
+    """Canonical weights from a dict or a file written by `save_full_state`. A file is
+    memory-mapped: a rank reads only the pages of its own shards when it loads them."""
+    if isinstance(source, dict):
+        return source
+    return torch.load(source, mmap=True, weights_only=True)
+
+
 @torch.no_grad()
 def load_full_state(
     module: nn.Module, full: dict[str, torch.Tensor], tp_rank: int, tp: int
@@ -105,7 +119,7 @@ def grad_shards(module: nn.Module, tp_rank: int) -> dict[str, tuple[torch.Tensor
     names, gated = canonical_names(module), gated_names(module)
     return {
         names[n]: (
-            p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p),
+            (p.grad if p.grad is not None else torch.zeros_like(p)).detach().to("cpu", copy=True),
             tp_rank,
             names[n] in gated,
         )
@@ -117,7 +131,7 @@ def param_shards(module: nn.Module, tp_rank: int) -> dict[str, tuple[torch.Tenso
     """Like `grad_shards`, for the parameter values (reassembled by `assemble_grads` too)."""
     names, gated = canonical_names(module), gated_names(module)
     return {
-        names[n]: (p.detach().clone(), tp_rank, names[n] in gated)
+        names[n]: (p.detach().to("cpu", copy=True), tp_rank, names[n] in gated)
         for n, p in module.named_parameters()
     }
 

@@ -7,11 +7,12 @@ megatron-core's schedules read their groups from `parallel_state`, so this mode 
 
 from __future__ import annotations
 
-import time
 from functools import partial
 
 import torch
 from torch import nn
+
+from megatron_mllm.models.weights import open_full_state
 
 
 class _Stage0Model(nn.Module):
@@ -41,17 +42,20 @@ class _Stage0Model(nn.Module):
 class MegatronCoreRun:
     """megatron-core's schedule on one job: built once, then `step()` as often as wanted."""
 
-    def __init__(self, rank: int, job) -> None:
+    def __init__(self, rank: int, job, device: torch.device) -> None:
         import torch.distributed as dist
         from megatron.core import parallel_state as ps
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from megatron_mllm.models.stages import BackboneStage, EncoderStage
-        from megatron_mllm.models.weights import load_full_state
         from megatron_mllm.runtime.job import layer_overrides
+        from megatron_mllm.runtime.model_builder import (
+            BackbonePlacement,
+            EncoderPlacement,
+            build_rank_model,
+        )
 
-        self.job, plan = job, job.backbone
+        self.job, self.device, plan = job, device, job.backbone
         vpp = plan.vpp if plan.vpp > 1 else None
         if not ps.model_parallel_is_initialized():
             ps.destroy_global_memory_buffer()  # initialize_model_parallel makes its own
@@ -65,39 +69,28 @@ class MegatronCoreRun:
         self.tp_rank, self.tp_group = ps.get_tensor_model_parallel_rank(), pg.tp
         stage = ps.get_pipeline_model_parallel_rank()
         solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
-        overrides = {}
+        # NCCL: batched p2p (upstream's default). Gloo matches a batch's messages in posting
+        # order, which interleaved PP=2 gets wrong (MEGATRON_CORE_ON_CPU.md).
+        overrides = {"batch_p2p_comm": dist.get_backend() == "nccl"}
+        overrides["batch_p2p_sync"] = overrides["batch_p2p_comm"]
         if job.backbone_first_stage_layers is not None and plan.pp > 1:
             rest = job.cfg.llm_layers - job.backbone_first_stage_layers
             layers = [job.backbone_first_stage_layers] + [rest // (plan.pp - 1)] * (plan.pp - 1)
-            overrides = layer_overrides(layers, plan.pp)
-        if vpp:  # interleaved: one model chunk per virtual stage, layers spread evenly
-            overrides["virtual_pipeline_model_parallel_size"] = vpp
-        chunks = range(plan.vpp)
-        self.chunks = [
-            BackboneStage(
-                job.cfg,
-                stage == 0 and v == 0,
-                stage == plan.pp - 1 and v == plan.vpp - 1,
-                pg,
-                plan.tp,
-                plan.pp,
-                vp_stage=v if vpp else None,
-                sequence_parallel=job.sequence_parallel,
-                **overrides,
-            )
-            for v in chunks
-        ]
-        for chunk in self.chunks:
-            load_full_state(chunk, job.full_state, self.tp_rank, plan.tp)
-        self.backbone = self.chunks[-1]  # the one holding the loss on the last stage
-        self.encoder = None
+            overrides.update(layer_overrides(layers, plan.pp))
+        encoder = None
         if stage == 0:
             enc_pg = ProcessGroupCollection()
             enc_pg.tp, enc_pg.cp, enc_pg.dp, enc_pg.pp = pg.tp, pg.cp, pg.dp, solo
-            self.encoder = EncoderStage(job.cfg, 0, 1, enc_pg, plan.tp)
-            load_full_state(self.encoder, job.full_state, self.tp_rank, plan.tp)
-            if job.frozen_encoder:
-                self.encoder.freeze()
+            encoder = EncoderPlacement(enc_pg, plan.tp, self.tp_rank)
+        backbone = BackbonePlacement(
+            pg, plan.tp, self.tp_rank, plan.pp, stage, plan.vpp, job.sequence_parallel, overrides
+        )
+        self.rank_model = build_rank_model(
+            job.cfg, backbone, encoder, device, open_full_state(job.full_state), job.frozen_encoder
+        )
+        self.chunks = self.rank_model.chunks
+        self.backbone = self.rank_model.backbone  # the one holding the loss on the last stage
+        self.encoder = self.rank_model.encoders[0]
         self.models = [
             _Stage0Model(self.encoder if v == 0 else None, c) for v, c in enumerate(self.chunks)
         ]
@@ -108,25 +101,29 @@ class MegatronCoreRun:
 
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
+        from megatron_mllm.runtime.batches import batches
+        from megatron_mllm.runtime.clock import StepClock
         from megatron_mllm.runtime.optimizer import allreduce_sequence_parallel_grads
-        from megatron_mllm.runtime.session import _data
 
-        job, backbone = self.job, self.backbone
+        job, backbone, device = self.job, self.backbone, self.device
 
         def loss_func(text, logits):
             loss = backbone.loss(logits, text)
             return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
 
+        data = batches(job, step)
+
+        def microbatches():  # built inside the timed step, as the executor builds its own
+            for m in range(job.num_microbatches):
+                yield tuple(t.to(device) for t in data(m, self.dp_rank))
+
         def forward_step(data_iterator, model):
             images, text = next(data_iterator)
             return model(images, text), partial(loss_func, text)
 
-        for p in self.model.parameters():
-            p.grad = None
-        data = _data(job, step)
-        batches = [data(m, self.dp_rank) for m in range(job.num_microbatches)]
-        iterators = [iter(batches) for _ in self.models]  # every chunk reads its own copy
-        t0 = time.perf_counter()
+        self.rank_model.zero_grad()
+        clock = StepClock(device)
+        iterators = [microbatches() for _ in self.models]  # every chunk reads its own copy
         reduced = self.fb(
             forward_step_func=forward_step,
             data_iterator=iterators if len(self.models) > 1 else iterators[0],
@@ -138,14 +135,18 @@ class MegatronCoreRun:
         )
         allreduce_sequence_parallel_grads(self.chunks, self.tp_group)
         _all_reduce_dp(self.model, self.dp_group, job.backbone.dp)
-        self.seconds.append(time.perf_counter() - t0)
-        self.history.append({(self.dp_rank, m): float(r["lm loss"]) for m, r in enumerate(reduced)})
+        end = clock.mark()
+        clock.finish()
+        self.seconds.append(clock.since_start(end))
+        losses = torch.stack([r["lm loss"] for r in reduced]).tolist() if reduced else []
+        self.history.append({(self.dp_rank, m): v for m, v in enumerate(losses)})
         if step == 0:
             self.grads = {}
-            for chunk in self.chunks:
-                self.grads.update(grad_shards(chunk, self.tp_rank))
-            if self.encoder is not None:
-                self.grads.update(grad_shards(self.encoder, self.tp_rank))
+            for module in self.rank_model.modules:
+                self.grads.update(grad_shards(module, self.tp_rank))
+
+    def replan(self) -> bool:
+        return False
 
     def result(self) -> dict:
         return {

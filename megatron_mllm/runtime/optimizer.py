@@ -4,6 +4,8 @@ of the whole model: backbone and encoder shards each summed over their own model
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 
@@ -48,17 +50,20 @@ def allreduce_sequence_parallel_grads(modules: list[torch.nn.Module | None], tp_
 
 
 def clip_by_global_norm(
-    parts: list[tuple[torch.nn.Module | None, object, object]], max_norm: float
+    parts: list[tuple[torch.nn.Module | None, object, object]],
+    max_norm: float,
+    device: torch.device | str = "cpu",
 ) -> float:
     """Scale every gradient so the whole model's norm is at most `max_norm`; return the norm.
 
     `parts` are (module, model-parallel group, TP group): the first group's shards together make
     the model part once; a parameter not split by TP counts on TP rank 0 only (megatron-core's
-    rule). Modules may be None on ranks without them (they add nothing).
+    rule). Modules may be None on ranks without them (they add nothing). The sums live on
+    `device`, the gradients' device (an NCCL group reduces CUDA tensors only).
     """
-    total = torch.zeros(1, dtype=torch.float64)
+    total = torch.zeros(1, dtype=torch.float64, device=device)
     for module, group, tp_group in parts:
-        sq = torch.zeros(1, dtype=torch.float64)
+        sq = torch.zeros(1, dtype=torch.float64, device=device)
         if module is not None:
             tp_rank = dist.get_rank(tp_group) if tp_group is not None else 0
             for p in module.parameters():
@@ -68,8 +73,8 @@ def clip_by_global_norm(
         if group is not None and dist.get_world_size(group) > 1:
             dist.all_reduce(sq, group=group)
         total += sq
-    norm = float(total.sqrt())
-    if max_norm > 0 and norm > max_norm:
+    norm = float(total.sqrt())  # the step's one read of the norm
+    if max_norm > 0 and math.isfinite(norm) and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         grads = [
             p.grad

@@ -9,24 +9,27 @@ Returns the measured-times mapping that `JobCosts(..., unit="layer")` reads:
 from __future__ import annotations
 
 import statistics
-import time
 
 import torch
 
 from megatron_mllm.models.config import MLLMConfig
 
 
-def _time(fn, repeats: int) -> float:
+def _time(fn, repeats: int, device: torch.device) -> float:
+    from megatron_mllm.runtime.clock import StepClock
+
     fn()
     samples = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        clock = StepClock(device)  # device time: CUDA events on a GPU
         fn()
-        samples.append(time.perf_counter() - t0)
+        end = clock.mark()
+        clock.finish()
+        samples.append(clock.since_start(end))
     return statistics.median(samples)
 
 
-def _fwd_bwd(unit, make_input, repeats: int) -> tuple[float, float]:
+def _fwd_bwd(unit, make_input, repeats: int, device: torch.device) -> tuple[float, float]:
     def forward():
         return unit(make_input())
 
@@ -34,8 +37,8 @@ def _fwd_bwd(unit, make_input, repeats: int) -> tuple[float, float]:
         y = unit(make_input())
         y.backward(torch.ones_like(y))
 
-    fwd = _time(forward, repeats)
-    return fwd, max(_time(both, repeats) - fwd, 0.0)
+    fwd = _time(forward, repeats, device)
+    return fwd, max(_time(both, repeats, device) - fwd, 0.0)
 
 
 def profile_units(
@@ -44,20 +47,26 @@ def profile_units(
     """Run in fresh processes (see `launch.spawn`). With several ranks they all profile at once,
     so the times include the contention a real multi-rank step sees on a shared machine."""
     from megatron_mllm.data.synthetic import microbatch
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.session import _init_rank
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.model_builder import (
+        BackbonePlacement,
+        EncoderPlacement,
+        build_rank_model,
+    )
 
-    _init_rank(rank, world, 0, 60.0)
+    device = init_rank(rank, world, 0, 60.0)
     plan = ParallelPlan(world, 1, 1)
     groups = build_colocated_groups(plan, plan, world, rank)
-    enc = EncoderStage(cfg, 0, 1, groups.encoder, 1)
-    bb = BackboneStage(cfg, True, True, groups.backbone, 1, 1)
-    images, text = microbatch(cfg, 0, micro_batch)
+    model = build_rank_model(
+        cfg, BackbonePlacement(groups.backbone), EncoderPlacement(groups.encoder), device
+    )
+    enc, bb = model.encoders[0], model.backbone
+    images, text = (t.to(device) for t in microbatch(cfg, 0, micro_batch))
     b = micro_batch
-    vit_h = torch.randn(cfg.encoder_seq_len, b, cfg.vit_hidden)
-    llm_h = torch.randn(cfg.seq_len, b, cfg.llm_hidden)
+    vit_h = torch.randn(cfg.encoder_seq_len, b, cfg.vit_hidden, device=device)
+    llm_h = torch.randn(cfg.seq_len, b, cfg.llm_hidden, device=device)
 
     def leaf(t):
         return lambda: t.detach().requires_grad_()
@@ -79,7 +88,7 @@ def profile_units(
         ),
     }
     for (model, name), (fn, make) in units.items():
-        fwd, bwd = _fwd_bwd(fn, make, repeats)
+        fwd, bwd = _fwd_bwd(fn, make, repeats, device)
         out[model]["forward"][name] = fwd
         out[model]["backward"][name + "_b"] = bwd
     return out

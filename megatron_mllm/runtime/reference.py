@@ -1,5 +1,6 @@
 """The one-process, non-pipelined reference: the canonical weights every layout starts from (a
-model built from a seed), and the reference training run every parallel layout must match."""
+model built from a seed), and the reference training run every parallel layout must match. It
+runs on the job's device (the rank's GPU where there is one), like every other mode."""
 
 from __future__ import annotations
 
@@ -9,63 +10,58 @@ from megatron_mllm.models.config import MLLMConfig
 
 
 def make_full_state(rank: int, world: int, cfg: MLLMConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Run in a fresh single-rank process (see `launch.spawn`); returns canonical tensors."""
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
+    """Run in a fresh single-rank process (see `launch.spawn`); returns canonical CPU tensors."""
     from megatron_mllm.models.weights import full_state
-    from megatron_mllm.parallel.groups import build_colocated_groups
-    from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.session import _init_rank
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.model_builder import build_full_model
 
-    _init_rank(rank, world, seed, 60.0)
-    one = ParallelPlan(1, 1, 1)
-    groups = build_colocated_groups(one, one, 1, 0)
-    encoders = [
-        EncoderStage(cfg, 0, 1, groups.encoder, 1, index=e) for e in range(cfg.num_encoders)
-    ]
-    backbone = BackboneStage(cfg, True, True, groups.backbone, 1, 1)
-    return full_state(*encoders, backbone)
+    init_rank(rank, world, seed, 60.0)
+    model = build_full_model(cfg)  # on the CPU: the state travels back to the caller
+    return full_state(*model.modules)
 
 
-def reference_run(job) -> dict:
+class ReferenceRun:
     """Every micro-batch of every DP replica in turn, in one process (no parallelism)."""
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
-    from megatron_mllm.models.weights import grad_shards, load_full_state
-    from megatron_mllm.parallel.groups import build_colocated_groups
-    from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.optimizer import build_optimizer, clip_by_global_norm
-    from megatron_mllm.runtime.session import _data
 
-    one = ParallelPlan(1, 1, 1)
-    groups = build_colocated_groups(one, one, 1, 0)
-    encoders = [
-        EncoderStage(job.cfg, 0, 1, groups.encoder, 1, index=e) for e in range(job.cfg.num_encoders)
-    ]
-    backbone = BackboneStage(job.cfg, True, True, groups.backbone, 1, 1)
-    for module in (*encoders, backbone):
-        load_full_state(module, job.full_state, 0, 1)
-    if job.frozen_encoder:
-        for encoder in encoders:
-            encoder.freeze()
-    optimizer = build_optimizer([*encoders, backbone], job.lr) if job.lr > 0 else None
-    n = job.num_microbatches * job.backbone.dp
-    history = []
-    for step in range(job.steps):
-        for p in [p for m in (*encoders, backbone) for p in m.parameters()]:
-            p.grad = None
-        losses = {}
-        data = _data(job, step)
+    def __init__(self, job, device: torch.device) -> None:
+        from megatron_mllm.models.weights import open_full_state
+        from megatron_mllm.runtime.model_builder import build_full_model
+        from megatron_mllm.runtime.optimizer import build_optimizer
+
+        self.job, self.device = job, device
+        state = open_full_state(job.full_state)
+        self.model = build_full_model(job.cfg, device, state, job.frozen_encoder)
+        self.optimizer = build_optimizer(self.model.modules, job.lr) if job.lr > 0 else None
+        self.history: list[dict] = []
+        self.grads: dict = {}
+
+    def step(self, step: int) -> None:
+        from megatron_mllm.models.weights import grad_shards
+        from megatron_mllm.runtime.batches import batches
+        from megatron_mllm.runtime.optimizer import clip_by_global_norm
+
+        job, model = self.job, self.model
+        model.zero_grad()
+        n = job.num_microbatches * job.backbone.dp
+        data, losses = batches(job, step), {}
         for dp in range(job.backbone.dp):
             for m in range(job.num_microbatches):
-                images, text = data(m, dp)
-                embeds = [encoder(images) for encoder in encoders]
-                out = backbone(None, backbone.decoder_input(embeds, text))
-                loss = backbone.loss(out, text)
+                images, text = (t.to(self.device) for t in data(m, dp))
+                embeds = [encoder(images) for encoder in model.encoders]
+                out = model.backbone(None, model.backbone.decoder_input(embeds, text))
+                loss = model.backbone.loss(out, text)
                 (loss / n).backward()
-                losses[(dp, m)] = loss.item()
-        history.append(losses)
+                losses[(dp, m)] = loss.detach()
+        self.history.append({k: float(v) for k, v in losses.items()})  # one read per step
         if step == 0:
-            grads = {k: v for m in (*encoders, backbone) for k, v in grad_shards(m, 0).items()}
-        if optimizer is not None:
-            clip_by_global_norm([(m, None, None) for m in (*encoders, backbone)], job.clip_grad)
-            optimizer.step()
-    return {"losses": history[0], "history": history, "grads": grads}
+            self.grads = {k: v for m in model.modules for k, v in grad_shards(m, 0).items()}
+        if self.optimizer is not None:
+            parts = [(m, None, None) for m in model.modules]
+            clip_by_global_norm(parts, job.clip_grad, self.device)
+            self.optimizer.step()
+
+    def replan(self) -> bool:
+        return False
+
+    def result(self) -> dict:
+        return {"losses": self.history[0], "history": self.history, "grads": self.grads}

@@ -162,11 +162,13 @@ class CostModel:
         return nbytes / (gbps * 1e9 * self.hw.efficiency) + self.hw.latency_s
 
     def dp_gather_s(self, params_per_gpu: float, dp: int) -> float:
-        """Distributed optimizer: all-gather of the bf16 parameters over the DP group."""
+        """Distributed optimizer: all-gather of the bf16 parameters over the DP group (what
+        `AG` will be; the runtime's `AG` is a no-op until it has a distributed optimizer)."""
         return self._dp_s(params_per_gpu * BF16, dp)
 
     def dp_reduce_scatter_s(self, params_per_gpu: float, dp: int) -> float:
-        """Distributed optimizer: reduce-scatter of the fp32 gradients over the DP group."""
+        """Distributed optimizer: reduce-scatter of the fp32 gradients over the DP group (what
+        `RS` will be; the runtime's `RS` is a full all-reduce until then, about twice this)."""
         return self._dp_s(params_per_gpu * FP32, dp)
 
     def _dp_s(self, nbytes: float, dp: int) -> float:

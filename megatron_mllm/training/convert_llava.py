@@ -40,19 +40,15 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 def _one_rank_model(cfg: MLLMConfig, seed: int = 1234):
     """A gloo group of one and an unsharded encoder + backbone (checkpoint `parts`)."""
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
-    from megatron_mllm.parallel.groups import build_colocated_groups
-    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.bootstrap import init_rank
     from megatron_mllm.runtime.launch import free_port
-    from megatron_mllm.runtime.session import _init_rank
+    from megatron_mllm.runtime.model_builder import build_full_model
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
-    _init_rank(0, 1, seed, 300.0)
-    one = ParallelPlan(1, 1, 1)
-    groups = build_colocated_groups(one, one, 1, 0)
-    encoder = EncoderStage(cfg, 0, 1, groups.encoder, 1)
-    backbone = BackboneStage(cfg, True, True, groups.backbone, 1, 1)
+    init_rank(0, 1, seed, 300.0)
+    model = build_full_model(cfg)  # on the CPU: conversion reads and writes host tensors
+    encoder, backbone = model.encoders[0], model.backbone
     return encoder, backbone, [(backbone, 0, 1, 0), (encoder, 0, 1, 0)]
 
 
@@ -144,21 +140,31 @@ def checkpoint_logits(
     `load_dir` on [image tokens; `text`]; rank 0 returns the full [b, s, vocab] logits."""
     import torch.distributed as dist
 
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.session import _init_rank
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.model_builder import (
+        BackbonePlacement,
+        EncoderPlacement,
+        build_rank_model,
+    )
     from megatron_mllm.training import checkpointing
     from megatron_mllm.training.train import checkpoint_model_config, initial_weights
 
     cfg = checkpoint_model_config(checkpointing.read_common(load_dir))
-    _init_rank(rank, world, 1234, 120.0)
+    device = init_rank(rank, world, 1234, 120.0)
     plan = ParallelPlan(world // tp, tp, 1)
     groups = build_colocated_groups(plan, plan, world, rank)
     shapes = {k: tuple(v.shape) for k, v in initial_weights(cfg, groups).items()}
     c = groups.coords
-    encoder = EncoderStage(cfg, 0, 1, groups.encoder, tp)
-    backbone = BackboneStage(cfg, True, True, groups.backbone, tp, 1)
+    model = build_rank_model(
+        cfg,
+        BackbonePlacement(groups.backbone, tp, c.tp),
+        EncoderPlacement(groups.encoder, tp, c.tp),
+        device,
+    )
+    encoder, backbone = model.encoders[0], model.backbone
+    images, text = images.to(device), text.to(device)
     checkpointing.load(
         load_dir, [(backbone, c.tp, tp, c.dp), (encoder, c.tp, tp, c.dp)], shapes, None
     )
@@ -168,4 +174,4 @@ def checkpoint_logits(
     dist.all_gather(pieces, logits, group=groups.backbone.tp)
     dist.barrier()
     dist.destroy_process_group()
-    return torch.cat(pieces, dim=-1) if rank == 0 else None
+    return torch.cat(pieces, dim=-1).cpu() if rank == 0 else None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import time
 
@@ -165,18 +166,22 @@ def model_args(cfg: MLLMConfig) -> dict:
 
 def initial_weights(cfg: MLLMConfig, groups) -> dict[str, torch.Tensor]:
     """Initial canonical weights, the same on every rank (an unsharded model from the seed)."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
-
-    from megatron_mllm.models.stages import BackboneStage, EncoderStage
     from megatron_mllm.models.weights import full_state
+    from megatron_mllm.runtime.model_builder import build_full_model
 
-    alone = ProcessGroupCollection()
-    for name in ("tp", "cp", "dp", "pp", "mp", "tp_cp", "dp_cp"):
-        setattr(alone, name, groups.solo)
-    alone.embd = alone.pos_embd = None
-    encoders = [EncoderStage(cfg, 0, 1, alone, 1, index=e) for e in range(cfg.num_encoders)]
-    backbone = BackboneStage(cfg, True, True, alone, 1, 1)
-    return full_state(*encoders, backbone)
+    return full_state(*build_full_model(cfg, group=groups.solo).modules)
+
+
+def mean_loss(losses: dict, device: torch.device) -> float:
+    """The step's mean loss over every replica's micro-batches (collective: the last-stage ranks
+    hold the losses), reduced on the ranks' device."""
+    import torch.distributed as dist
+
+    total = torch.tensor(
+        [sum(losses.values()), float(len(losses))], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
 
 
 def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
@@ -240,13 +245,17 @@ def log_line(
     gbs: int,
     loss: float,
     grad_norm: float,
+    skipped: int = 0,
+    nan: int = 0,
 ) -> str:
+    """Megatron's iteration line; `skipped` / `nan`: iterations since the last line whose step
+    was not applied (non-finite gradient norm) / whose loss was NaN or Inf."""
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     return (
         f" [{now}] iteration {it:8d}/{total:8d} | consumed samples: {consumed:12d} | "
         f"elapsed time per iteration (ms): {ms:.1f} | learning rate: {lr:.6E} | "
         f"global batch size: {gbs:5d} | lm loss: {loss:.6E} | grad norm: {grad_norm:.3f} | "
-        f"number of skipped iterations:   0 | number of nan iterations:   0 |"
+        f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} |"
     )
 
 
@@ -316,12 +325,13 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args, cfg, plan, n_mb, schedule) -> int:
     import torch.distributed as dist
 
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.executor_run import ExecutorRun
     from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
-    from megatron_mllm.runtime.session import ExecutorRun, _init_rank
     from megatron_mllm.training import checkpointing
 
     rank, world = args.rank, args.world_size
-    _init_rank(rank, world, args.seed, args.distributed_timeout_minutes * 60)
+    device = init_rank(rank, world, args.seed, args.distributed_timeout_minutes * 60)
     from megatron_mllm.parallel.groups import build_colocated_groups
 
     enc_plan, stage0 = encoder_plan_of(schedule, plan)
@@ -349,7 +359,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         overlap_tp_fills=args.overlap_tp_fills,
         sequence_parallel=args.sequence_parallel,
     )
-    run = ExecutorRun(rank, world, job)
+    run = ExecutorRun(rank, world, job, device)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     decay = args.lr_decay_iters or args.train_iters
@@ -430,16 +440,17 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         from torch.utils.tensorboard import SummaryWriter
 
         writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.log_interval)
+    skipped = nan = 0  # since the last log line, as Megatron counts them
     for it in range(start, args.train_iters):
-        t0 = time.perf_counter()
+        t0, before = time.perf_counter(), run.skipped_iterations
         run.step(it)
         lr = run.optimizer.param_groups[0]["lr"]
-        scheduler.step(1)
+        applied = run.skipped_iterations == before
+        if applied:  # Megatron advances the schedule only for applied steps
+            scheduler.step(1)
+        mean = mean_loss(run.history[-1], device)  # reads the step's results: ends it
         ms = 1000 * (time.perf_counter() - t0)
-        losses = run.history[-1]
-        loss = torch.tensor([sum(losses.values()), float(len(losses))], dtype=torch.float64)
-        dist.all_reduce(loss)  # last-stage ranks hold the losses
-        mean = float(loss[0] / loss[1])
+        skipped, nan = skipped + (not applied), nan + (not math.isfinite(mean))
         if rank == 0 and ((it + 1) % args.log_interval == 0 or it + 1 == args.train_iters):
             # Coreset: every sample of the pool counts as consumed.
             ratio = args.coreset.pool_ratio if args.coreset is not None else 1
@@ -454,9 +465,13 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
                     args.global_batch_size,
                     mean,
                     run.last_grad_norm,
+                    skipped,
+                    nan,
                 ),
                 flush=True,
             )
+        if (it + 1) % args.log_interval == 0:
+            skipped = nan = 0
         if writer is not None:
             step_samples = (it + 1) * args.global_batch_size
             for name, value in (

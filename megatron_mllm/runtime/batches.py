@@ -1,0 +1,38 @@
+"""The micro-batches of one training step, the same for every run mode."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+_DATASETS: dict[str, object] = {}
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # images [b, c, H, W], text tokens [b, t]
+
+
+def batches(job, step: int) -> Callable[..., Batch]:
+    """`get(mb, dp=0)`: micro-batch `mb` of step `step` for DP replica `dp`, from
+    `job.data_path` shards if given (read once per process), else synthetic. Tensors are on the
+    CPU; each run mode moves them to its device."""
+    from megatron_mllm.data.synthetic import microbatch
+
+    b, n_mb, dp_size = job.micro_batch, job.num_microbatches, job.backbone.dp
+    if not job.data_path:
+
+        def synthetic(mb: int, dp: int = 0) -> Batch:
+            return microbatch(job.cfg, (step * dp_size + dp) * n_mb + mb, b, job.seed)
+
+        return synthetic
+    from megatron_mllm.data.webdataset import ImageCaptionShards
+
+    if job.data_path not in _DATASETS:
+        _DATASETS[job.data_path] = ImageCaptionShards(job.data_path)
+    shards, cfg = _DATASETS[job.data_path], job.cfg
+
+    def from_disk(mb: int, dp: int = 0) -> Batch:
+        first = ((step * dp_size + dp) * n_mb + mb) * b
+        ids = list(range(first, first + b))
+        return shards.batch(ids, cfg.image_size, cfg.channels, cfg.text_len, cfg.vocab_size)
+
+    return from_disk

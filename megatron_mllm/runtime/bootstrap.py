@@ -1,0 +1,74 @@
+"""One rank's start: patches, the process group on the right device, megatron-core's seeds.
+
+Every entry point that runs megatron-core modules (the runtime's run modes, the training loop,
+the checkpoint converter, profiling, the benches) starts its rank with `init_rank`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+
+def rank_device(rank: int = 0) -> torch.device:
+    """This rank's device: its GPU (torchrun's LOCAL_RANK, else rank modulo the GPUs on the
+    node) where CUDA is available, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank % torch.cuda.device_count()))
+    return torch.device("cuda", local)
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA tensors with gloo beside it for CPU-side control messages; gloo alone on a
+    CPU-only machine."""
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
+def seed_model_parallel(seed: int) -> None:
+    """megatron-core's RNG streams (data-parallel, model-parallel, expert) from `seed`.
+
+    Every rank passes TP rank 0 (weights come from the canonical state, and dropout in TP
+    regions must match the one-process reference) and expert ranks 0: without them upstream
+    asks for an expert-parallel group we never create and asserts, and `etp_rank=None` breaks
+    its seed arithmetic. Looked up at call time, so the CPU patch (a CPU tracker) applies."""
+    from megatron.core.tensor_parallel import random as mc_random
+
+    mc_random.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
+
+
+def init_rank(rank: int, world: int, seed: int, timeout_s: float) -> torch.device:
+    """Patches, the default process group and megatron-core's seeds; returns this rank's device.
+
+    On CUDA the group is bound to this rank's GPU (`device_id`), so NCCL creates every later
+    group's communicator eagerly, in the order `new_group` is called, which is the same on
+    every rank; lazily created communicators would instead be built on the first send of each
+    pair, blocking in rank-dependent order."""
+    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+    # megatron-core 0.16.1 still calls these torch names (sequence parallelism)
+    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor)")
+    import megatron_mllm_patches
+
+    megatron_mllm_patches.apply_cpu_patches()
+    megatron_mllm_patches.apply_runtime_patches()
+    device = rank_device(rank)
+    extra = {}
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        extra["device_id"] = device
+    dist.init_process_group(
+        backend_for(device),
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        **extra,
+    )
+    from megatron.core import parallel_state
+
+    parallel_state._set_global_memory_buffer()  # attention's scratch buffer, not parallel state
+    seed_model_parallel(seed)
+    return device

@@ -1,0 +1,48 @@
+"""One timer for every span, unit time and step time the runtime reports.
+
+On the CPU a mark is the host's `perf_counter`. On a GPU the host runs ahead of the device, so a
+host clock would time kernel launches: a mark is a CUDA event recorded on the current stream,
+and marks are read only after `finish()` synchronises once at step end. Code that times work
+takes marks while it runs and converts them to seconds after `finish()`, never in between.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+class StepClock:
+    """Marks for one step on `device`; seconds are read after `finish()`."""
+
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.cuda = torch.device(device).type == "cuda"
+        self.finished = False
+        self.start = self.mark()
+
+    def mark(self):
+        """A point in time on the device's stream (a float on the CPU, an event on a GPU)."""
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def finish(self) -> None:
+        """Wait for the device once (at step end); marks can be read from now on."""
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.finished = True
+
+    def between(self, a, b) -> float:
+        """Seconds from mark `a` to mark `b` (after `finish()`)."""
+        if not self.finished:
+            raise RuntimeError("StepClock marks are read after finish() (one sync per step)")
+        if self.cuda:
+            return a.elapsed_time(b) / 1000.0
+        return b - a
+
+    def since_start(self, m) -> float:
+        """Seconds from the clock's start to mark `m` (after `finish()`)."""
+        return self.between(self.start, m)

@@ -1,0 +1,65 @@
+"""The runtime's run modes behind one protocol, and the entry points that drive them.
+
+Modes (`RuntimeJob.mode`):
+* "executor": our executor runs `job.schedule` (any validated schedule of the MLLM);
+* "megatron_core": megatron-core's own 1F1B with the encoder in stage 0's forward step (the
+  baseline users have today);
+* "reference": one process, no parallelism, every micro-batch in turn.
+All load the same canonical weights (`job.full_state`), so losses and gradients can be compared.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+from megatron_mllm.runtime.bootstrap import init_rank
+from megatron_mllm.runtime.job import RuntimeJob, check_job
+
+
+class Run(Protocol):
+    """What every run mode offers: built once, then stepped."""
+
+    def step(self, step: int) -> None: ...
+
+    def replan(self) -> bool: ...
+
+    def result(self) -> dict: ...
+
+
+def make_run(rank: int, world: int, job: RuntimeJob, device: torch.device) -> Run:
+    """The built run of `job.mode` on this rank (after `init_rank`)."""
+    if job.mode == "megatron_core":
+        from megatron_mllm.runtime.megatron_baseline import MegatronCoreRun
+
+        return MegatronCoreRun(rank, job, device)
+    if job.mode == "reference":
+        from megatron_mllm.runtime.reference import ReferenceRun
+
+        return ReferenceRun(job, device)
+    from megatron_mllm.runtime.executor_run import ExecutorRun
+
+    return ExecutorRun(rank, world, job, device)
+
+
+def run_rank(rank: int, world: int, job: RuntimeJob) -> dict:
+    """Entry point of one rank (see `launch.spawn`): `job.steps` steps, then the result."""
+    return run_interleaved(rank, world, [job], job.steps)[0]
+
+
+def run_interleaved(rank: int, world: int, jobs: list[RuntimeJob], steps: int) -> list[dict]:
+    """Several jobs in the same processes, taking steps in turn (A B C A B C ...): the fairest
+    comparison on a noisy machine. Returns each job's result."""
+    for job in jobs:
+        check_job(job, world)
+    device = init_rank(rank, world, jobs[0].seed, jobs[0].timeout_s)
+    runs = [make_run(rank, world, job, device) for job in jobs]
+    for step in range(steps):
+        for job, run in zip(jobs, runs, strict=True):
+            run.step(step)
+            if job.replan_after is not None and step + 1 == job.replan_after:
+                run.replan()
+    dist.barrier()
+    return [run.result() for run in runs]

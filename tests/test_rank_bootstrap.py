@@ -1,0 +1,135 @@
+"""A rank's start and what every run mode does on a device, checked on the CPU: megatron-core's
+seeding as a CUDA rank runs it, process groups created in the same order on every rank, and no
+tensor made by our code without an explicit device (what a GPU would reject)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_mllm.models.config import TINY
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.bootstrap import backend_for
+from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
+from megatron_mllm.runtime.launch import spawn
+from megatron_mllm.runtime.reference import make_full_state
+from megatron_mllm.runtime.schedules import runtime_schedule
+
+N = 4
+
+
+def _upstream_seeding(rank: int, world: int, explicit: bool) -> dict:
+    """megatron-core's own `model_parallel_cuda_manual_seed` (no CPU seeding patch), as every
+    CUDA rank runs it; only its RNG tracker keeps states on the CPU generator."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel import random as mc_random
+    from megatron_mllm_patches.cpu_rng_tracker import CPURNGStatesTracker
+
+    from megatron_mllm.runtime.bootstrap import seed_model_parallel
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    assert mc_random.model_parallel_cuda_manual_seed.__module__ == mc_random.__name__
+    mc_random._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
+    mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    if explicit:
+        seed_model_parallel(7)
+    else:  # what the runtime called before: no expert-parallel ranks
+        mc_random.model_parallel_cuda_manual_seed(7, tp_rank=0)
+    return {"names": sorted(mc_random.get_cuda_rng_tracker().get_states())}
+
+
+def test_seeding_runs_megatron_cores_unpatched_path():
+    (out,) = spawn(_upstream_seeding, 1, True)
+    assert len(out["names"]) == 3  # data-parallel, model-parallel and expert streams
+    with pytest.raises(Exception, match="expert|parallel|None"):
+        spawn(_upstream_seeding, 1, False)  # the old call dies on every CUDA rank
+
+
+def test_backend_serves_cpu_and_cuda_tensors():
+    assert backend_for(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
+    assert backend_for(torch.device("cpu")) == "gloo"
+
+
+def _group_order(rank: int, world: int, job: RuntimeJob) -> list[tuple[int, ...]]:
+    """Every new_group this rank makes while building the executor's run, in order."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.executor_run import ExecutorRun
+
+    device = init_rank(rank, world, job.seed, job.timeout_s)
+    made, original = [], distributed_c10d.new_group
+
+    def recording(ranks=None, *args, **kwargs):
+        made.append(tuple(sorted(ranks)) if ranks is not None else ())
+        return original(ranks, *args, **kwargs)
+
+    distributed_c10d.new_group = dist.new_group = recording
+    try:
+        ExecutorRun(rank, world, job, device)
+    finally:
+        distributed_c10d.new_group = dist.new_group = original
+    return made
+
+
+@pytest.mark.parametrize("ordered", [False, True], ids=["tagged", "ordered"])
+def test_process_groups_are_created_in_one_order_on_every_rank(ordered):
+    """NCCL builds a communicator per group as it is created (device-bound default group):
+    every rank must create the same groups in the same order, or they block each other."""
+    plan = ParallelPlan(1, 1, 2)
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
+    job = RuntimeJob(TINY, plan, 1, N, {}, schedule=schedule, ordered_p2p=ordered)
+    job = _with_state(job)
+    orders = spawn(_group_order, 2, job)
+    assert orders[0] == orders[1] and len(orders[0]) > 4
+    if ordered:  # one group per message direction, both directions present
+        assert orders[0].count((0, 1)) >= 2
+
+
+_STATE: dict = {}
+
+
+def _with_state(job: RuntimeJob) -> RuntimeJob:
+    from dataclasses import replace
+
+    if "tiny" not in _STATE:
+        _STATE["tiny"] = spawn(make_full_state, 1, TINY, 0)[0]
+    return replace(job, full_state=_STATE["tiny"])
+
+
+def _guarded_steps(rank: int, world: int, job: RuntimeJob) -> list[str]:
+    """Build the run, then one step (with clipping and the optimizer), the coreset's selection
+    and broadcast where configured, and the training loop's loss reduction, under the guard."""
+    from device_guard import ExplicitDevices
+
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.runs import make_run
+    from megatron_mllm.training.train import mean_loss
+
+    device = init_rank(rank, world, job.seed, job.timeout_s)
+    run = make_run(rank, world, job, device)
+    guard = ExplicitDevices(strict=False)  # collect them all, for one clear assertion
+    with guard:
+        run.step(0)
+        if job.mode == "executor":
+            mean_loss(run.history[-1], device)
+    return guard.violations
+
+
+@pytest.mark.parametrize("mode", ["executor", "reference", "megatron_core", "coreset"])
+def test_no_tensor_is_made_without_a_device(mode):
+    """The class of bug a CPU machine cannot see: a factory without `device=` in our code."""
+    from megatron_mllm.data.coreset import CoresetConfig
+
+    plan = ParallelPlan(1, 1, 2) if mode != "reference" else ParallelPlan(1, 1, 1)
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus")
+    fields = dict(schedule=schedule, lr=1e-2, clip_grad=0.5, mode=mode)
+    if mode == "coreset":
+        enc_plan = encoder_plan_of(schedule, plan)[0]  # the pool runs on the same modules
+        pool = runtime_schedule(TINY, plan, 1, 2 * N, "optimus", encoder_plan=enc_plan)
+        coreset = CoresetConfig(batch_size=N, features="exact")
+        fields.update(mode="executor", coreset=coreset, pool_schedule=pool)
+    job = _with_state(RuntimeJob(TINY, plan, 1, N, {}, **fields))
+    violations = sorted({v for out in spawn(_guarded_steps, plan.world_size, job) for v in out})
+    assert violations == []
