@@ -10,7 +10,8 @@ from dataclasses import dataclass
 from megatron_mllm.parallel.groups import ColocatedGroups, RankCoords, backbone_rank, rank_coords
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.actions import Action
-from megatron_mllm.schedule.dataflow import Dataflow, key_prefix
+from megatron_mllm.schedule.dataflow import Dataflow
+from megatron_mllm.schedule.keys import TensorKey
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.validator import backbone_groups
 
@@ -21,7 +22,7 @@ class Op:
 
     kind: str  # "run", "send", "recv"
     action: Action | None = None
-    key: str = ""
+    key: str = ""  # str(TensorKey): names the message, and its tag
     peer: int = -1
     fills: tuple[Action, ...] = ()  # TP-bubble fills that travel with a backbone action
 
@@ -50,15 +51,16 @@ class Routes:
         return backbone_rank(self.bplan, tp, self.dp, stage)
 
     def pairs(self, key: str) -> list[tuple[int, int]]:
-        prefix = key_prefix(key)
+        k = TensorKey.parse(key)
+        if not k.is_transfer:
+            raise ValueError(f"{key} stays on its GPU: it has no routes")
         src_lane, dst_lane = self.flow.transfer_ranks(key)
         tp = self.bplan.tp
-        if prefix in ("act", "grad"):
+        if k.kind in ("act", "grad"):
             return [(self._rank(t, src_lane), self._rank(t, dst_lane)) for t in range(tp)]
-        e, m = int(key.split(".")[1][1:]), int(key.split(".")[-1][1:])
-        enc = self.meta.encoders[e]
-        pipe = self.flow.assignment[e][m]
-        if prefix == "eout":
+        enc = self.meta.encoders[k.enc]
+        pipe = self.flow.assignment[k.enc][k.mb]
+        if k.kind == "eout":
             slot = enc.placement[pipe][-1][1]
             return [
                 (
@@ -101,7 +103,8 @@ def gpu_program(schedule: Schedule, groups: ColocatedGroups, encoder_tp: int) ->
         """Encoder output/gradient moving between GPUs of this rank (no SEND/RECV in the IR)."""
         out = []
         for k in keys:
-            if key_prefix(k) in ("eout", "egrad") and len(set(flow.transfer_ranks(k))) == 1:
+            kind = TensorKey.parse(k).kind
+            if kind in ("eout", "egrad") and len(set(flow.transfer_ranks(k))) == 1:
                 out += messages(k, incoming)
         return out
 

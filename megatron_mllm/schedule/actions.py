@@ -6,10 +6,16 @@
                         forward kernels [0, 12) of that stage
     EF:e0p1s0m3k4-7@tp2 the same, run inside TP bubble 2 of the next backbone action in the list
     EB:e0p1s0m3k0-12    encoder backward kernels [0, 12) (counted in backward order)
-    SEND:act.s1v0.m3    send a tensor, named by its key (see `dataflow`), to the rank that uses it
+    SEND:act.s1v0.m3    send a tensor, named by its key (see `keys`), to the rank that uses it
     RECV:act.s1v0.m3    wait for that tensor to arrive
     AG:bb  AG:e0        data-parallel all-gather of the backbone's (encoder 0's) parameters
     RS:bb  RS:e0        data-parallel reduce-scatter of their gradients
+
+What the DP actions do today: the planner and simulator cost them as a distributed optimizer's
+operations (AG: bf16 parameter all-gather, RS: fp32 gradient reduce-scatter). The runtime still
+trains with a replicated fp32 optimizer, so there AG does nothing (parameters are already whole
+on every DP rank) and RS is a full gradient all-reduce over the part's DP group. Making them
+megatron-core's DistributedOptimizer operations is the bf16 / distributed-optimizer issue.
 
 Micro-batch numbers are always the backbone's: the encoder pipeline that feeds backbone
 micro-batch 3 calls its work m3 too.
@@ -21,6 +27,7 @@ import re
 from dataclasses import dataclass
 
 from megatron_mllm.errors import ConfigError
+from megatron_mllm.schedule.keys import TensorKey, part_encoder
 
 BACKBONE_KINDS = ("F", "B")
 ENCODER_KINDS = ("EF", "EB")
@@ -42,7 +49,7 @@ class Action:
     k0: int = 0
     k1: int = 0
     fill: int | None = None  # EF/EB only: index of the TP bubble of the next backbone action
-    key: str = ""  # SEND/RECV: tensor key; AG/RS: parameter part ("bb" or "e<N>")
+    key: str = ""  # SEND/RECV: str(TensorKey); AG/RS: parameter part ("bb" or "e<N>")
 
     def __str__(self) -> str:
         if self.kind in BACKBONE_KINDS:
@@ -98,8 +105,8 @@ def RS(part: str) -> Action:
 
 _BACKBONE_RE = re.compile(r"^(F|B):s(\d+)v(\d+)m(\d+)$")
 _ENCODER_RE = re.compile(r"^(EF|EB):e(\d+)p(\d+)s(\d+)m(\d+)k(\d+)-(\d+)(?:@tp(\d+))?$")
-_KEY_RE = re.compile(r"^(SEND|RECV):([a-z]+(?:\.[a-z]\d+(?:[a-z]\d+)*)+)$")
-_DP_RE = re.compile(r"^(AG|RS):(bb|e\d+)$")
+_KEY_RE = re.compile(r"^(SEND|RECV):(\S+)$")  # and the key parses (`TensorKey.parse`)
+_DP_RE = re.compile(r"^(AG|RS):(\S+)$")  # and the part parses (`part_encoder`)
 
 
 def parse_action(text: str) -> Action:
@@ -122,9 +129,14 @@ def parse_action(text: str) -> Action:
             k1=k1,
             fill=fill,
         )
-    if m := _KEY_RE.match(s):
-        return Action(m[1], key=m[2])
-    if m := _DP_RE.match(s):
+    if (m := _KEY_RE.match(s)) or (m := _DP_RE.match(s)):
+        try:
+            if m[1] in TRANSFER_KINDS:
+                TensorKey.parse(m[2])
+            else:
+                part_encoder(m[2])
+        except ValueError as err:
+            raise ConfigError(f"action '{s}': {err}") from None
         return Action(m[1], key=m[2])
     raise ConfigError(
         f"cannot parse action '{s}'; expected forms like F:s0v0m1, B:s0v0m1, "

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.blocks import Block, JobCosts, concat, state_bytes
+from megatron_mllm.schedule.keys import cost_name, part_name
 from megatron_mllm.schedule.schedule import EncoderMeta, ScheduleMeta
 from megatron_mllm.schedule.workload import Workload
 
@@ -64,7 +65,9 @@ def assemble(
         encoder_act_bytes=[[b.act_bytes for b in lay.stages] for lay in encoders],
         memory_bytes=job.hw.memory_gb * 1e9,
     )
-    wl.transfer_s["act"] = wl.transfer_s["grad"] = cm.p2p_s(llm_h, job.seq_len, plan.tp)
+    wl.transfer_s[cost_name("act")] = wl.transfer_s[cost_name("grad")] = cm.p2p_s(
+        llm_h, job.seq_len, plan.tp
+    )
     state = [0.0] * plan.pp
     for s in range(plan.pp):
         blocks = [backbone[(s, v)] for v in range(plan.vpp)]
@@ -76,16 +79,13 @@ def assemble(
     for e, lay in enumerate(encoders):
         seq = job.encoder_seq(job.encoders[e])
         enc_h = job.encoders[e].hidden_size
-        wl.transfer_s[f"eout.e{e}"] = wl.transfer_s[f"egrad.e{e}"] = cm.p2p_s(
-            llm_h, seq, lay.plan.tp
-        )
-        wl.transfer_s[f"eact.e{e}"] = wl.transfer_s[f"egin.e{e}"] = cm.p2p_s(
-            enc_h, seq, lay.plan.tp
-        )
+        llm_s, enc_s = cm.p2p_s(llm_h, seq, lay.plan.tp), cm.p2p_s(enc_h, seq, lay.plan.tp)
+        wl.transfer_s[cost_name("eout", e)] = wl.transfer_s[cost_name("egrad", e)] = llm_s
+        wl.transfer_s[cost_name("eact", e)] = wl.transfer_s[cost_name("egin", e)] = enc_s
         for j, block in enumerate(lay.stages):
             for r in {pipe[j][0] for pipe in lay.placement}:
-                wl.dp_s[(r, "AG", f"e{e}")] = cm.dp_gather_s(block.params, lay.plan.dp)
-                wl.dp_s[(r, "RS", f"e{e}")] = cm.dp_reduce_scatter_s(
+                wl.dp_s[(r, "AG", part_name(e))] = cm.dp_gather_s(block.params, lay.plan.dp)
+                wl.dp_s[(r, "RS", part_name(e))] = cm.dp_reduce_scatter_s(
                     block.trainable_params, lay.plan.dp
                 )
                 state[r] += state_bytes(block, lay.plan.dp)

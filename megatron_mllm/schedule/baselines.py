@@ -19,6 +19,7 @@ from megatron_mllm.schedule.assemble import (
     stages_from_sizes,
 )
 from megatron_mllm.schedule.blocks import JobCosts, concat
+from megatron_mllm.schedule.keys import part_name
 from megatron_mllm.schedule.partition import balanced_partition
 from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_orders
 from megatron_mllm.schedule.schedule import Schedule, ScheduleMeta
@@ -47,8 +48,8 @@ def megatron_schedule(costs: JobCosts, even_split: bool = False) -> tuple[Schedu
 
 
 def _stage0_encoder_lists(meta: ScheduleMeta) -> list[list[Action]]:
-    enc_parts = [f"e{e}" for e in range(len(meta.encoders))]
-    trained = [f"e{e}" for e, enc in enumerate(meta.encoders) if enc.trainable]
+    enc_parts = [part_name(e) for e in range(len(meta.encoders))]
+    trained = [part_name(e) for e, enc in enumerate(meta.encoders) if enc.trainable]
     ranks = []
     for r, order in enumerate(backbone_orders(meta)):
         acts: list[Action] = [AG("bb")] + ([AG(p) for p in enc_parts] if r == 0 else [])

@@ -23,6 +23,7 @@ from megatron_mllm.schedule.actions import AG, EB, EF, RS, Action
 from megatron_mllm.schedule.assemble import EncoderLayout, assemble, megatron_backbone
 from megatron_mllm.schedule.blocks import JobCosts, concat
 from megatron_mllm.schedule.gaps import Gap, GapPool, Placed
+from megatron_mllm.schedule.keys import TensorKey, part_name
 from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_orders
 from megatron_mllm.schedule.schedule import Schedule, ScheduleMeta
 from megatron_mllm.schedule.simulator import simulate
@@ -203,7 +204,7 @@ class _Placer:
         self.placed: list[tuple[Action, Gap, float]] = []  # chunk, its gap, planned start
         self.assignment: list[dict[int, int]] = [dict() for _ in meta.encoders]
 
-    def _transfer(self, key: str, src: int, dst: int) -> float:
+    def _transfer(self, key: TensorKey, src: int, dst: int) -> float:
         return self.wl.transfer_time(key) if src != dst else 0.0
 
     # -- forward ---------------------------------------------------------------------------
@@ -211,7 +212,7 @@ class _Placer:
         enc = self.meta.encoders[e]
         last = enc.num_stages - 1
         lane = enc.placement[pipe][last][0]
-        deadline = self.f_start[mb] - self._transfer(f"eout.e{e}.m{mb}", lane, 0)
+        deadline = self.f_start[mb] - self._transfer(TensorKey.eout(e, mb), lane, 0)
         out = []
         for j in range(last, -1, -1):
             rank, slot = enc.placement[pipe][j]
@@ -222,7 +223,7 @@ class _Placer:
             out.append(placed)
             if j > 0:
                 prev = enc.placement[pipe][j - 1][0]
-                deadline = placed[0].start - self._transfer(f"eact.e{e}.s{j}.m{mb}", prev, rank)
+                deadline = placed[0].start - self._transfer(TensorKey.eact(e, j, mb), prev, rank)
         return out[::-1]
 
     def place_forwards(self, split: str) -> None:
@@ -258,7 +259,7 @@ class _Placer:
             for mb in sorted(self.b_end, key=lambda m: self.b_end[m]):
                 pipe = self.assignment[e][mb]
                 lane = enc.placement[pipe][last][0]
-                earliest = self.b_end[mb] + self._transfer(f"egrad.e{e}.m{mb}", 0, lane)
+                earliest = self.b_end[mb] + self._transfer(TensorKey.egrad(e, mb), 0, lane)
                 for j in range(last, -1, -1):
                     kernels = self.wl.encoder_bwd[e][j]
                     if not kernels:
@@ -274,7 +275,7 @@ class _Placer:
                         earliest = (
                             placed[-1].end
                             + kernels[-1].comm_s
-                            + self._transfer(f"egin.e{e}.s{j - 1}.m{mb}", rank, nxt)
+                            + self._transfer(TensorKey.egin(e, j - 1, mb), rank, nxt)
                         )
 
     def _commit(self, kind: str, e: int, pipe: int, stage: int, mb: int, placed: list[Placed]):
@@ -313,12 +314,14 @@ class _Placer:
         for r, steps in enumerate(self.steps):
             hosted = sorted({a.enc for a in rank_of if rank_of[a] == r})
             trained = sorted({a.enc for a in rank_of if rank_of[a] == r and a.kind == "EB"})
-            acts: list[Action] = [AG(f"e{e}") for e in hosted] + [AG("bb")] + at(r, "after", -1)
+            acts: list[Action] = (
+                [AG(part_name(e)) for e in hosted] + [AG("bb")] + at(r, "after", -1)
+            )
             for j, main in enumerate(steps):
                 acts += at(r, "tp", j) + [main]
                 if j == len(steps) - 1:
                     acts.append(RS("bb"))
                 acts += at(r, "after", j)
-            acts += [RS(f"e{e}") for e in trained]
+            acts += [RS(part_name(e)) for e in trained]
             out.append(acts)
         return out

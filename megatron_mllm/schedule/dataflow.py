@@ -1,23 +1,13 @@
 """What each action needs and makes: the one source of dependencies for validator and simulator.
 
-Keys name tensors or events. Keys that cross ranks (sent by SEND, received by RECV):
-
-    act.s{S}v{V}.m{M}    input activation of backbone virtual stage (S, V)
-    grad.s{S}v{V}.m{M}   gradient of the output of backbone virtual stage (S, V)
-    eout.e{E}.m{M}       encoder E's (projected) output for backbone micro-batch M
-    egrad.e{E}.m{M}      gradient of that output, made by backbone stage 0's backward
-    eact.e{E}.s{S}.m{M}  input activation of encoder stage S
-    egin.e{E}.s{S}.m{M}  gradient of the output of encoder stage S
-
-Keys that stay on a rank: params.<part>, fwd.s{S}v{V}.m{M}, bwd.s{S}v{V}.m{M},
-ek.e{E}.s{S}.m{M}.k{K} (forward done up to kernel K), ebk... (backward), ebdone.e{E}.s{S}.m{M}.
+Keys name tensors or events; `keys` defines them (`TensorKey`) and lists their forms. Needs and
+makes are key strings (`str(TensorKey)`), the form the IR stores (see `keys`).
 """
 
 from __future__ import annotations
 
-import re
-
 from megatron_mllm.schedule.actions import Action
+from megatron_mllm.schedule.keys import TensorKey, part_encoder
 from megatron_mllm.schedule.schedule import ScheduleMeta
 
 # The dependency rule a key stands for, named in validator errors.
@@ -36,19 +26,7 @@ RULES = {
     "ebdone": "encoder gradients are reduce-scattered after every encoder backward on the rank",
 }
 
-TRANSFER_PREFIXES = ("act", "grad", "eout", "egrad", "eact", "egin")
-_KEY_RE = re.compile(
-    r"^(act|grad)\.s(\d+)v(\d+)\.m(\d+)$|^(eout|egrad)\.e(\d+)\.m(\d+)$"
-    r"|^(eact|egin)\.e(\d+)\.s(\d+)\.m(\d+)$"
-)
-
-
-def key_prefix(key: str) -> str:
-    return key.split(".", 1)[0]
-
-
-def _sv(stage: int, chunk: int) -> str:
-    return f"s{stage}v{chunk}"
+_BB = str(TensorKey.params())  # "params.bb"
 
 
 class Dataflow:
@@ -88,29 +66,29 @@ class Dataflow:
         if a.kind == "F":
             v = meta.virtual_index(a.stage, a.chunk)
             if v > 0:
-                return ["params.bb", f"act.{_sv(a.stage, a.chunk)}.m{a.mb}"]
-            return ["params.bb"] + [f"eout.e{e}.m{a.mb}" for e in range(len(meta.encoders))]
+                return [_BB, str(TensorKey.act(a.stage, a.chunk, a.mb))]
+            return [_BB] + [str(TensorKey.eout(e, a.mb)) for e in range(len(meta.encoders))]
         if a.kind == "B":
-            need = [f"fwd.{_sv(a.stage, a.chunk)}.m{a.mb}"]
+            need = [str(TensorKey.fwd(a.stage, a.chunk, a.mb))]
             if meta.virtual_index(a.stage, a.chunk) < meta.num_virtual_stages - 1:
-                need.append(f"grad.{_sv(a.stage, a.chunk)}.m{a.mb}")
+                need.append(str(TensorKey.grad(a.stage, a.chunk, a.mb)))
             return need
         if a.kind == "EF":
-            need = [f"params.e{a.enc}"]
+            need = [str(TensorKey.params(a.enc))]
             if a.k0 > 0:
-                need.append(f"ek.e{a.enc}.s{a.stage}.m{a.mb}.k{a.k0}")
+                need.append(str(TensorKey.ek(a.enc, a.stage, a.mb, a.k0)))
             elif a.stage > 0:
-                need.append(f"eact.e{a.enc}.s{a.stage}.m{a.mb}")
+                need.append(str(TensorKey.eact(a.enc, a.stage, a.mb)))
             return need
         if a.kind == "EB":
             enc = self.meta.encoders[a.enc]
-            need = [f"ek.e{a.enc}.s{a.stage}.m{a.mb}.k{enc.fwd_kernels[a.stage]}"]
+            need = [str(TensorKey.ek(a.enc, a.stage, a.mb, enc.fwd_kernels[a.stage]))]
             if a.k0 > 0:
-                need.append(f"ebk.e{a.enc}.s{a.stage}.m{a.mb}.k{a.k0}")
+                need.append(str(TensorKey.ebk(a.enc, a.stage, a.mb, a.k0)))
             elif a.stage == enc.num_stages - 1:
-                need.append(f"egrad.e{a.enc}.m{a.mb}")
+                need.append(str(TensorKey.egrad(a.enc, a.mb)))
             else:
-                need.append(f"egin.e{a.enc}.s{a.stage}.m{a.mb}")
+                need.append(str(TensorKey.egin(a.enc, a.stage, a.mb)))
             return need
         if a.kind == "SEND":
             return [a.key]
@@ -120,51 +98,59 @@ class Dataflow:
         meta = self.meta
         if a.kind == "F":
             v = meta.virtual_index(a.stage, a.chunk)
-            out = [f"fwd.{_sv(a.stage, a.chunk)}.m{a.mb}"]
+            out = [str(TensorKey.fwd(a.stage, a.chunk, a.mb))]
             if v < meta.num_virtual_stages - 1:
-                out.append(f"act.{_sv(*meta.stage_chunk(v + 1))}.m{a.mb}")
+                out.append(str(TensorKey.act(*meta.stage_chunk(v + 1), a.mb)))
             return out
         if a.kind == "B":
             v = meta.virtual_index(a.stage, a.chunk)
-            out = [f"bwd.{_sv(a.stage, a.chunk)}.m{a.mb}"]
+            out = [str(TensorKey.bwd(a.stage, a.chunk, a.mb))]
             if v > 0:
-                out.append(f"grad.{_sv(*meta.stage_chunk(v - 1))}.m{a.mb}")
+                out.append(str(TensorKey.grad(*meta.stage_chunk(v - 1), a.mb)))
             else:
                 out += [
-                    f"egrad.e{e}.m{a.mb}" for e, enc in enumerate(meta.encoders) if enc.trainable
+                    str(TensorKey.egrad(e, a.mb))
+                    for e, enc in enumerate(meta.encoders)
+                    if enc.trainable
                 ]
             return out
         if a.kind == "EF":
             enc = meta.encoders[a.enc]
-            out = [f"ek.e{a.enc}.s{a.stage}.m{a.mb}.k{a.k1}"]
+            out = [str(TensorKey.ek(a.enc, a.stage, a.mb, a.k1))]
             if a.k1 == enc.fwd_kernels[a.stage]:
                 last = a.stage == enc.num_stages - 1
-                out.append(
-                    f"eout.e{a.enc}.m{a.mb}" if last else f"eact.e{a.enc}.s{a.stage + 1}.m{a.mb}"
+                made = (
+                    TensorKey.eout(a.enc, a.mb)
+                    if last
+                    else TensorKey.eact(a.enc, a.stage + 1, a.mb)
                 )
+                out.append(str(made))
             return out
         if a.kind == "EB":
             enc = meta.encoders[a.enc]
-            out = [f"ebk.e{a.enc}.s{a.stage}.m{a.mb}.k{a.k1}"]
+            out = [str(TensorKey.ebk(a.enc, a.stage, a.mb, a.k1))]
             if a.k1 == enc.bwd_kernels[a.stage]:
-                out.append(f"ebdone.e{a.enc}.s{a.stage}.m{a.mb}")
+                out.append(str(TensorKey.ebdone(a.enc, a.stage, a.mb)))
                 if a.stage > 0 and enc.bwd_kernels[a.stage - 1] > 0:
-                    out.append(f"egin.e{a.enc}.s{a.stage - 1}.m{a.mb}")
+                    out.append(str(TensorKey.egin(a.enc, a.stage - 1, a.mb)))
             return out
         if a.kind == "RECV":
             return [a.key]
         if a.kind == "AG":
-            return [f"params.{a.key}"]
+            try:
+                return [str(TensorKey.params_of(a.key))]
+            except ValueError:  # not a part: the validator names it
+                return []
         return []
 
     def rs_needs(self, rank: int, actions: list[Action], part: str) -> list[str]:
         """A reduce-scatter waits for every backward of its part on this rank."""
-        if part == "bb":
-            return [f"bwd.{_sv(a.stage, a.chunk)}.m{a.mb}" for a in actions if a.kind == "B"]
-        e = int(part[1:])
+        e = part_encoder(part)
+        if e is None:
+            return [str(TensorKey.bwd(a.stage, a.chunk, a.mb)) for a in actions if a.kind == "B"]
         enc = self.meta.encoders[e]
         return [
-            f"ebdone.e{e}.s{a.stage}.m{a.mb}"
+            str(TensorKey.ebdone(e, a.stage, a.mb))
             for a in actions
             if a.kind == "EB" and a.enc == e and a.k1 == enc.bwd_kernels[a.stage]
         ]
@@ -177,32 +163,30 @@ class Dataflow:
         return self.meta.encoders[enc].placement[pipe][stage][0]
 
     def _compute_transfer_ranks(self, key: str) -> tuple[int | None, int | None]:
-        m = _KEY_RE.match(key)
-        if m is None:
+        k = TensorKey.try_parse(key)
+        if k is None or not k.is_transfer:
             return None, None
         meta = self.meta
-        if m[1]:
-            stage, chunk, mb = int(m[2]), int(m[3]), int(m[4])
-            v = meta.virtual_index(stage, chunk)
-            if stage >= meta.pp or chunk >= meta.vpp or mb >= meta.num_microbatches:
+        if k.kind in ("act", "grad"):
+            if k.stage >= meta.pp or k.chunk >= meta.vpp or k.mb >= meta.num_microbatches:
                 return None, None
-            other = v - 1 if m[1] == "act" else v + 1
+            v = meta.virtual_index(k.stage, k.chunk)
+            other = v - 1 if k.kind == "act" else v + 1
             if not 0 <= other < meta.num_virtual_stages:
                 return None, None
-            return meta.stage_chunk(other)[0], stage
-        if m[5]:
-            e, mb = int(m[6]), int(m[7])
-            if e >= len(meta.encoders):
-                return None, None
-            last = self.encoder_rank(e, mb, meta.encoders[e].num_stages - 1)
-            return (last, 0) if m[5] == "eout" else (0, last)
-        e, stage, mb = int(m[9]), int(m[10]), int(m[11])
-        if e >= len(meta.encoders) or stage >= meta.encoders[e].num_stages:
+            return meta.stage_chunk(other)[0], k.stage
+        if k.enc >= len(meta.encoders):
             return None, None
-        other = stage - 1 if m[8] == "eact" else stage + 1
-        if not 0 <= other < meta.encoders[e].num_stages:
+        enc = meta.encoders[k.enc]
+        if k.kind in ("eout", "egrad"):
+            last = self.encoder_rank(k.enc, k.mb, enc.num_stages - 1)
+            return (last, 0) if k.kind == "eout" else (0, last)
+        if k.stage >= enc.num_stages:
             return None, None
-        return self.encoder_rank(e, mb, other), self.encoder_rank(e, mb, stage)
+        other = k.stage - 1 if k.kind == "eact" else k.stage + 1
+        if not 0 <= other < enc.num_stages:
+            return None, None
+        return self.encoder_rank(k.enc, k.mb, other), self.encoder_rank(k.enc, k.mb, k.stage)
 
     def home_rank(self, a: Action) -> int | None:
         """The rank an action must be on (None: it belongs nowhere)."""

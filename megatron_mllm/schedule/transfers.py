@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from megatron_mllm.schedule.actions import RECV, SEND, Action
-from megatron_mllm.schedule.dataflow import TRANSFER_PREFIXES, Dataflow, key_prefix
+from megatron_mllm.schedule.dataflow import Dataflow
+from megatron_mllm.schedule.keys import TensorKey
 from megatron_mllm.schedule.schedule import Schedule, ScheduleMeta
 from megatron_mllm.schedule.validator import backbone_groups
 
@@ -17,7 +18,8 @@ def add_transfers(meta: ScheduleMeta, ranks: list[list[Action]]) -> Schedule:
     def crossing(keys: list[str], rank: int, incoming: bool) -> list[str]:
         out = []
         for k in keys:
-            if key_prefix(k) not in TRANSFER_PREFIXES:
+            key = TensorKey.try_parse(k)
+            if key is None or not key.is_transfer:
                 continue
             producer, consumer = flow.transfer_ranks(k)
             if producer != consumer and (consumer if incoming else producer) == rank:

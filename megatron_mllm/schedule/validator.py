@@ -10,7 +10,8 @@ from collections import Counter, defaultdict
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.actions import Action
-from megatron_mllm.schedule.dataflow import RULES, TRANSFER_PREFIXES, Dataflow, key_prefix
+from megatron_mllm.schedule.dataflow import RULES, Dataflow
+from megatron_mllm.schedule.keys import TensorKey, part_name
 from megatron_mllm.schedule.schedule import Schedule
 
 
@@ -163,8 +164,8 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
     for r, acts in enumerate(schedule.ranks):
         parts = Counter(a.key for a in acts if a.kind == "AG")
         reds = Counter(a.key for a in acts if a.kind == "RS")
-        hosted = {f"e{a.enc}" for a in acts if a.kind == "EF"}
-        trained = {f"e{a.enc}" for a in acts if a.kind == "EB"}
+        hosted = {part_name(a.enc) for a in acts if a.kind == "EF"}
+        trained = {part_name(a.enc) for a in acts if a.kind == "EB"}
         for part in {"bb"} | hosted:
             if parts[part] != 1:
                 fail(
@@ -237,7 +238,8 @@ def _check_dataflow(schedule: Schedule, flow: Dataflow, fail) -> None:
                     for k in needs[r][i]:
                         if k in avail[r] or (i != main and k in local):
                             continue
-                        rule = RULES.get(key_prefix(k), "dependency")
+                        key = TensorKey.try_parse(k)
+                        rule = RULES.get(key.kind, "dependency") if key else "dependency"
                         at = made_at[r].get(k)
                         if at is not None and at in group:
                             fail(
@@ -249,7 +251,7 @@ def _check_dataflow(schedule: Schedule, flow: Dataflow, fail) -> None:
                             )
                         if at is not None:
                             fail(r, i, "order", f"{rule}: {k} is made later, at step {at}")
-                        if key_prefix(k) in TRANSFER_PREFIXES:
+                        if key is not None and key.is_transfer:
                             fail(r, i, "order", f"{rule}: no RECV:{k} before this step on rank {r}")
                         fail(r, i, "order", f"{rule}: nothing on rank {r} makes {k}")
                     if i != main:

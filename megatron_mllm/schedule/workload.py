@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.cost_model import Kernel
+from megatron_mllm.schedule.keys import TensorKey
 from megatron_mllm.schedule.schedule import ScheduleMeta
 
 
@@ -20,7 +21,7 @@ class Workload:
     backbone_bwd: dict[tuple[int, int], list[Kernel]]
     encoder_fwd: list[list[list[Kernel]]] = field(default_factory=list)  # [enc][stage]
     encoder_bwd: list[list[list[Kernel]]] = field(default_factory=list)
-    transfer_s: dict[str, float] = field(default_factory=dict)  # key prefix (or prefix.eN)
+    transfer_s: dict[str, float] = field(default_factory=dict)  # by TensorKey.cost_name
     dp_s: dict[tuple[int, str, str], float] = field(default_factory=dict)  # (rank, AG|RS, part)
     backbone_act_bytes: dict[tuple[int, int], float] = field(default_factory=dict)
     encoder_act_bytes: list[list[float]] = field(default_factory=list)  # [enc][stage]
@@ -36,11 +37,11 @@ class Workload:
             return self.encoder_fwd[enc][stage]
         return self.encoder_bwd[enc][stage]
 
-    def transfer_time(self, key: str) -> float:
-        prefix, second = key.split(".")[:2]
-        if prefix in ("eout", "egrad", "eact", "egin"):
-            return self.transfer_s.get(f"{prefix}.{second}", 0.0)
-        return self.transfer_s.get(prefix, 0.0)
+    def transfer_time(self, key: str | TensorKey) -> float:
+        """Seconds to move the tensor `key` to another rank (0 where no cost is filed for its
+        kind). Raises ValueError if `key` is not a key."""
+        k = key if isinstance(key, TensorKey) else TensorKey.parse(key)
+        return self.transfer_s.get(k.cost_name, 0.0)
 
     def check_matches(self, meta: ScheduleMeta) -> None:
         """Raise ConfigError if this workload does not describe `meta`'s model."""
