@@ -34,9 +34,12 @@ test-all: $(STAMP)
 test-slow: $(STAMP)
 	$(PY) -m pytest -q -m slow tests
 
-# On a CUDA machine: the tests marked gpu (NCCL, CUDA tensors); they skip without CUDA.
+# On a CUDA machine: the tests marked gpu (NCCL, CUDA tensors). Unlike make test, nothing skips
+# here: no CUDA stops it with one line before any test runs, and a test marked gpus(n) fails
+# when fewer than n GPUs are present. On the one-GPU machine: bash tools/gpu_check.sh.
 gpu-check: $(STAMP)
-	$(PY) -m pytest -q -m gpu tests -rs
+	@$(PY) tests/conftest.py
+	MEGATRON_MLLM_GPU_CHECK=1 $(PY) -m pytest -q -m gpu tests -rfEs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .
