@@ -366,3 +366,20 @@ def test_two_encoders_agree(plan, unit):
         check_against((state, ref), outs, {"backbone": plan.tp, **dict.fromkeys(parts, etp)})
     with pytest.raises(ConfigError, match="runs one encoder"):
         check_job(RuntimeJob(cfg, plan, 1, N, state, mode="megatron_core"), plan.world_size)
+
+
+def test_schedule_metadata_names_the_encoder_placement():
+    """The encoder plan travels in the schedule's metadata (also through CSV); a schedule whose
+    stored plan disagrees with its layout is refused with one line."""
+    from megatron_mllm.schedule.schedule import Schedule
+
+    plan = ParallelPlan(1, 1, 2)
+    megatron = runtime_schedule(TINY, plan, 1, N, "megatron")
+    assert megatron.meta.encoder_on_stage0 and megatron.meta.encoder_plan == (1, 1, 1)
+    optimus = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
+    loaded = Schedule.from_csv(optimus.to_csv())
+    assert loaded.meta.encoder_plan == (2, 1, 1) and not loaded.meta.encoder_on_stage0
+    assert encoder_plan_of(loaded, plan) == (ParallelPlan(2, 1, 1), False)
+    tampered = replace(loaded, meta=replace(loaded.meta, encoder_plan=(1, 1, 2)))
+    with pytest.raises(ConfigError, match="disagrees with its layout"):
+        encoder_plan_of(tampered, plan)

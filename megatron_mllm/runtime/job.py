@@ -56,21 +56,33 @@ def layer_overrides(layers: tuple[int, ...] | list[int], pp: int) -> dict:
 
 
 def encoder_plan_of(schedule: Schedule, backbone: ParallelPlan) -> tuple[ParallelPlan, bool]:
-    """The encoder plan a schedule implies, and whether it is the stage-0 (Megatron) placement."""
+    """The schedule's encoder plan, and whether the encoders sit whole on backbone stage 0
+    (Megatron's placement; with one backbone stage that is the colocated plan DP x TP x 1).
+    Read from the schedule's metadata; inferred from its encoder layout for schedules saved
+    without it. Either way it must agree with the layout and colocate with `backbone`."""
     meta = schedule.meta
     if not meta.encoders:
         raise ConfigError("the runtime needs a schedule with the encoder as its own actions")
     enc = meta.encoders[0]
     stages, pipes = enc.num_stages, enc.num_pipes
     tp_e = backbone.tp // meta.slots
-    if pipes * stages == 1 and meta.slots == 1 and backbone.pp > 1:
+    stage0 = pipes * stages == 1 and meta.slots == 1 and backbone.pp > 1
+    if meta.encoder_plan and meta.encoder_on_stage0 != stage0 and backbone.pp > 1:
+        raise ConfigError("schedule's encoder_on_stage0 disagrees with its encoder layout")
+    if stage0:
         return ParallelPlan(backbone.dp, backbone.tp, 1), True
     if pipes != (backbone.pp // stages) * meta.slots:
         raise ConfigError(
             f"schedule's encoder layout ({pipes} pipelines x {stages} stages) does "
             f"not colocate with backbone {backbone}"
         )
-    return ParallelPlan(backbone.world_size // (tp_e * stages), tp_e, stages), False
+    plan = ParallelPlan(backbone.world_size // (tp_e * stages), tp_e, stages)
+    if meta.encoder_plan and tuple(meta.encoder_plan) != (plan.dp, plan.tp, plan.pp):
+        raise ConfigError(
+            f"schedule's encoder plan DP{meta.encoder_plan[0]} TP{meta.encoder_plan[1]} "
+            f"PP{meta.encoder_plan[2]} disagrees with its layout on backbone {backbone} ({plan})"
+        )
+    return plan, False
 
 
 def check_job(job: RuntimeJob, world: int) -> None:

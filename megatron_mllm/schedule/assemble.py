@@ -28,6 +28,7 @@ def assemble(
     slots: int,
     state_blocks: dict[int, list[tuple[Block, int]]] | None = None,
     backbone_layers: tuple[int, ...] = (),
+    on_stage0: bool = False,
 ) -> tuple[ScheduleMeta, Workload]:
     """Metadata and costs for a schedule with these backbone stages and encoder layouts.
 
@@ -54,6 +55,10 @@ def assemble(
         ),
         name=name,
         backbone_layers=backbone_layers,
+        encoder_plan=(encoders[0].plan.dp, encoders[0].plan.tp, encoders[0].plan.pp)
+        if encoders
+        else (),
+        encoder_on_stage0=on_stage0 and bool(encoders),
     )
     llm_h = job.backbone.hidden_size
     wl = Workload(

@@ -43,7 +43,9 @@ def megatron_schedule(costs: JobCosts, even_split: bool = False) -> tuple[Schedu
     layouts = [
         EncoderLayout([b], ParallelPlan(plan.dp, plan.tp, 1), (((0, 0),),)) for b in encoders
     ]
-    meta, workload = assemble("megatron", costs, backbone, layouts, slots=1, backbone_layers=layers)
+    meta, workload = assemble(
+        "megatron", costs, backbone, layouts, slots=1, backbone_layers=layers, on_stage0=True
+    )
     return add_transfers(meta, _stage0_encoder_lists(meta)), workload
 
 

@@ -51,6 +51,11 @@ class ScheduleMeta:
     encoders: tuple[EncoderMeta, ...] = ()
     name: str = ""
     backbone_layers: tuple[int, ...] = ()  # layers per virtual stage (the executor builds these)
+    # Where the encoders run (all share one plan): the encoder plan as (DP, TP, PP), and whether
+    # they sit whole in backbone stage 0's pre-process (Megatron's placement). () in schedules
+    # saved before these fields existed: the runtime then infers the plan from `encoders`.
+    encoder_plan: tuple[int, ...] = ()
+    encoder_on_stage0: bool = False
 
     @property
     def num_virtual_stages(self) -> int:
@@ -78,6 +83,7 @@ class ScheduleMeta:
             for e in raw.pop("encoders")
         )
         raw["backbone_layers"] = tuple(raw.get("backbone_layers", ()))
+        raw["encoder_plan"] = tuple(raw.get("encoder_plan", ()))
         return ScheduleMeta(encoders=encoders, **raw)
 
 
