@@ -1,16 +1,23 @@
 """Runs one GPU's program on real megatron-core modules and torch.distributed.
 
 Handlers, one per action kind (DeepSpeed's instruction -> handler map): backbone forward and
-backward, encoder units forward and backward, tagged asynchronous p2p (never relying on the order
-in which two messages between the same pair of ranks were posted), gradient reduction over each
-plan's own DP group. What really ran is recorded as trace spans in the simulator's format.
+backward, encoder units forward and backward, the parts' DP gradient reductions (bucketed and
+asynchronous, `grad_reduction.py`); messages go through `messages.py` (tagged on gloo, ordered
+with lazily posted receives as NCCL needs); TP-bubble fills are paced by the plan
+(`fill_pacing.py`). What really ran is recorded as trace spans in the simulator's format.
+
+On a GPU's terms (a host that runs ahead of the device):
+* every time is a StepClock mark, read after the one synchronize at step end, and the losses are
+  read there too (no `.item()` per micro-batch);
+* a tensor leaves the table once its last local consumer has read it and its last send is
+  posted; pending sends are dropped as they complete; dynamic mode holds at most
+  `max_encoder_ahead` encoder micro-batches run ahead of the program.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime
-import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,14 +26,22 @@ import torch.distributed as dist
 
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
+from megatron_mllm.runtime.clock import StepClock
+from megatron_mllm.runtime.fill_pacing import FillPacer, fill_budgets, planned_bubbles
+from megatron_mllm.runtime.grad_reduction import start_reduction
+from megatron_mllm.runtime.messages import RECV_LOOKAHEAD, Messages, PeerFailure
 from megatron_mllm.runtime.program import Op
 from megatron_mllm.schedule.actions import Action
+from megatron_mllm.schedule.dataflow import Dataflow
+from megatron_mllm.schedule.keys import TensorKey, part_encoder
 from megatron_mllm.schedule.schedule import ScheduleMeta
 from megatron_mllm.schedule.simulator import Span
 
+__all__ = ["Executor", "PeerFailure", "StepResult"]
 
-class PeerFailure(RuntimeError):
-    """A message did not arrive: names this rank, the action waited on and the peer."""
+# Dynamic mode: encoder micro-batches whose work may run ahead of its place in the program (the
+# planner assumes no more than this many encoder micro-batches in flight beyond its schedule).
+MAX_ENCODER_AHEAD = 2
 
 
 @dataclass
@@ -41,6 +56,11 @@ class StepResult:
     # the backbone's per layer (a chunk's F or B compute time over its layer count) and per TP
     # collective: ("llm", "collectives", "all_reduce" | "all_gather" | "reduce_scatter" [+ "_b"]).
     unit_times: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
+    # Ordered mode: sender -> the most of its receives posted and not yet consumed at once.
+    max_posted_ahead: dict[int, int] = field(default_factory=dict)
+    max_encoder_ahead: int = 0  # dynamic mode: most encoder micro-batches run ahead at once
+    leftover_keys: list[str] = field(default_factory=list)  # the tensor table at step end
+    fills_per_wait: list[int] = field(default_factory=list)  # fills run inside each TP wait
 
 
 class Executor:
@@ -64,6 +84,8 @@ class Executor:
         dynamic: bool = False,
         ordered: tuple[dict, dict] | None = None,
         overlap_fills: bool = False,
+        recv_lookahead: int = RECV_LOOKAHEAD,
+        max_encoder_ahead: int = MAX_ENCODER_AHEAD,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
@@ -86,20 +108,32 @@ class Executor:
             encoder_dp_group,
             backbone_dp,
         )
-        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.timeout_s = timeout_s
         # Forward-only (a coreset pool): no graph; the last stage keeps its output layer's input.
         self.forward_only = forward_only
-        # Dynamic mode: run ready encoder work while waiting for a message (see _fill_wait).
-        self.dynamic = dynamic
+        # Dynamic mode: run ready encoder work while waiting for a message (see _fill_wait),
+        # at most `max_encoder_ahead` encoder micro-batches ahead of the program.
+        self.dynamic, self.max_encoder_ahead = dynamic, max_encoder_ahead
         # Ordered mode (NCCL has no tags): (receive orders {src: keys in the sender's posting
-        # order}, {(src, dst): a process group carrying only that direction}). Every receive is
-        # posted at step start in its sender's order, so matching by order is matching by key,
-        # and no send waits behind a receive on a shared stream.
-        self.ordered = ordered
-        # Overlap: a backbone action's TP-bubble fills run while its TP all-reduces are in
-        # flight (patches/async_tp_collectives.py); what is left runs right after it.
+        # order}, {(src, dst): a process group carrying only that direction}). Each sender's
+        # receives are posted in its order, so matching by order is matching by key; they are
+        # posted when needed, with `recv_lookahead` more (see messages.py).
+        self.ordered, self.recv_lookahead = ordered, recv_lookahead
+        # Overlap: a backbone action's TP-bubble fills run while its TP collectives are in
+        # flight (patches/async_tp_collectives.py), paced by the plan; the rest run after it.
         self.overlap_fills = overlap_fills
-        self._fill_s = 0.0  # seconds spent in fills nested inside backbone actions
+        self.flow = Dataflow(meta, [])  # what each action reads (needs use no assignment)
+        self._planned = planned_bubbles(program)
+        self._collectives: dict[tuple[str, int, int], int] = {}  # counted TP waits per action
+        # Reference counts: how many local actions read each key, how many sends carry it.
+        self._uses = Counter(
+            k
+            for op in program
+            if op.kind == "run"
+            for a in (*op.fills, op.action)
+            for k in self._needs(a)
+        )
+        self._sends = Counter(op.key for op in program if op.kind == "send")
         self.last_layer_inputs: dict[int, torch.Tensor] = {}
         self.handlers = {
             "F": self._forward,
@@ -112,209 +146,273 @@ class Executor:
 
     # -- one step ------------------------------------------------------------------------------
     def run_step(self) -> StepResult:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.bb_ctx: dict[tuple, tuple] = {}
-        self.enc_units: dict[tuple, list] = {}
-        self.pending: list = []
-        self.reductions: list[Callable[[], None]] = []  # gradient all-reduces still in flight
-        self.result = StepResult()
-        self._batches: dict[int, tuple] = {}
-        self._bwd_done: dict[tuple, int] = {}  # encoder backward units done per (e, s, mb)
-        t0 = time.perf_counter()
-        self.posted: dict[tuple[str, int], tuple] = {}
-        if self.ordered is not None:
-            orders, groups = self.ordered
-            for src, keys in orders.items():
-                for key in keys:
-                    buf = torch.empty(self._shape(key), device=self.device)
-                    work = dist.irecv(buf, src, group=groups[(src, self.rank)], tag=0)
-                    self.posted[(key, src)] = (work, buf)
-        hook = None
-        if self.forward_only and self.backbone.post_process:
-            self._captured: list[torch.Tensor] = []
-
-            def capture(module, args):
-                self._captured.append(args[0].transpose(0, 1).detach())  # [b, s, h]
-
-            hook = self.backbone.gpt.output_layer.register_forward_pre_hook(capture)
+        self._start_step()
+        hook = self._capture_hook()
         try:
             with torch.no_grad() if self.forward_only else contextlib.nullcontext():
-                self._run_program(t0)
+                self._run_program()
         finally:
             if hook is not None:
                 hook.remove()
-        for work, op in self.pending:
-            self._wait(work, op)
+        self.messages.drain()
         for finish in self.reductions:
             finish()
-        self.result.seconds = time.perf_counter() - t0
+        self._finish_step()
         return self.result
 
-    def _run_program(self, t0: float) -> None:
+    def _start_step(self) -> None:
+        """Fresh per-step state; the clock starts here."""
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.bb_ctx: dict[tuple, tuple] = {}
+        self.enc_units: dict[tuple, list] = {}
+        self.reductions: list[Callable[[], None]] = []  # gradient reductions still in flight
+        self.result = StepResult()
+        self._batches: dict[int, tuple] = {}
+        self._bwd_done: dict[tuple, int] = {}  # encoder backward units done per (e, s, mb)
+        self._uses_left, self._sends_left = Counter(self._uses), Counter(self._sends)
+        self._losses: dict[int, torch.Tensor] = {}  # read once, at step end
+        self._fill_marks: list[tuple] = []  # (start, end) marks of fills inside collectives
+        self._ahead: dict[tuple[int, int], int] = {}  # dynamic: (enc, mb) -> op index moved
+        self._later: list[Callable[[], None]] = []  # read marks after clock.finish()
+        self.clock = StepClock(self.device)
+        self.messages = Messages(
+            self.rank, self.device, self._shape, self.timeout_s, self.ordered, self.recv_lookahead
+        )
+
+    def _capture_hook(self):
+        """Forward-only on the last stage: keep the output layer's input per micro-batch."""
+        if not (self.forward_only and self.backbone.post_process):
+            return None
+        self._captured: list[torch.Tensor] = []
+
+        def capture(module, args):
+            self._captured.append(args[0].transpose(0, 1).detach())  # [b, s, h]
+
+        return self.backbone.gpt.output_layer.register_forward_pre_hook(capture)
+
+    def _finish_step(self) -> None:
+        """The step's one synchronize; then every mark and loss is read."""
+        end = self.clock.mark()
+        self.clock.finish()
+        for read in self._later:
+            read()
+        self.result.seconds = self.clock.since_start(end)
+        self.result.losses = {mb: float(t) for mb, t in self._losses.items()}
+        self.result.leftover_keys = sorted(self.tensors)
+        self.result.max_posted_ahead = self.messages.max_posted_ahead
+
+    def _run_program(self) -> None:
         done = [False] * len(self.program)
         for i, op in enumerate(self.program):
             if done[i]:
                 continue
-            start = time.perf_counter() - t0
+            self.messages.reap()
             if op.kind == "run":
-                if op.fills and self.overlap_fills:
-                    self._run_overlapped(op, t0)
-                else:  # sequential: the fills just before their backbone action
-                    for fill in op.fills:
-                        self._run(fill, t0)
-                    self._run(op.action, t0)
+                self._run_op(op)
                 continue
+            start = self.clock.mark()
             if op.kind == "send":
-                tensor = self.tensors[op.key].contiguous()
-                if self.ordered is not None:
-                    group = self.ordered[1][(self.rank, op.peer)]
-                    work = dist.isend(tensor, op.peer, group=group, tag=0)
-                else:
-                    work = dist.isend(tensor, op.peer, tag=op.tag)
-                self.pending.append((work, op))
+                self._send(op)
             else:
-                if self.ordered is not None:
-                    work, buf = self.posted.pop((op.key, op.peer))
-                else:
-                    buf = torch.empty(self._shape(op.key), device=self.device)
-                    work = dist.irecv(buf, op.peer, tag=op.tag)
-                if self.dynamic:
-                    self._fill_wait(work, i, done, t0)
-                self._wait(work, op)
-                self.tensors[op.key] = buf
-            end = time.perf_counter() - t0
-            self.result.spans.append(
-                Span(
-                    self.rank,
-                    None,
-                    "p2p",
-                    Action(op.kind.upper(), key=op.key),
-                    "",
-                    start,
-                    end,
-                    "p2p",
-                )
-            )
+                self._recv(op, i, done)
+            action = Action(op.kind.upper(), key=op.key)
+            self._span_later("p2p", action, "p2p", start, self.clock.mark())
 
-    def _run_overlapped(self, op: Op, t0: float) -> None:
+    def _run_op(self, op: Op) -> None:
+        if op.fills and self.overlap_fills:
+            self._run_overlapped(op)
+            return
+        for fill in op.fills:  # sequential: the fills just before their backbone action
+            self._run(fill)
+        self._run(op.action)
+
+    # -- messages ------------------------------------------------------------------------------
+    def _send(self, op: Op) -> None:
+        """Post a send; the table lets go of the tensor once no send or local use is left (the
+        pending send keeps it alive until it completes)."""
+        self.messages.send(op, self.tensors[op.key])
+        self._sends_left[op.key] -= 1
+        self._release(op.key)
+
+    def _recv(self, op: Op, i: int, done: list[bool]) -> None:
+        work, buf = self.messages.receive(op)
+        if self.dynamic:
+            self._fill_wait(work, i, done)
+        self.messages.wait(work, op)
+        self.messages.arrived(op)
+        self._put(op.key, buf)
+
+    # -- the tensor table --------------------------------------------------------------------
+    def _needs(self, a: Action) -> list[str]:
+        """The table keys action `a` reads (each handler reads exactly these, via _take): its
+        dataflow needs that are tensors arriving from another action (not ordering events)."""
+        return [k for k in self.flow.needs(a) if TensorKey.parse(k).is_transfer]
+
+    def _put(self, key: str, tensor: torch.Tensor) -> None:
+        """Keep `tensor` for its local readers and sends (a key with neither is not kept)."""
+        if self._uses_left[key] > 0 or self._sends_left[key] > 0:
+            self.tensors[key] = tensor
+
+    def _take(self, key: str) -> torch.Tensor:
+        """A local reader's `key`; the last reader (with no send left) removes it."""
+        tensor = self.tensors[key]
+        self._uses_left[key] -= 1
+        self._release(key)
+        return tensor
+
+    def _release(self, key: str) -> None:
+        if self._uses_left[key] <= 0 and self._sends_left[key] <= 0:
+            self.tensors.pop(key, None)
+
+    # -- fills -------------------------------------------------------------------------------
+    def _run_overlapped(self, op: Op) -> None:
+        """The action with its fills paced over its TP collectives: the plan's bubble indices
+        stretched over the collectives it issues (counted on its first run this step; until then
+        one per planned bubble)."""
         from megatron_mllm_patches.async_tp_collectives import filling
 
-        queue = list(op.fills)
+        a = op.action
+        kind = (a.kind, a.stage, a.chunk)
+        planned = self._planned.get(kind, 1)
+        budgets = fill_budgets(op.fills, self._collectives.get(kind, planned), planned)
+        pacer = FillPacer(op.fills, budgets, self._fill)
+        with filling(pacer):
+            self._run(a)
+        self._collectives.setdefault(kind, len(pacer.ran))
+        self.result.fills_per_wait += pacer.ran
+        for rest in pacer.queue:
+            self._run(rest)
 
-        def fill(kind: str) -> bool:
-            if not queue:
-                return False
-            start = time.perf_counter()
-            # A wait inside the backbone's backward runs under autograd's no-grad mode; an
-            # encoder forward fill still builds its graph (and a backward fill re-enters).
-            with torch.set_grad_enabled(not self.forward_only):
-                self._run(queue.pop(0), t0)
-            self._fill_s += time.perf_counter() - start
-            self.result.overlapped += 1
-            inside = self.result.overlapped_in
-            inside[kind] = inside.get(kind, 0) + 1
-            return True
+    def _fill(self, action: Action, kind: str) -> None:
+        """One fill inside a `kind` collective."""
+        start = self.clock.mark()
+        # A wait inside the backbone's backward runs under autograd's no-grad mode; an encoder
+        # forward fill still builds its graph (and a backward fill re-enters).
+        with torch.set_grad_enabled(not self.forward_only):
+            self._run(action)
+        self._fill_marks.append((start, self.clock.mark()))
+        self.result.overlapped += 1
+        inside = self.result.overlapped_in
+        inside[kind] = inside.get(kind, 0) + 1
 
-        with filling(fill):
-            self._run(op.action, t0)
-        for rest in queue:
-            self._run(rest, t0)
-
-    def _fill_wait(self, work, i: int, done: list[bool], t0: float) -> None:
-        """Dynamic mode: while a message is on its way, run later encoder work that is ready."""
-        lookahead = 64
+    def _fill_wait(self, work, i: int, done: list[bool]) -> None:
+        """Dynamic mode: while a message is on its way, run later encoder work that is ready,
+        with at most `max_encoder_ahead` encoder micro-batches ahead of the program at once."""
+        for key in [k for k, j in self._ahead.items() if j <= i]:
+            del self._ahead[key]  # the program has caught up with it
         while not work.is_completed():
-            for j in range(i + 1, min(i + 1 + lookahead, len(self.program))):
-                op = self.program[j]
-                if (
-                    not done[j]
-                    and op.kind == "run"
-                    and op.action.kind in ("EF", "EB")
-                    and not op.fills
-                    and self._ready(op.action)
-                ):
-                    self._run(op.action, t0)
-                    done[j] = True
-                    self.result.moved += 1
-                    break
-            else:
-                return  # nothing ready: block on the message
+            j = self._next_movable(i, done)
+            if j is None:
+                return  # nothing ready (or the budget is full): block on the message
+            a = self.program[j].action
+            self._run(a)
+            done[j] = True
+            self.result.moved += 1
+            if a.kind == "EF":
+                self._ahead[(a.enc, a.mb)] = max(j, self._ahead.get((a.enc, a.mb), j))
+                most = max(self.result.max_encoder_ahead, len(self._ahead))
+                self.result.max_encoder_ahead = most
+
+    def _next_movable(self, i: int, done: list[bool]) -> int | None:
+        """The first later stand-alone encoder chunk that is ready and within the budget."""
+        for j in range(i + 1, len(self.program)):
+            op = self.program[j]
+            if done[j] or op.kind != "run" or op.fills or op.action.kind not in ("EF", "EB"):
+                continue
+            a = op.action
+            full = len(self._ahead) >= self.max_encoder_ahead
+            if a.kind == "EF" and full and (a.enc, a.mb) not in self._ahead:
+                continue  # a new micro-batch's activations would exceed the budget
+            if self._ready(a):
+                return j
+        return None
 
     def _ready(self, a: Action) -> bool:
         """Whether an encoder chunk's inputs are already on this GPU."""
         enc = self.meta.encoders[a.enc]
         units = self.enc_units.get((a.enc, a.stage, a.mb), [])
-        if a.kind == "EF":
-            if a.k0 > 0:
-                return len(units) == a.k0
-            return a.stage == 0 or f"eact.e{a.enc}.s{a.stage}.m{a.mb}" in self.tensors
-        if (
+        if a.kind == "EF" and a.k0 > 0:
+            return len(units) == a.k0
+        if a.kind == "EB" and (
             len(units) != enc.fwd_kernels[a.stage]
             or self._bwd_done.get((a.enc, a.stage, a.mb), 0) != a.k0
         ):
             return False
-        if a.k0 > 0:
-            return True
-        last = a.stage == enc.num_stages - 1
-        key = f"egrad.e{a.enc}.m{a.mb}" if last else f"egin.e{a.enc}.s{a.stage}.m{a.mb}"
-        return key in self.tensors
+        return all(k in self.tensors for k in self._needs(a))
 
+    # -- timing ------------------------------------------------------------------------------
     def _time(self, model: str, direction: str, name: str, seconds: float) -> None:
         self.result.unit_times.setdefault((model, direction, name), []).append(seconds)
 
-    def _run(self, action: Action, t0: float) -> None:
-        start, nested = time.perf_counter() - t0, self._fill_s
-        if action.kind in ("F", "B"):
+    def _time_later(self, model: str, direction: str, name: str, a, b) -> None:
+        """A unit time from marks `a` to `b`, read at step end."""
+        self._later.append(lambda: self._time(model, direction, name, self.clock.between(a, b)))
+
+    def _span_later(self, stream: str, action: Action, category: str, a, b) -> None:
+        """A trace span from marks `a` to `b`, read at step end."""
+
+        def read() -> None:
+            start, end = self.clock.since_start(a), self.clock.since_start(b)
+            self.result.spans.append(
+                Span(self.rank, None, stream, action, "", start, end, category)
+            )
+
+        self._later.append(read)
+
+    def _observer(self, action: Action, blocked: list) -> Callable:
+        """The TP collective observer of one backbone action: every wait's marks count as
+        blocked time; a wait without fills is also a clean sample of the collective."""
+        suffix = "" if action.kind == "F" else "_b"
+
+        def observe(kind: str, a, b, filled: bool) -> None:
+            blocked.append((a, b))
+            if not filled:
+                self._time_later("llm", "collectives", kind + suffix, a, b)
+
+        return observe
+
+    def _backbone_time_later(self, action: Action, a, b, inside: list) -> None:
+        """Per-layer compute time of a backbone action: its span without the fills and the
+        collective waits `inside` it (those are measured separately)."""
+        layers = len(self.chunks[action.chunk].gpt.decoder.layers)
+        forward = action.kind == "F"
+
+        def read() -> None:
+            own = self.clock.between(a, b) - sum(self.clock.between(x, y) for x, y in inside)
+            name = "layer" if forward else "layer_b"
+            self._time("llm", "forward" if forward else "backward", name, own / layers)
+
+        self._later.append(read)
+
+    def _run(self, action: Action) -> None:
+        start, first_fill = self.clock.mark(), len(self._fill_marks)
+        backbone = action.kind in ("F", "B")
+        if backbone:
             from megatron_mllm_patches.async_tp_collectives import observing
 
-            forward, blocked = action.kind == "F", []
-
-            def observe(kind: str, seconds: float, filled: bool) -> None:
-                blocked.append(seconds)
-                if not filled:  # a clean sample of what the collective costs the action
-                    self._time("llm", "collectives", kind + ("" if forward else "_b"), seconds)
-
-            with observing(observe):
+            blocked: list[tuple] = []
+            with observing(self._observer(action, blocked), mark=self.clock.mark):
                 self.handlers[action.kind](action)
         else:
             self.handlers[action.kind](action)
-        end = time.perf_counter() - t0
-        if action.kind in ("F", "B"):
-            layers = len(self.chunks[action.chunk].gpt.decoder.layers)
-            name = "layer" if forward else "layer_b"
-            # Compute only: without fills run inside it and without time blocked in collectives
-            # (measured separately, above).
-            own = end - start - (self._fill_s - nested) - sum(blocked)
-            self._time("llm", "forward" if forward else "backward", name, own / layers)
+        end = self.clock.mark()
+        if backbone:
+            self._backbone_time_later(action, start, end, self._fill_marks[first_fill:] + blocked)
         category = {"F": "backbone", "B": "backbone", "EF": "encoder", "EB": "encoder"}.get(
             action.kind, "dp"
         )
-        stream = "dp" if category == "dp" else "compute"
-        self.result.spans.append(Span(self.rank, None, stream, action, "", start, end, category))
+        self._span_later("dp" if category == "dp" else "compute", action, category, start, end)
 
-    def _wait(self, work, op: Op) -> None:
-        try:
-            ok = work.wait(self.timeout)
-        except RuntimeError as err:
-            raise PeerFailure(
-                f"rank {self.rank}: {op} failed while waiting on rank {op.peer}: "
-                f"{str(err).splitlines()[0]}"
-            ) from None
-        if ok is False:
-            raise PeerFailure(
-                f"rank {self.rank}: timed out after {self.timeout.total_seconds():.0f}"
-                f" s waiting on {op} (rank {op.peer})"
-            )
-
+    # -- inputs ------------------------------------------------------------------------------
     def _shape(self, key: str) -> tuple[int, ...]:
-        cfg, b = self.cfg, self.micro_batch
-        prefix = key.split(".", 1)[0]
-        if prefix in ("act", "grad"):  # [s/tp, b, h] with sequence parallelism
+        """The shape of a message's tensor, from its key."""
+        cfg, b, k = self.cfg, self.micro_batch, TensorKey.parse(key)
+        if k.kind in ("act", "grad"):  # [s/tp, b, h] with sequence parallelism
             config = self.backbone.gpt.config
             split = config.tensor_model_parallel_size if config.sequence_parallel else 1
             return (cfg.seq_len // split, b, cfg.llm_hidden)
-        enc = cfg.encoder_config(int(key.split(".")[1][1:]))  # keys name their encoder: e{e}
-        if prefix in ("eout", "egrad"):
+        enc = cfg.encoder_config(k.enc)
+        if k.kind in ("eout", "egrad"):
             return (enc.num_patches, b, cfg.llm_hidden)
         return (enc.encoder_seq_len, b, enc.vit_hidden)
 
@@ -328,29 +426,25 @@ class Executor:
         meta = self.meta
         v = meta.virtual_index(a.stage, a.chunk)
         last = v == meta.num_virtual_stages - 1
+        # The encoders' outputs (first virtual stage) or the previous stage's activation.
+        inputs = [self._take(k).detach().requires_grad_() for k in self._needs(a)]
         if v == 0:
-            eouts = [
-                self.tensors[f"eout.e{e}.m{a.mb}"].detach().requires_grad_()
-                for e in range(len(meta.encoders))
-            ]
             _, text = self._batch(a.mb)
-            inputs = eouts
             first = self.chunks[a.chunk]
-            out = first(None, first.decoder_input(eouts, text))
+            out = first(None, first.decoder_input(inputs, text))
         else:
-            x = self.tensors.pop(f"act.s{a.stage}v{a.chunk}.m{a.mb}").detach().requires_grad_()
-            inputs = [x]
-            out = self.chunks[a.chunk](x)
+            out = self.chunks[a.chunk](inputs[0])
         if last and self.forward_only:
             self.last_layer_inputs[a.mb] = self._captured.pop()
         elif last:
             _, text = self._batch(a.mb)
             out = self.backbone.loss(out, text)
-            self.result.losses[a.mb] = out.item()
+            self._losses[a.mb] = out.detach()  # read at step end, after the one synchronize
         else:
             s, c = meta.stage_chunk(v + 1)
-            self.tensors[f"act.s{s}v{c}.m{a.mb}"] = out.detach()
-        self.bb_ctx[(a.stage, a.chunk, a.mb)] = (inputs, out)
+            self._put(str(TensorKey.act(s, c, a.mb)), out.detach())
+        if not self.forward_only:  # a forward-only pass has no backward to keep it for
+            self.bb_ctx[(a.stage, a.chunk, a.mb)] = (inputs, out)
 
     def _backward(self, a: Action) -> None:
         meta = self.meta
@@ -359,14 +453,14 @@ class Executor:
         if v == meta.num_virtual_stages - 1:
             (out / meta.num_microbatches).backward()
         else:
-            out.backward(self.tensors.pop(f"grad.s{a.stage}v{a.chunk}.m{a.mb}"))
+            out.backward(self._take(self._needs(a)[0]))
         if v > 0:
             s, c = meta.stage_chunk(v - 1)
-            self.tensors[f"grad.s{s}v{c}.m{a.mb}"] = inputs[0].grad
+            self._put(str(TensorKey.grad(s, c, a.mb)), inputs[0].grad)
         else:
             for e, x in enumerate(inputs):
                 if meta.encoders[e].trainable:
-                    self.tensors[f"egrad.e{e}.m{a.mb}"] = x.grad
+                    self._put(str(TensorKey.egrad(e, a.mb)), x.grad)
 
     # -- encoder ---------------------------------------------------------------------------
     def _encoder_forward(self, a: Action) -> None:
@@ -375,16 +469,12 @@ class Executor:
         enc_meta = self.meta.encoders[a.enc]
         units = self.enc_units.setdefault((a.enc, a.stage, a.mb), [])
         if a.k0 == 0:
-            first = (
-                self._batch(a.mb)[0]
-                if a.stage == 0
-                else self.tensors.pop(f"eact.e{a.enc}.s{a.stage}.m{a.mb}")
-            )
-            state = (first,)
+            needs = self._needs(a)
+            state = (self._take(needs[0]) if needs else self._batch(a.mb)[0],)
         else:
             state = units[-1][1]
         encoder, model = self.encoders[a.enc], self.cfg.encoder_name(a.enc)
-        names, t_unit = encoder.unit_names(), time.perf_counter()
+        names, t_unit = encoder.unit_names(), self.clock.mark()
         for u in range(a.k0, a.k1):
             if encoder.unit_trainable(u):
                 upstream = not (a.stage == 0 and u == 0) and not self.encoder_frozen[a.enc]
@@ -396,34 +486,36 @@ class Executor:
                     out = encoder.run_unit(u, leaves)
             units.append((leaves, out))
             state = out
-            self._time(model, "forward", names[u], time.perf_counter() - t_unit)
-            t_unit = time.perf_counter()
+            t_end = self.clock.mark()
+            self._time_later(model, "forward", names[u], t_unit, t_end)
+            t_unit = t_end
         if a.k1 == enc_meta.fwd_kernels[a.stage]:
             last = a.stage == enc_meta.num_stages - 1
-            key = f"eout.e{a.enc}.m{a.mb}" if last else f"eact.e{a.enc}.s{a.stage + 1}.m{a.mb}"
-            (self.tensors[key],) = (t.detach() for t in state)
+            nxt = TensorKey.eout(a.enc, a.mb) if last else TensorKey.eact(a.enc, a.stage + 1, a.mb)
+            (out,) = (t.detach() for t in state)
+            self._put(str(nxt), out)
+            if self.forward_only or enc_meta.bwd_kernels[a.stage] == 0:
+                del self.enc_units[(a.enc, a.stage, a.mb)]  # no backward will read its units
 
     def _encoder_backward(self, a: Action) -> None:
         enc_meta = self.meta.encoders[a.enc]
         units = self.enc_units[(a.enc, a.stage, a.mb)]
         total = enc_meta.fwd_kernels[a.stage]
-        last = a.stage == enc_meta.num_stages - 1
         names, model = self.encoders[a.enc].unit_names(), self.cfg.encoder_name(a.enc)
         for b in range(a.k0, a.k1):
-            t_unit = time.perf_counter()
+            t_unit = self.clock.mark()
             u = total - 1 - b
             if b == 0:
-                key = f"egrad.e{a.enc}.m{a.mb}" if last else f"egin.e{a.enc}.s{a.stage}.m{a.mb}"
-                grads = (self.tensors.pop(key),)
+                grads = (self._take(self._needs(a)[0]),)
             else:
                 grads = tuple(leaf.grad for leaf in units[u + 1][0])
             outs = [(y, g) for y, g in zip(units[u][1], grads, strict=True) if g is not None]
             torch.autograd.backward([y for y, _ in outs], [g for _, g in outs])
             self._bwd_done[(a.enc, a.stage, a.mb)] = b + 1
-            self._time(model, "backward", names[u] + "_b", time.perf_counter() - t_unit)
+            self._time_later(model, "backward", names[u] + "_b", t_unit, self.clock.mark())
         if a.k1 == enc_meta.bwd_kernels[a.stage]:
             if a.stage > 0 and enc_meta.bwd_kernels[a.stage - 1] > 0:
-                self.tensors[f"egin.e{a.enc}.s{a.stage - 1}.m{a.mb}"] = units[0][0][0].grad
+                self._put(str(TensorKey.egin(a.enc, a.stage - 1, a.mb)), units[0][0][0].grad)
             del self.enc_units[(a.enc, a.stage, a.mb)]
 
     # -- data parallel ---------------------------------------------------------------------
@@ -431,23 +523,12 @@ class Executor:
         """Parameters are replicated over DP (non-distributed optimizer): nothing to gather."""
 
     def _reduce_scatter(self, a: Action) -> None:
-        """Average the part's gradients over its own DP group (one flat all-reduce)."""
-        modules = self.chunks if a.key == "bb" else [self.encoders[int(a.key[1:])]]
-        group = self.bb_dp_group if a.key == "bb" else self.enc_dp_group
+        """Start the part's gradient reduction over its own DP group, bucketed and asynchronous;
+        it finishes at step end, so it overlaps the work after it (see grad_reduction)."""
+        enc = part_encoder(a.key)
+        modules = self.chunks if enc is None else [self.encoders[enc]]
+        group = self.bb_dp_group if enc is None else self.enc_dp_group
         if modules[0] is None or dist.get_world_size(group) == 1 and self.bb_dp == 1:
             return
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params])
-        if dist.get_world_size(group) > 1:
-            dist.all_reduce(flat, group=group)
-        # The encoder's DP group holds m pipelines per backbone replica, each with its own
-        # micro-batches: their gradients add up, then average over backbone replicas.
-        flat /= self.bb_dp
-        i = 0
-        for p in params:
-            n = p.numel()
-            p.grad.copy_(flat[i : i + n].view_as(p))
-            i += n
+        self.reductions.append(start_reduction(params, group, self.bb_dp))

@@ -184,9 +184,8 @@ def mean_loss(losses: dict, device: torch.device) -> float:
     return float(total[0] / total[1])
 
 
-def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int) -> str:
-    """Both plans and the predicted bubble ratio, one screen."""
-    p = args.predicted
+def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p) -> str:
+    """Both plans and the predicted bubble ratio (`p`, the simulator's result), one screen."""
     where = "whole, on backbone stage 0" if stage0 else "colocated on every backbone stage"
     if args.extra_encoder:
         where = f"{1 + len(args.extra_encoder)} encoders, each " + where
@@ -229,11 +228,7 @@ def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int
 
 def _saved_args(args: argparse.Namespace) -> dict:
     """The run's arguments, minus what differs between ranks or is not an argument."""
-    return {
-        k: v
-        for k, v in vars(args).items()
-        if k not in ("rank", "predicted", "coreset", "pool_schedule")
-    }
+    return {k: v for k, v in vars(args).items() if k not in ("rank", "coreset")}
 
 
 def log_line(
@@ -301,15 +296,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     from megatron_mllm.schedule.simulator import simulate
 
-    args.predicted = simulate(schedule, workload)
-    args.pool_schedule = None
+    predicted = simulate(schedule, workload)
+    pool_schedule = None
     if args.coreset is not None:
         from megatron_mllm.runtime.job import encoder_plan_of
         from megatron_mllm.runtime.schedules import runtime_schedule
 
         enc_plan, stage0 = encoder_plan_of(schedule, plan)
         pool_mbs = args.coreset.pool_size // args.micro_batch_size
-        args.pool_schedule = runtime_schedule(
+        pool_schedule = runtime_schedule(
             cfg,
             plan,
             args.micro_batch_size,
@@ -319,10 +314,10 @@ def main(argv: list[str] | None = None) -> int:
             frozen_encoder=args.freeze_ViT,
             unit="layer" if stage0 else args.fill_granularity,
         )
-    return _train(args, cfg, plan, n_mb, schedule)
+    return _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted)
 
 
-def _train(args, cfg, plan, n_mb, schedule) -> int:
+def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
     import torch.distributed as dist
 
     from megatron_mllm.runtime.bootstrap import init_rank
@@ -352,7 +347,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         timeout_s=args.distributed_timeout_minutes * 60,
         collect_grads=False,
         coreset=args.coreset,
-        pool_schedule=args.pool_schedule,
+        pool_schedule=pool_schedule,
         data_path=args.data_path,
         frozen_encoder=args.freeze_ViT,
         encoder_units=units,
@@ -434,7 +429,7 @@ def _train(args, cfg, plan, n_mb, schedule) -> int:
         if rank == 0:
             print(f" loaded checkpoint from {args.load}: {what}", flush=True)
     if rank == 0:
-        print(startup_summary(args, plan, enc_plan, stage0, n_mb), flush=True)
+        print(startup_summary(args, plan, enc_plan, stage0, n_mb, predicted), flush=True)
     writer = None
     if args.tensorboard_dir and rank == world - 1:  # Megatron writes from the last rank
         from torch.utils.tensorboard import SummaryWriter

@@ -1,0 +1,132 @@
+"""One rank's point-to-point messages for one step: tagged (gloo) or ordered (NCCL's matching).
+
+* Tagged: each message carries a tag from its key, so two messages between the same pair of
+  ranks never depend on the order they were posted in.
+* Ordered (NCCL has no tags): every message goes with tag 0 on a process group of its own
+  direction (src, dst), and each sender's messages are received in the order it sends them.
+  Receives are posted lazily: when key k from sender s is needed, s's not-yet-posted receives
+  up to k are posted in s's order, then at most `lookahead` more while no more than
+  `lookahead` + 1 of s's are outstanding. Posting every receive at step start instead would
+  queue them behind each other on NCCL (a deadlock with CUDA_DEVICE_MAX_CONNECTIONS=1) and keep
+  every micro-batch's buffer alive from the start.
+
+Sends keep their tensor until they complete; completed ones are dropped as the step goes on.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_mllm.runtime.program import Op
+
+# Ordered mode: receives posted per sender beyond the one being waited for.
+RECV_LOOKAHEAD = 2
+
+
+class PeerFailure(RuntimeError):
+    """A message did not arrive: names this rank, the action waited on and the peer."""
+
+
+class Messages:
+    """Posts, waits for and releases one step's messages (see the module docstring)."""
+
+    def __init__(
+        self,
+        rank: int,
+        device: torch.device,
+        shape_of: Callable[[str], tuple[int, ...]],
+        timeout_s: float,
+        ordered: tuple[dict, dict] | None = None,
+        lookahead: int = RECV_LOOKAHEAD,
+    ) -> None:
+        self.rank, self.device, self.shape_of = rank, device, shape_of
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        # (receive orders {src: keys in the sender's posting order}, {(src, dst): group}).
+        self.ordered, self.lookahead = ordered, lookahead
+        self.max_posted_ahead: dict[int, int] = {}  # sender -> most outstanding at once
+        self.pending: list[tuple] = []  # (work, op, tensor) of sends in flight
+        if ordered is not None:
+            orders = ordered[0]
+            self._index = {s: {k: i for i, k in enumerate(ks)} for s, ks in orders.items()}
+            self._next = dict.fromkeys(orders, 0)
+            self._outstanding = dict.fromkeys(orders, 0)
+            self._posted: dict[tuple[str, int], tuple] = {}
+
+    # -- sends -------------------------------------------------------------------------------
+    def send(self, op: Op, tensor: torch.Tensor) -> None:
+        """Post a send; the message keeps `tensor` alive until it completes."""
+        tensor = tensor.contiguous()
+        if self.ordered is not None:
+            group = self.ordered[1][(self.rank, op.peer)]
+            work = dist.isend(tensor, op.peer, group=group, tag=0)
+        else:
+            work = dist.isend(tensor, op.peer, tag=op.tag)
+        self.pending.append((work, op, tensor))
+
+    def reap(self) -> None:
+        """Drop the sends that have completed (and their tensors)."""
+        still = []
+        for work, op, tensor in self.pending:
+            if work.is_completed():
+                self.wait(work, op)  # returns at once; raises what the send ran into
+            else:
+                still.append((work, op, tensor))
+        self.pending = still
+
+    def drain(self) -> None:
+        """Wait for every send still in flight (at step end)."""
+        for work, op, _ in self.pending:
+            self.wait(work, op)
+        self.pending = []
+
+    # -- receives ----------------------------------------------------------------------------
+    def receive(self, op: Op) -> tuple[object, torch.Tensor]:
+        """(work, buffer) of the message `op` waits for, posted if it was not yet."""
+        if self.ordered is None:
+            buf = torch.empty(self.shape_of(op.key), device=self.device)
+            return dist.irecv(buf, op.peer, tag=op.tag), buf
+        keys, want = self.ordered[0][op.peer], self._index[op.peer][op.key]
+        while self._next[op.peer] <= want:  # what the sender sends first is received first
+            self._post_next(op.peer, keys)
+        while (
+            self._next[op.peer] < len(keys)
+            and self._next[op.peer] <= want + self.lookahead
+            and self._outstanding[op.peer] <= self.lookahead
+        ):
+            self._post_next(op.peer, keys)
+        return self._posted.pop((op.key, op.peer))
+
+    def arrived(self, op: Op) -> None:
+        """`op`'s message has been waited for: one fewer outstanding from its sender."""
+        if self.ordered is not None:
+            self._outstanding[op.peer] -= 1
+
+    def _post_next(self, src: int, keys: list[str]) -> None:
+        key = keys[self._next[src]]
+        buf = torch.empty(self.shape_of(key), device=self.device)
+        work = dist.irecv(buf, src, group=self.ordered[1][(src, self.rank)], tag=0)
+        self._posted[(key, src)] = (work, buf)
+        self._next[src] += 1
+        self._outstanding[src] += 1
+        most = self.max_posted_ahead
+        most[src] = max(most.get(src, 0), self._outstanding[src])
+
+    def wait(self, work, op: Op) -> None:
+        """Wait for a message: on NCCL the process group's timeout applies (a timed-out wait
+        raises); on gloo our own host timeout. Either way a failure names rank, op and peer."""
+        try:
+            ok = work.wait() if self.device.type == "cuda" else work.wait(self.timeout)
+        except RuntimeError as err:
+            raise PeerFailure(
+                f"rank {self.rank}: {op} failed while waiting on rank {op.peer}: "
+                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+            ) from None
+        if ok is False:
+            raise PeerFailure(
+                f"rank {self.rank}: timed out after {self.timeout.total_seconds():.0f}"
+                f" s waiting on {op} (rank {op.peer})"
+            )

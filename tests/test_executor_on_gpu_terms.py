@@ -1,0 +1,261 @@
+"""The executor on a GPU's terms, checked on gloo: lazy ordered receives within a look-ahead,
+fills paced by their planned budget and on their own scratch buffer, sent tensors released from
+the table, dynamic run-ahead capped, and a dead rank named on the ordered transport too."""
+
+import time
+import warnings
+
+import pytest
+
+from megatron_mllm.models.config import TINY
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
+from megatron_mllm.runtime.launch import spawn
+from megatron_mllm.runtime.reference import make_full_state
+from megatron_mllm.runtime.runs import run_rank
+from megatron_mllm.runtime.schedules import runtime_schedule
+from megatron_mllm.schedule.actions import EF
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+N = 4  # micro-batches
+PP2 = ParallelPlan(1, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def state():
+    return spawn(make_full_state, 1, TINY, 0)[0]
+
+
+# -- helpers run inside the spawned ranks ------------------------------------------------------
+def _probe(rank, world, job, settings, watch_scratch=False):
+    """`run_rank`, with every Executor given `settings` (attributes) before its step and its
+    StepResults returned as result["steps"]; optionally with the scratch-buffer sentinel."""
+    from megatron_mllm.runtime import executor as ex
+
+    steps, original = [], ex.Executor.run_step
+
+    def run_step(self):
+        for name, value in settings.items():
+            setattr(self, name, value)
+        steps.append(original(self))
+        return steps[-1]
+
+    ex.Executor.run_step = run_step
+    seen = _watch_scratch() if watch_scratch else None
+    out = run_rank(rank, world, job)
+    out["steps"] = steps
+    if seen is not None:
+        out["scratch"] = dict(seen)
+    return out
+
+
+def _watch_scratch() -> dict:
+    """Counts get_tensor calls on megatron-core's GlobalMemoryBuffers while a fill runs inside
+    a backbone TP collective, and how many of them hit the buffer that was the global one when
+    that collective's wait began (the buffer its in-flight output may live in)."""
+    import megatron_mllm_patches.async_tp_collectives as tp
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    from megatron_mllm.runtime import executor as ex
+
+    seen = {"calls": 0, "on_collective_buffer": 0}
+    now = {"owner": None, "fill": 0}
+    wait, run, get = tp.wait_filling, ex.Executor._run, GlobalMemoryBuffer.get_tensor
+
+    def wait_filling(work, kind):
+        outer, now["owner"] = now["owner"], parallel_state._GLOBAL_MEMORY_BUFFER
+        try:
+            return wait(work, kind)
+        finally:
+            now["owner"] = outer
+
+    def _run(self, action):
+        fill = now["owner"] is not None and action.kind in ("EF", "EB")
+        now["fill"] += fill
+        try:
+            return run(self, action)
+        finally:
+            now["fill"] -= fill
+
+    def get_tensor(self, *args, **kwargs):
+        if now["fill"]:
+            seen["calls"] += 1
+            seen["on_collective_buffer"] += self is now["owner"]
+        return get(self, *args, **kwargs)
+
+    tp.wait_filling, ex.Executor._run, GlobalMemoryBuffer.get_tensor = (
+        wait_filling,
+        _run,
+        get_tensor,
+    )
+    return seen
+
+
+def _programs(schedule, plan):
+    from megatron_mllm.runtime.program import all_programs
+
+    enc_plan, stage0 = encoder_plan_of(schedule, plan)
+    return all_programs(schedule, plan, plan if stage0 else enc_plan, enc_plan.tp)
+
+
+# -- 5: ordered receives -----------------------------------------------------------------------
+def test_ordered_receives_are_posted_lazily_within_the_lookahead(state):
+    """NCCL matches by order and a posted receive spins until its data arrives: each sender's
+    receives are posted when needed plus at most `recv_lookahead`, never all at step start.
+    The program has more messages per sender than that bound, so posting them all up front
+    would break it."""
+    from megatron_mllm.runtime.messages import RECV_LOOKAHEAD
+    from megatron_mllm.runtime.program import receive_orders
+
+    schedule = runtime_schedule(TINY, PP2, 1, N, "optimus")
+    programs = _programs(schedule, PP2)
+    bound = RECV_LOOKAHEAD + 1
+    per_sender = {r: receive_orders(programs, r) for r in programs}
+    assert all(len(keys) > bound for orders in per_sender.values() for keys in orders.values())
+    job = RuntimeJob(TINY, PP2, 1, N, state, schedule=schedule, ordered_p2p=True)
+    outs = spawn(_probe, 2, job, {})
+    for rank, out in enumerate(outs):
+        (step,) = out["steps"]
+        assert set(step.max_posted_ahead) == set(per_sender[rank])
+        assert all(1 <= n <= bound for n in step.max_posted_ahead.values()), step.max_posted_ahead
+        # Times are StepClock marks read at step end: every span lies inside the step.
+        assert step.seconds > 0
+        assert all(0 <= s.start <= s.end <= step.seconds + 1e-6 for s in step.spans)
+    assert set(outs[1]["steps"][0].losses) == set(range(N))
+    assert all(isinstance(v, float) for v in outs[1]["steps"][0].losses.values())
+
+
+def test_dead_rank_is_named_within_the_timeout_on_ordered_p2p(state):
+    """The tagless transport (lazily posted receives on one group per direction): a rank that
+    dies mid-step still makes the survivor exit within the timeout naming itself, the receive
+    and the peer."""
+    schedule = runtime_schedule(TINY, PP2, 1, N, "optimus")
+    job = RuntimeJob(
+        TINY, PP2, 1, N, state, schedule=schedule, ordered_p2p=True, fail_rank=1, fail_at_op=4,
+        timeout_s=20,
+    )  # fmt: skip
+    t0 = time.time()
+    outs = spawn(run_rank, 2, job, allow_failures=True, timeout_s=90)
+    assert time.time() - t0 < 60
+    survivor = outs[0]
+    assert isinstance(survivor, str) and "PeerFailure" in survivor
+    first = survivor.splitlines()[0]
+    assert "rank 0" in first and "rank 1" in first and ("RECV" in first or "<-" in first)
+
+
+# -- 6: the fills' scratch buffer --------------------------------------------------------------
+def test_fills_never_touch_the_scratch_buffer_of_an_in_flight_collective(state):
+    """With sequence parallelism the backbone's in-flight all-gather writes into megatron-core's
+    global "mpu" buffer, and the encoder's attention asks that same buffer for its scores: a
+    fill inside the collective must get its tensors from a buffer of its own."""
+    plan = ParallelPlan(1, 2, 1)
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit="kernel")
+    job = RuntimeJob(
+        TINY, plan, 1, N, state, schedule=schedule, encoder_units="kernel",
+        overlap_tp_fills=True, sequence_parallel=True,
+    )  # fmt: skip
+    outs = spawn(_probe, 2, job, {}, True)
+    assert sum(o["overlapped"] for o in outs) > 0
+    seen = {k: sum(o["scratch"][k] for o in outs) for k in ("calls", "on_collective_buffer")}
+    assert seen["calls"] > 0, "fills never asked for scratch memory: the sentinel sees nothing"
+    assert seen["on_collective_buffer"] == 0, seen
+
+
+# -- 7: fill pacing ----------------------------------------------------------------------------
+class _NeverDone:
+    """A collective the host never sees complete (a GPU's host runs far ahead of it)."""
+
+    waited = 0
+
+    def is_completed(self):
+        return False
+
+    def wait(self, *args):
+        _NeverDone.waited += 1
+        return True
+
+
+def test_fill_budgets_follow_the_planned_bubbles():
+    from megatron_mllm.runtime.fill_pacing import fill_budgets
+
+    fills = tuple(EF(0, 0, 0, 0, k, k + 1, fill=k) for k in range(5))
+    assert fill_budgets(fills, 9, 9) == [1, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert fill_budgets(fills, 3, 9) == [3, 2, 0]
+    assert fill_budgets(fills, 18, 9)[::2] == [1, 1, 1, 1, 1, 0, 0, 0, 0]
+    assert fill_budgets(fills, 0, 9) == []  # no collective: every fill runs after the action
+
+
+def test_a_collective_never_seen_complete_runs_only_its_budget():
+    """Through the patch's own wait path: a wait whose work never reports completed runs its
+    planned budget of fills and no more (the rest wait for later collectives or the action's
+    end), on a scratch buffer of the fills' own."""
+    import megatron_mllm_patches.async_tp_collectives as tp
+    from megatron.core import parallel_state
+
+    from megatron_mllm.runtime.fill_pacing import FillPacer
+
+    ran, buffers = [], []
+
+    def run(action, kind):
+        ran.append((action.k0, kind))
+        buffers.append(parallel_state._GLOBAL_MEMORY_BUFFER)
+
+    fills = tuple(EF(0, 0, 0, 0, k, k + 1, fill=k) for k in range(6))
+    pacer = FillPacer(fills, [2, 0, 1], run)
+    waited = _NeverDone.waited
+    backbone_buffer = object()
+    previous, parallel_state._GLOBAL_MEMORY_BUFFER = (
+        parallel_state._GLOBAL_MEMORY_BUFFER,
+        backbone_buffer,
+    )
+    try:
+        with tp.filling(pacer):
+            for kind in ("all_gather", "reduce_scatter", "all_gather", "all_reduce"):
+                tp.wait_filling(_NeverDone(), kind)
+        assert parallel_state._GLOBAL_MEMORY_BUFFER is backbone_buffer  # restored
+    finally:
+        parallel_state._GLOBAL_MEMORY_BUFFER = previous
+    assert pacer.ran == [2, 0, 1, 0]
+    assert ran == [(0, "all_gather"), (1, "all_gather"), (2, "all_gather")]
+    assert [a.k0 for a in pacer.queue] == [3, 4, 5]
+    assert buffers and all(b is not backbone_buffer for b in buffers)
+    assert _NeverDone.waited - waited == 4
+
+
+def test_wait_observer_gets_marks_taken_around_the_wait():
+    """The collective observer is told marks from the clock it is given (StepClock's on a GPU:
+    CUDA events bracketing the stall), not host seconds."""
+    import megatron_mllm_patches.async_tp_collectives as tp
+
+    ticks, told = iter(range(100)), []
+    with tp.observing(lambda *a: told.append(a), mark=lambda: next(ticks)):
+        tp.wait_filling(_NeverDone(), "all_reduce")
+    assert told == [("all_reduce", 0, 1, False)]
+
+
+# -- 9: memory ---------------------------------------------------------------------------------
+def test_sent_tensors_leave_the_table_and_dynamic_run_ahead_is_capped(state):
+    """Dynamic mode on PP=2 with encoder DP=2: the table holds no tensor after the step (a sent
+    one leaves it once its send is posted), and run-ahead never holds more than
+    `max_encoder_ahead` encoder micro-batches ahead of the program, while a loose cap lets it
+    run further (so the cap is what bounds it)."""
+    plan, forced = PP2, ParallelPlan(2, 1, 1)
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced)
+    sent = {op.key for p in _programs(schedule, plan).values() for op in p if op.kind == "send"}
+    assert sent
+    job = RuntimeJob(TINY, plan, 1, N, state, schedule=schedule, dynamic=True, steps=2)
+    loose = spawn(_probe, 2, job, {"max_encoder_ahead": N})
+    capped = spawn(_probe, 2, job, {"max_encoder_ahead": 1})
+    for outs in (loose, capped):
+        for out in outs:
+            for step in out["steps"]:
+                assert not set(step.leftover_keys) & sent
+                assert step.leftover_keys == []
+    assert max(s.max_encoder_ahead for o in loose for s in o["steps"]) > 1
+    assert max(s.max_encoder_ahead for o in capped for s in o["steps"]) == 1
+    assert sum(o["moved"] for o in capped) > 0
+    # Same losses either way: the cap changes only when work runs.
+    for a, b in zip(loose, capped, strict=True):
+        for x, y in zip(a["history"], b["history"], strict=True):
+            assert x.keys() == y.keys() and all(x[k] == pytest.approx(y[k], abs=1e-6) for k in x)
