@@ -9,7 +9,15 @@ import pytest
 
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
+from megatron_mllm.runtime.job import (
+    DataParts,
+    ExecutorSettings,
+    FaultHooks,
+    ModelParts,
+    PlanParts,
+    RuntimeJob,
+    encoder_plan_of,
+)
 from megatron_mllm.runtime.launch import spawn
 from megatron_mllm.runtime.reference import make_full_state
 from megatron_mllm.runtime.runs import run_rank
@@ -113,7 +121,12 @@ def test_ordered_receives_are_posted_lazily_within_the_lookahead(state):
     bound = RECV_LOOKAHEAD + 1
     per_sender = {r: receive_orders(programs, r) for r in programs}
     assert all(len(keys) > bound for orders in per_sender.values() for keys in orders.values())
-    job = RuntimeJob(TINY, PP2, 1, N, state, schedule=schedule, ordered_p2p=True)
+    job = RuntimeJob(
+        ModelParts(TINY, state),
+        PlanParts(PP2, schedule=schedule),
+        DataParts(1, N),
+        executor=ExecutorSettings(ordered_p2p=True),
+    )
     outs = spawn(_probe, 2, job, {})
     for rank, out in enumerate(outs):
         (step,) = out["steps"]
@@ -132,9 +145,13 @@ def test_dead_rank_is_named_within_the_timeout_on_ordered_p2p(state):
     and the peer."""
     schedule = runtime_schedule(TINY, PP2, 1, N, "optimus")
     job = RuntimeJob(
-        TINY, PP2, 1, N, state, schedule=schedule, ordered_p2p=True, fail_rank=1, fail_at_op=4,
+        ModelParts(TINY, state),
+        PlanParts(PP2, schedule=schedule),
+        DataParts(1, N),
+        executor=ExecutorSettings(ordered_p2p=True),
+        faults=FaultHooks(fail_rank=1, fail_at_op=4),
         timeout_s=20,
-    )  # fmt: skip
+    )
     t0 = time.time()
     outs = spawn(run_rank, 2, job, allow_failures=True, timeout_s=90)
     assert time.time() - t0 < 60
@@ -152,9 +169,11 @@ def test_fills_never_touch_the_scratch_buffer_of_an_in_flight_collective(state):
     plan = ParallelPlan(1, 2, 1)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit="kernel")
     job = RuntimeJob(
-        TINY, plan, 1, N, state, schedule=schedule, encoder_units="kernel",
-        overlap_tp_fills=True, sequence_parallel=True,
-    )  # fmt: skip
+        ModelParts(TINY, state),
+        PlanParts(plan, schedule=schedule, encoder_units="kernel", sequence_parallel=True),
+        DataParts(1, N),
+        executor=ExecutorSettings(overlap_tp_fills=True),
+    )
     outs = spawn(_probe, 2, job, {}, True)
     assert sum(o["overlapped"] for o in outs) > 0
     seen = {k: sum(o["scratch"][k] for o in outs) for k in ("calls", "on_collective_buffer")}
@@ -244,7 +263,13 @@ def test_sent_tensors_leave_the_table_and_dynamic_run_ahead_is_capped(state):
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced)
     sent = {op.key for p in _programs(schedule, plan).values() for op in p if op.kind == "send"}
     assert sent
-    job = RuntimeJob(TINY, plan, 1, N, state, schedule=schedule, dynamic=True, steps=2)
+    job = RuntimeJob(
+        ModelParts(TINY, state),
+        PlanParts(plan, schedule=schedule),
+        DataParts(1, N),
+        executor=ExecutorSettings(dynamic=True),
+        steps=2,
+    )
     loose = spawn(_probe, 2, job, {"max_encoder_ahead": N})
     capped = spawn(_probe, 2, job, {"max_encoder_ahead": 1})
     for outs in (loose, capped):

@@ -19,7 +19,15 @@ import torch
 from megatron_mllm.models.config import TINY
 from megatron_mllm.models.weights import assemble_grads
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
+from megatron_mllm.runtime.job import (
+    DataParts,
+    ExecutorSettings,
+    ModelParts,
+    OptimizerSettings,
+    PlanParts,
+    RuntimeJob,
+    encoder_plan_of,
+)
 from megatron_mllm.runtime.launch import spawn
 from megatron_mllm.runtime.reference import make_full_state
 from megatron_mllm.runtime.runs import run_rank
@@ -27,7 +35,9 @@ from megatron_mllm.runtime.schedules import runtime_schedule
 
 pytestmark = pytest.mark.gpu
 N = 4  # micro-batches
-TRAIN = dict(steps=2, lr=1e-2, clip_grad=0.5)  # an optimizer step between the two steps
+TRAIN = dict(
+    steps=2, optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.5)
+)  # an optimizer step between the two steps
 RTOL, ATOL = 1e-4, 1e-5  # fp32 (TF32 off): only the order of the sums differs
 ATOL_AFTER_STEP = 1e-4  # Adam normalises each update, so tiny gradient differences grow a bit
 
@@ -53,7 +63,9 @@ def _state() -> dict[str, torch.Tensor]:
 def _reference(dp: int) -> dict:
     """The one-process reference on this GPU for `dp` replicas' micro-batches, two steps."""
     plan = ParallelPlan(dp, 1, 1)
-    job = RuntimeJob(TINY, plan, 1, N, _state(), mode="reference", **TRAIN)
+    job = RuntimeJob(
+        ModelParts(TINY, _state()), PlanParts(plan), DataParts(1, N), mode="reference", **TRAIN
+    )
     return _spawn(run_rank, 1, job)[0]
 
 
@@ -101,13 +113,18 @@ def _check_against(outs: list[dict], ref: dict, tp_of: dict[str, int]) -> None:
         _check_losses(_merged(outs, "history", step), expected, ATOL_AFTER_STEP, f"step {step}")
 
 
-def _executor(plan: ParallelPlan, name: str, unit: str = "layer", **job_fields) -> list[dict]:
+def _executor(
+    plan: ParallelPlan, name: str, unit: str = "layer", sp: bool = False, overlap: bool = False
+) -> list[dict]:
     """Our executor on `plan` (one GPU a rank) with the `name` schedule, checked against the
     reference; returns the ranks' results."""
-    sp = job_fields.get("sequence_parallel", False)
     schedule = runtime_schedule(TINY, plan, 1, N, name, unit=unit, sequence_parallel=sp)
     job = RuntimeJob(
-        TINY, plan, 1, N, _state(), schedule=schedule, encoder_units=unit, **TRAIN, **job_fields
+        ModelParts(TINY, _state()),
+        PlanParts(plan, schedule, unit, sp),
+        DataParts(1, N),
+        **TRAIN,
+        executor=ExecutorSettings(overlap_tp_fills=overlap),
     )
     outs = _spawn(run_rank, plan.world_size, job)
     assert len(outs[0]["history"]) == TRAIN["steps"]
@@ -127,7 +144,13 @@ def test_executor_on_one_gpu_matches_the_reference(name):
 def test_megatron_core_on_one_gpu_matches_the_reference():
     """megatron-core's own schedule (no optimizer of ours: step-0 losses and gradients)."""
     plan = ParallelPlan(1, 1, 1)
-    outs = _spawn(run_rank, 1, RuntimeJob(TINY, plan, 1, N, _state(), mode="megatron_core"))
+    outs = _spawn(
+        run_rank,
+        1,
+        RuntimeJob(
+            ModelParts(TINY, _state()), PlanParts(plan), DataParts(1, N), mode="megatron_core"
+        ),
+    )
     ref = _reference(1)
     _check_losses(_merged(outs, "losses"), ref["losses"], ATOL, "step-0 losses")
     _check_grads(outs, ref, {"backbone": 1, "encoder": 1, "projector": 1})
@@ -145,7 +168,7 @@ def test_tp_fills_run_inside_nccl_collectives(sp):
     """TP=2 over NCCL: encoder kernels run on the compute stream while the backbone's TP
     collectives (with SP: all-gathers and reduce-scatters) run on NCCL's."""
     plan = ParallelPlan(1, 2, 1)
-    outs = _executor(plan, "optimus", "kernel", overlap_tp_fills=True, sequence_parallel=sp)
+    outs = _executor(plan, "optimus", "kernel", sp=sp, overlap=True)
     assert sum(o["overlapped"] for o in outs) > 0
 
 
@@ -163,4 +186,4 @@ def test_data_parallel_over_nccl_matches_the_reference(name):
 @pytest.mark.parametrize("name", ["megatron", "optimus"])
 def test_pipeline_and_tensor_parallel_on_four_gpus(name):
     """PP=2 x TP=2 with sequence parallelism: [s/tp, b, h] activations between the stages."""
-    _executor(ParallelPlan(1, 2, 2), name, sequence_parallel=True)
+    _executor(ParallelPlan(1, 2, 2), name, sp=True)

@@ -4,13 +4,23 @@ tensor made by our code without an explicit device (what a GPU would reject)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.bootstrap import backend_for
-from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
+from megatron_mllm.runtime.job import (
+    DataParts,
+    ExecutorSettings,
+    ModelParts,
+    OptimizerSettings,
+    PlanParts,
+    RuntimeJob,
+    encoder_plan_of,
+)
 from megatron_mllm.runtime.launch import spawn
 from megatron_mllm.runtime.reference import make_full_state
 from megatron_mllm.runtime.schedules import runtime_schedule
@@ -58,7 +68,7 @@ def _group_order(rank: int, world: int, job: RuntimeJob) -> list[tuple[int, ...]
     from megatron_mllm.runtime.bootstrap import init_rank
     from megatron_mllm.runtime.executor_run import ExecutorRun
 
-    device = init_rank(rank, world, job.seed, job.timeout_s)
+    device = init_rank(rank, world, job.data.seed, job.timeout_s)
     made, original = [], distributed_c10d.new_group
 
     def recording(ranks=None, *args, **kwargs):
@@ -79,7 +89,12 @@ def test_process_groups_are_created_in_one_order_on_every_rank(ordered):
     every rank must create the same groups in the same order, or they block each other."""
     plan = ParallelPlan(1, 1, 2)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
-    job = RuntimeJob(TINY, plan, 1, N, {}, schedule=schedule, ordered_p2p=ordered)
+    job = RuntimeJob(
+        ModelParts(TINY, {}),
+        PlanParts(plan, schedule=schedule),
+        DataParts(1, N),
+        executor=ExecutorSettings(ordered_p2p=ordered),
+    )
     job = _with_state(job)
     orders = spawn(_group_order, 2, job)
     assert orders[0] == orders[1] and len(orders[0]) > 4
@@ -91,11 +106,9 @@ _STATE: dict = {}
 
 
 def _with_state(job: RuntimeJob) -> RuntimeJob:
-    from dataclasses import replace
-
     if "tiny" not in _STATE:
         _STATE["tiny"] = spawn(make_full_state, 1, TINY, 0)[0]
-    return replace(job, full_state=_STATE["tiny"])
+    return replace(job, model=replace(job.model, weights=_STATE["tiny"]))
 
 
 def _guarded_steps(rank: int, world: int, job: RuntimeJob) -> list[str]:
@@ -107,7 +120,7 @@ def _guarded_steps(rank: int, world: int, job: RuntimeJob) -> list[str]:
     from megatron_mllm.runtime.runs import make_run
     from megatron_mllm.training.train import mean_loss
 
-    device = init_rank(rank, world, job.seed, job.timeout_s)
+    device = init_rank(rank, world, job.data.seed, job.timeout_s)
     run = make_run(rank, world, job, device)
     guard = ExplicitDevices(strict=False)  # collect them all, for one clear assertion
     with guard:
@@ -124,12 +137,19 @@ def test_no_tensor_is_made_without_a_device(mode):
 
     plan = ParallelPlan(1, 1, 2) if mode != "reference" else ParallelPlan(1, 1, 1)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus")
-    fields = dict(schedule=schedule, lr=1e-2, clip_grad=0.5, mode=mode)
+    data = DataParts(1, N)
     if mode == "coreset":
         enc_plan = encoder_plan_of(schedule, plan)[0]  # the pool runs on the same modules
         pool = runtime_schedule(TINY, plan, 1, 2 * N, "optimus", encoder_plan=enc_plan)
-        coreset = CoresetConfig(batch_size=N, features="exact")
-        fields.update(mode="executor", coreset=coreset, pool_schedule=pool)
-    job = _with_state(RuntimeJob(TINY, plan, 1, N, {}, **fields))
+        data = DataParts(1, N, coreset=CoresetConfig(batch_size=N, features="exact"))
+        data = replace(data, pool_schedule=pool)
+    job = RuntimeJob(
+        ModelParts(TINY, {}),
+        PlanParts(plan, schedule),
+        data,
+        mode="executor" if mode == "coreset" else mode,
+        optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.5),
+    )
+    job = _with_state(job)
     violations = sorted({v for out in spawn(_guarded_steps, plan.world_size, job) for v in out})
     assert violations == []

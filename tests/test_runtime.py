@@ -13,7 +13,18 @@ from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import CLIP_VIT, LLAMA, TINY, MLLMConfig
 from megatron_mllm.models.weights import assemble_grads
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of
+from megatron_mllm.runtime.job import (
+    Collect,
+    DataParts,
+    ExecutorSettings,
+    FaultHooks,
+    ModelParts,
+    OptimizerSettings,
+    PlanParts,
+    RuntimeJob,
+    check_job,
+    encoder_plan_of,
+)
 from megatron_mllm.runtime.launch import RankFailed, spawn
 from megatron_mllm.runtime.reference import make_full_state
 from megatron_mllm.runtime.replan import predicted_with_measured
@@ -22,13 +33,20 @@ from megatron_mllm.runtime.schedules import runtime_schedule
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 N = 4  # micro-batches
-TRAIN = dict(steps=2, lr=1e-2, clip_grad=0.5)  # two steps with megatron-core's optimizer
+# Two steps with megatron-core's optimizer between them.
+TRAIN = dict(steps=2, optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.5))
 
 
-def reference_of(cfg, **job_fields) -> tuple[dict, dict]:
+def reference_of(cfg, frozen_encoder: bool = False, **job_fields) -> tuple[dict, dict]:
     """(canonical weights from seed 0, the one-process reference run on them)."""
     state = spawn(make_full_state, 1, cfg, 0)[0]
-    job = RuntimeJob(cfg, ParallelPlan(1, 1, 1), 1, N, state, mode="reference", **job_fields)
+    job = RuntimeJob(
+        ModelParts(cfg, state, frozen_encoder),
+        PlanParts(ParallelPlan(1, 1, 1)),
+        DataParts(1, N),
+        mode="reference",
+        **job_fields,
+    )
     return state, spawn(run_rank, 1, job)[0]
 
 
@@ -73,7 +91,12 @@ def test_four_ways_agree(reference, layout):
     plan, forced, sp = LAYOUTS[layout]
     state = reference[0]
     tp_all = {"backbone": plan.tp, "encoder": plan.tp, "projector": plan.tp}
-    core_job = RuntimeJob(TINY, plan, 1, N, state, mode="megatron_core", sequence_parallel=sp)
+    core_job = RuntimeJob(
+        ModelParts(TINY, state),
+        PlanParts(plan, sequence_parallel=sp),
+        DataParts(1, N),
+        mode="megatron_core",
+    )
     core = spawn(run_rank, plan.world_size, core_job)
     check_against(reference, core, tp_all)
     for name in ("megatron", "optimus"):
@@ -86,7 +109,12 @@ def test_four_ways_agree(reference, layout):
         outs = spawn(
             run_rank,
             plan.world_size,
-            RuntimeJob(TINY, plan, 1, N, state, schedule=schedule, sequence_parallel=sp, **TRAIN),
+            RuntimeJob(
+                ModelParts(TINY, state),
+                PlanParts(plan, schedule=schedule, sequence_parallel=sp),
+                DataParts(1, N),
+                **TRAIN,
+            ),
         )
         etp = plan.tp if stage0 else enc_plan.tp
         check_against(reference, outs, {"backbone": plan.tp, "encoder": etp, "projector": etp})
@@ -109,7 +137,11 @@ def test_dead_rank_is_named_within_the_timeout(reference):
     plan = ParallelPlan(1, 1, 2)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus")
     job = RuntimeJob(
-        TINY, plan, 1, N, reference[0], schedule=schedule, timeout_s=20, fail_rank=1, fail_at_op=4
+        ModelParts(TINY, reference[0]),
+        PlanParts(plan, schedule=schedule),
+        DataParts(1, N),
+        faults=FaultHooks(fail_rank=1, fail_at_op=4),
+        timeout_s=20,
     )
     import time
 
@@ -126,24 +158,47 @@ def test_configuration_errors_come_before_any_process_group():
     plan = ParallelPlan(1, 1, 2)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus")
     with pytest.raises(ConfigError, match="needs 2 ranks"):
-        check_job(RuntimeJob(TINY, plan, 1, N, {}, schedule=schedule), world=4)
+        check_job(
+            RuntimeJob(ModelParts(TINY, {}), PlanParts(plan, schedule=schedule), DataParts(1, N)),
+            world=4,
+        )
     with pytest.raises(ConfigError, match="micro-batches"):
-        check_job(RuntimeJob(TINY, plan, 1, N + 1, {}, schedule=schedule), world=2)
+        check_job(
+            RuntimeJob(
+                ModelParts(TINY, {}), PlanParts(plan, schedule=schedule), DataParts(1, N + 1)
+            ),
+            world=2,
+        )
     other = runtime_schedule(TINY, ParallelPlan(1, 1, 1), 1, N, "optimus")
     with pytest.raises(ConfigError, match="PP 1"):
-        check_job(RuntimeJob(TINY, plan, 1, N, {}, schedule=other), world=2)
+        check_job(
+            RuntimeJob(ModelParts(TINY, {}), PlanParts(plan, schedule=other), DataParts(1, N)),
+            world=2,
+        )
     odd = replace(TINY, text_len=TINY.text_len + 1)  # an odd sequence cannot split over TP 2
-    sp_job = RuntimeJob(odd, ParallelPlan(1, 2, 1), 1, N, {}, mode="megatron_core")
+    sp_job = RuntimeJob(
+        ModelParts(odd, {}), PlanParts(ParallelPlan(1, 2, 1)), DataParts(1, N), mode="megatron_core"
+    )
     with pytest.raises(ConfigError, match="sequence parallelism splits the 33-token"):
-        check_job(replace(sp_job, sequence_parallel=True), world=2)
+        check_job(replace(sp_job, plans=replace(sp_job.plans, sequence_parallel=True)), world=2)
     with pytest.raises(RankFailed, match="needs 2 ranks"):
-        spawn(run_rank, 1, RuntimeJob(TINY, plan, 1, N, {}, schedule=schedule))
+        spawn(
+            run_rank,
+            1,
+            RuntimeJob(ModelParts(TINY, {}), PlanParts(plan, schedule=schedule), DataParts(1, N)),
+        )
 
 
 def test_megatron_core_interleaved_schedule_runs_on_cpu(reference):
     """The patches also carry megatron-core's interleaved 1F1B (PP=2, VPP=2) on gloo."""
     plan = ParallelPlan(1, 1, 2, 2)
-    outs = spawn(run_rank, 2, RuntimeJob(TINY, plan, 1, N, reference[0], mode="megatron_core"))
+    outs = spawn(
+        run_rank,
+        2,
+        RuntimeJob(
+            ModelParts(TINY, reference[0]), PlanParts(plan), DataParts(1, N), mode="megatron_core"
+        ),
+    )
     check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
 
 
@@ -155,7 +210,13 @@ def test_dynamic_mode_agrees(reference):
     outs = spawn(
         run_rank,
         2,
-        RuntimeJob(TINY, plan, 1, N, reference[0], schedule=schedule, dynamic=True, **TRAIN),
+        RuntimeJob(
+            ModelParts(TINY, reference[0]),
+            PlanParts(plan, schedule=schedule),
+            DataParts(1, N),
+            executor=ExecutorSettings(dynamic=True),
+            **TRAIN,
+        ),
     )
     check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
     assert sum(o["moved"] for o in outs) > 0  # some encoder work did run ahead
@@ -171,7 +232,11 @@ def test_llava_shaped_model_agrees_on_tp2():
         assert sum(v.numel() for v in counted.values()) == sum(model.num_params())
     plan = ParallelPlan(1, 2, 1)
     schedule = runtime_schedule(cfg, plan, 1, N, "optimus")
-    outs = spawn(run_rank, 2, RuntimeJob(cfg, plan, 1, N, state, schedule=schedule))
+    outs = spawn(
+        run_rank,
+        2,
+        RuntimeJob(ModelParts(cfg, state), PlanParts(plan, schedule=schedule), DataParts(1, N)),
+    )
     check_against((state, ref), outs, {"backbone": 2, "encoder": 2, "projector": 2})
 
 
@@ -207,7 +272,12 @@ def test_ordered_p2p_without_tags_agrees(reference, layout):
     sender's order on one group per direction. Same losses and gradients."""
     plan, forced, _ = LAYOUTS[layout]
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced)
-    job = RuntimeJob(TINY, plan, 1, N, reference[0], schedule=schedule, ordered_p2p=True)
+    job = RuntimeJob(
+        ModelParts(TINY, reference[0]),
+        PlanParts(plan, schedule=schedule),
+        DataParts(1, N),
+        executor=ExecutorSettings(ordered_p2p=True),
+    )
     outs = spawn(run_rank, plan.world_size, job)
     etp = encoder_plan_of(schedule, plan)[0].tp
     check_against(reference, outs, {"backbone": plan.tp, "encoder": etp, "projector": etp})
@@ -229,8 +299,13 @@ def test_frozen_encoder_trains_only_its_projector(name, forced):
     plan = ParallelPlan(1, 1, 2)
     state, ref = reference_of(TINY, frozen_encoder=True, **TRAIN)
     schedule = runtime_schedule(TINY, plan, 1, N, name, encoder_plan=forced, frozen_encoder=True)
-    job = RuntimeJob(TINY, plan, 1, N, state, schedule=schedule, frozen_encoder=True, **TRAIN)
-    outs = spawn(run_rank, 2, replace(job, collect_params=True))
+    job = RuntimeJob(
+        ModelParts(TINY, state, frozen_encoder=True),
+        PlanParts(plan, schedule=schedule),
+        DataParts(1, N),
+        **TRAIN,
+    )
+    outs = spawn(run_rank, 2, replace(job, collect=Collect(params=True)))
     check_against((state, ref), outs, {"backbone": 1, "encoder": 1, "projector": 1})
     for step, losses in enumerate(ref["history"]):
         mine = {k: v for o in outs for k, v in o["history"][step].items()}
@@ -246,9 +321,9 @@ def test_frozen_encoder_trains_only_its_projector(name, forced):
     # A frozen encoder with a schedule that trains it (and the reverse): one clear error.
     trained = runtime_schedule(TINY, plan, 1, N, name, encoder_plan=forced)
     with pytest.raises(ConfigError, match="frozen but the schedule trains it"):
-        check_job(replace(job, schedule=trained), 2)
+        check_job(replace(job, plans=replace(job.plans, schedule=trained)), 2)
     with pytest.raises(ConfigError, match="planned for a frozen encoder"):
-        check_job(replace(job, frozen_encoder=False), 2)
+        check_job(replace(job, model=replace(job.model, frozen_encoder=False)), 2)
 
 
 @pytest.mark.parametrize("layout", ["tp2", pytest.param("pp2-encoder-pp2", marks=pytest.mark.slow)])
@@ -265,12 +340,16 @@ def test_kernel_sized_encoder_tasks_agree(reference, layout):
     assert sum(enc.fwd_kernels) == 1 + 8 * TINY.vit_layers + 2
     if plan.tp > 1:
         assert any("@tp" in str(a) for rank in schedule.ranks for a in rank)
-    job = RuntimeJob(TINY, plan, 1, N, reference[0], schedule=schedule, encoder_units="kernel")
+    job = RuntimeJob(
+        ModelParts(TINY, reference[0]),
+        PlanParts(plan, schedule=schedule, encoder_units="kernel"),
+        DataParts(1, N),
+    )
     outs = spawn(run_rank, plan.world_size, job)
     etp = encoder_plan_of(schedule, plan)[0].tp
     check_against(reference, outs, {"backbone": plan.tp, "encoder": etp, "projector": etp})
     with pytest.raises(ConfigError, match="at layer granularity"):
-        check_job(replace(job, encoder_units="layer"), plan.world_size)
+        check_job(replace(job, plans=replace(job.plans, encoder_units="layer")), plan.world_size)
 
 
 @pytest.mark.parametrize(
@@ -289,7 +368,11 @@ def test_online_replanning_from_measured_unit_times(plan, unit):
     state, ref = reference_of(TINY, **train)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit=unit)
     job = RuntimeJob(
-        TINY, plan, 1, N, state, schedule=schedule, encoder_units=unit, replan_after=1, **train
+        ModelParts(TINY, state),
+        PlanParts(plan, schedule=schedule, encoder_units=unit),
+        DataParts(1, N),
+        executor=ExecutorSettings(replan_after=1),
+        **train,
     )
     outs = spawn(run_rank, plan.world_size, job)
     assert all(o["replanned"] for o in outs)
@@ -321,9 +404,11 @@ def test_tp_fills_run_while_backbone_tp_collectives_are_in_flight(reference, sp)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit="kernel")
     assert encoder_plan_of(schedule, plan)[0].tp == 1  # fills never carry encoder collectives
     job = RuntimeJob(
-        TINY, plan, 1, N, reference[0], schedule=schedule, encoder_units="kernel",
-        overlap_tp_fills=True, sequence_parallel=sp,
-    )  # fmt: skip
+        ModelParts(TINY, reference[0]),
+        PlanParts(plan, schedule=schedule, encoder_units="kernel", sequence_parallel=sp),
+        DataParts(1, N),
+        executor=ExecutorSettings(overlap_tp_fills=True),
+    )
     outs = spawn(run_rank, 2, job)
     check_against(reference, outs, {"backbone": 2, "encoder": 1, "projector": 1})
     inside = {k for o in outs for k, n in o["overlapped_in"].items() if n}
@@ -358,14 +443,23 @@ def test_two_encoders_agree(plan, unit):
         u = unit if name == "optimus" else "layer"
         schedule = runtime_schedule(cfg, plan, 1, N, name, unit=u)
         assert len(schedule.meta.encoders) == 2
-        job = RuntimeJob(cfg, plan, 1, N, state, schedule=schedule, encoder_units=u)
+        job = RuntimeJob(
+            ModelParts(cfg, state),
+            PlanParts(plan, schedule=schedule, encoder_units=u),
+            DataParts(1, N),
+        )
         outs = spawn(run_rank, plan.world_size, job)
         enc_plan, stage0 = encoder_plan_of(schedule, plan)
         etp = plan.tp if stage0 else enc_plan.tp
         parts = ("encoder", "projector", "encoder1", "projector1")
         check_against((state, ref), outs, {"backbone": plan.tp, **dict.fromkeys(parts, etp)})
     with pytest.raises(ConfigError, match="runs one encoder"):
-        check_job(RuntimeJob(cfg, plan, 1, N, state, mode="megatron_core"), plan.world_size)
+        check_job(
+            RuntimeJob(
+                ModelParts(cfg, state), PlanParts(plan), DataParts(1, N), mode="megatron_core"
+            ),
+            plan.world_size,
+        )
 
 
 def test_schedule_metadata_names_the_encoder_placement():

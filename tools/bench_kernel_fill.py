@@ -67,7 +67,14 @@ def main() -> int:
 
     from megatron_mllm.models.config import BENCH, TINY
     from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.job import RuntimeJob
+    from megatron_mllm.runtime.job import (
+        Collect,
+        DataParts,
+        ExecutorSettings,
+        ModelParts,
+        PlanParts,
+        RuntimeJob,
+    )
     from megatron_mllm.runtime.launch import spawn
     from megatron_mllm.runtime.reference import make_full_state
     from megatron_mllm.runtime.replan import predicted_with_measured
@@ -107,19 +114,15 @@ def main() -> int:
         predicted[name] = simulate(schedule, workload).step_time_s
         fills[name] = sum("@tp" in str(a) for rank in schedule.ranks for a in rank)
         jobs[name] = RuntimeJob(
-            model,
-            plan,
-            1,
-            n,
-            two_state if model is two else state,
-            schedule=schedule,
+            ModelParts(model, two_state if model is two else state, frozen_encoder=frozen),
+            PlanParts(plan, schedule=schedule, encoder_units=unit, sequence_parallel=sp),
+            DataParts(1, n),
+            collect=Collect(grads=False),
+            executor=ExecutorSettings(
+                replan_after=replan_at if name == "optimus_replanned" else None,
+                overlap_tp_fills=name.endswith(("_overlap", "_replanned")),
+            ),
             steps=steps,
-            collect_grads=False,
-            frozen_encoder=frozen,
-            encoder_units=unit,
-            replan_after=replan_at if name == "optimus_replanned" else None,
-            overlap_tp_fills=name.endswith(("_overlap", "_replanned")),
-            sequence_parallel=sp,
         )
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
     measured, spread, losses, calibrated = {}, {}, {}, {}

@@ -58,7 +58,14 @@ def main() -> int:
 
     from megatron_mllm.models.config import BENCH
     from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.job import RuntimeJob
+    from megatron_mllm.runtime.job import (
+        Collect,
+        DataParts,
+        ExecutorSettings,
+        ModelParts,
+        PlanParts,
+        RuntimeJob,
+    )
     from megatron_mllm.runtime.launch import spawn
     from megatron_mllm.runtime.profile_units import profile_units
     from megatron_mllm.runtime.reference import make_full_state
@@ -86,28 +93,49 @@ def main() -> int:
         "optimus_replanned": float("nan"),  # filled in from the run's own re-plan below
     }
     steps = args.steps + 1
-    common = dict(steps=steps, collect_grads=False)
+    common = dict(steps=steps, collect=Collect(grads=False))
     jobs = {
-        "megatron_core_1f1b": RuntimeJob(cfg, plan, mb, n, state, mode="megatron_core", **common),
-        "balanced": RuntimeJob(
-            cfg,
-            plan,
-            mb,
-            n,
-            state,
+        "megatron_core_1f1b": RuntimeJob(
+            ModelParts(cfg, state),
+            PlanParts(plan),
+            DataParts(mb, n),
             mode="megatron_core",
-            backbone_first_stage_layers=balanced[0].meta.backbone_layers[0],
             **common,
         ),
-        "executor_megatron": RuntimeJob(cfg, plan, mb, n, state, schedule=balanced[0], **common),
-        "optimus": RuntimeJob(cfg, plan, mb, n, state, schedule=best.schedule, **common),
+        "balanced": RuntimeJob(
+            ModelParts(cfg, state),
+            PlanParts(plan, backbone_first_stage_layers=balanced[0].meta.backbone_layers[0]),
+            DataParts(mb, n),
+            mode="megatron_core",
+            **common,
+        ),
+        "executor_megatron": RuntimeJob(
+            ModelParts(cfg, state),
+            PlanParts(plan, schedule=balanced[0]),
+            DataParts(mb, n),
+            **common,
+        ),
+        "optimus": RuntimeJob(
+            ModelParts(cfg, state),
+            PlanParts(plan, schedule=best.schedule),
+            DataParts(mb, n),
+            **common,
+        ),
         "optimus_dynamic": RuntimeJob(
-            cfg, plan, mb, n, state, schedule=best.schedule, dynamic=True, **common
+            ModelParts(cfg, state),
+            PlanParts(plan, schedule=best.schedule),
+            DataParts(mb, n),
+            executor=ExecutorSettings(dynamic=True),
+            **common,
         ),
         # Re-planned after the warm-up step from this run's own measured unit times (both
         # ranks, under the contention they really see): balances the ranks on what they cost.
         "optimus_replanned": RuntimeJob(
-            cfg, plan, mb, n, state, schedule=best.schedule, replan_after=1, **common
+            ModelParts(cfg, state),
+            PlanParts(plan, schedule=best.schedule),
+            DataParts(mb, n),
+            executor=ExecutorSettings(replan_after=1),
+            **common,
         ),
     }
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)

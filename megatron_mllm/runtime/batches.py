@@ -13,22 +13,22 @@ Batch = tuple[torch.Tensor, torch.Tensor]  # images [b, c, H, W], text tokens [b
 
 def batches(job, step: int) -> Callable[..., Batch]:
     """`get(mb, dp=0)`: micro-batch `mb` of step `step` for DP replica `dp`, from
-    `job.data_path` shards if given (read once per process), else synthetic. Tensors are on the
+    `job.data.data_path` shards if given (read once per process), else synthetic. Tensors are on the
     CPU; each run mode moves them to its device."""
     from megatron_mllm.data.synthetic import microbatch
 
     b, n_mb, dp_size = job.micro_batch, job.num_microbatches, job.backbone.dp
-    if not job.data_path:
+    if not job.data.data_path:
 
         def synthetic(mb: int, dp: int = 0) -> Batch:
-            return microbatch(job.cfg, (step * dp_size + dp) * n_mb + mb, b, job.seed)
+            return microbatch(job.cfg, (step * dp_size + dp) * n_mb + mb, b, job.data.seed)
 
         return synthetic
     from megatron_mllm.data.webdataset import ImageCaptionShards
 
-    if job.data_path not in _DATASETS:
-        _DATASETS[job.data_path] = ImageCaptionShards(job.data_path)
-    shards, cfg = _DATASETS[job.data_path], job.cfg
+    if job.data.data_path not in _DATASETS:
+        _DATASETS[job.data.data_path] = ImageCaptionShards(job.data.data_path)
+    shards, cfg = _DATASETS[job.data.data_path], job.cfg
 
     def from_disk(mb: int, dp: int = 0) -> Batch:
         first = ((step * dp_size + dp) * n_mb + mb) * b

@@ -43,13 +43,13 @@ class ExecutorRun:
                 plan.pp,
                 c.stage,
                 job.schedule.meta.vpp,
-                job.sequence_parallel,
+                job.plans.sequence_parallel,
                 layer_overrides(job.schedule.meta.backbone_layers, plan.pp),
             ),
             self._encoder_placement(enc_plan),
             device,
-            open_full_state(job.full_state),
-            job.frozen_encoder,
+            open_full_state(job.model.weights),
+            job.model.frozen_encoder,
         )
         self.chunks, self.encoders = self.rank_model.chunks, self.rank_model.encoders
         self.backbone = self.rank_model.backbone
@@ -57,12 +57,16 @@ class ExecutorRun:
         self.enc_tp = plan.tp if self.stage0 else enc_plan.tp
         self.program = gpu_program(job.schedule, groups, self.enc_tp)
         self.ordered = self.pool_ordered = None
-        if job.ordered_p2p or dist.get_backend() == "nccl":
+        if job.executor.ordered_p2p or dist.get_backend() == "nccl":
             self._ordered_p2p(plan, plan if self.stage0 else enc_plan)
-        if job.fail_rank == rank:
-            self.program = self.program[: job.fail_at_op]
+        if job.faults.fail_rank == rank:
+            self.program = self.program[: job.faults.fail_at_op]
         self.enc_dp_group = groups.backbone.dp if self.stage0 else groups.encoder.dp
-        self.optimizer = build_optimizer(self.rank_model.modules, job.lr) if job.lr > 0 else None
+        self.optimizer = (
+            build_optimizer(self.rank_model.modules, job.optimizer.lr)
+            if job.optimizer.lr > 0
+            else None
+        )
         # Clipping norm: each part once, summed over its own plan's model-parallel group.
         enc_groups = (
             (groups.backbone.mp, groups.backbone.tp)
@@ -79,18 +83,22 @@ class ExecutorRun:
         self.unit_times: dict[tuple[str, str, str], list[float]] = {}
         self.replanned = None  # (schedule, workload, measured times) once re-planned
         self.selector = None
-        if job.coreset is not None:
+        if job.data.coreset is not None:
             from megatron_mllm.data.coreset import CoresetSelector
 
             self.pool_program = forward_only_program(
-                gpu_program(job.pool_schedule, groups, self.enc_tp)
+                gpu_program(job.data.pool_schedule, groups, self.enc_tp)
             )
-            self.selector = CoresetSelector(job.coreset)
+            self.selector = CoresetSelector(job.data.coreset)
 
     def _encoder_placement(self, enc_plan: ParallelPlan) -> EncoderPlacement | None:
         """This rank's encoder stage: whole on backbone stage 0 (Megatron's placement; other
         stages hold none), or the encoder plan's stage colocated on every rank."""
-        c, plan, kernels = self.groups.coords, self.job.backbone, self.job.encoder_units == "kernel"
+        c, plan, kernels = (
+            self.groups.coords,
+            self.job.backbone,
+            self.job.plans.encoder_units == "kernel",
+        )
         if self.stage0:
             if c.stage != 0:
                 return None
@@ -105,8 +113,8 @@ class ExecutorRun:
         job = self.job
         main = all_programs(job.schedule, plan, enc_plan, self.enc_tp)
         pool = {}
-        if job.coreset is not None:
-            pool = all_programs(job.pool_schedule, plan, enc_plan, self.enc_tp)
+        if job.data.coreset is not None:
+            pool = all_programs(job.data.pool_schedule, plan, enc_plan, self.enc_tp)
             pool = {r: forward_only_program(p) for r, p in pool.items()}
         # new_group is collective: every rank creates every pair's group, in the same order.
         groups = {pair: dist.new_group(list(pair)) for pair in message_pairs(main, pool)}
@@ -134,13 +142,13 @@ class ExecutorRun:
             job.schedule,
             enc_plan,
             gathered,
-            job.encoder_units,
-            job.frozen_encoder,
-            job.sequence_parallel,
+            job.plans.encoder_units,
+            job.model.frozen_encoder,
+            job.plans.sequence_parallel,
         )
         if out is None:
             return False
-        new_job = replace(job, schedule=out[0])
+        new_job = replace(job, plans=replace(job.plans, schedule=out[0]))
         check_job(new_job, dist.get_world_size())
         self.job, self.replanned = new_job, out
         self.program = gpu_program(out[0], self.groups, self.enc_tp)
@@ -160,16 +168,16 @@ class ExecutorRun:
         from megatron_mllm.runtime.executor import Executor
 
         job, c, mb = self.job, self.groups.coords, self.job.micro_batch
-        size = job.coreset.pool_size
+        size = job.data.coreset.pool_size
         ids = [(step * job.backbone.dp + c.dp) * size + j for j in range(size)]
         executor = Executor(
             self.pool_program,
-            job.pool_schedule.meta,
+            job.data.pool_schedule.meta,
             job.cfg,
             self.rank,
             self.chunks,
             self.encoders,
-            lambda m: samples(job.cfg, ids[m * mb : (m + 1) * mb], job.seed)[:2],
+            lambda m: samples(job.cfg, ids[m * mb : (m + 1) * mb], job.data.seed)[:2],
             mb,
             self.groups.backbone.dp,
             self.enc_dp_group,
@@ -177,12 +185,13 @@ class ExecutorRun:
             job.timeout_s,
             forward_only=True,
             ordered=self.pool_ordered,
+            recv_lookahead=job.executor.recv_lookahead,
         )
         executor.run_step()
         chosen = None
         if self.backbone.post_process:
             hidden = torch.cat([executor.last_layer_inputs[m] for m in range(size // mb)])
-            _, text, source = samples(job.cfg, ids, job.seed)
+            _, text, source = samples(job.cfg, ids, job.data.seed)
             from megatron_mllm.data.sampler import caption_replay_loss
 
             picked = self.selector.select(
@@ -197,7 +206,7 @@ class ExecutorRun:
         group = self.groups.backbone.mp
         if dist.get_world_size(group) == 1:
             return chosen.tolist()
-        size = job.coreset.batch_size
+        size = job.data.coreset.batch_size
         return broadcast_selection(chosen, size, group, last, self.device).tolist()
 
     def step(self, step: int) -> None:
@@ -218,7 +227,7 @@ class ExecutorRun:
             chosen, mb = self.select(step), job.micro_batch
 
             def data(m, dp, chosen=chosen):  # noqa: ARG001 - every replica has its own pool
-                return samples(job.cfg, chosen[m * mb : (m + 1) * mb], job.seed)[:2]
+                return samples(job.cfg, chosen[m * mb : (m + 1) * mb], job.data.seed)[:2]
 
         executor = Executor(
             self.program,
@@ -233,11 +242,13 @@ class ExecutorRun:
             self.enc_dp_group,
             job.backbone.dp,
             job.timeout_s,
-            dynamic=job.dynamic,
+            dynamic=job.executor.dynamic,
             ordered=self.ordered,
-            overlap_fills=job.overlap_tp_fills and self.enc_tp == 1,
+            overlap_fills=job.executor.overlap_tp_fills and self.enc_tp == 1,
+            recv_lookahead=job.executor.recv_lookahead,
+            max_encoder_ahead=job.executor.max_encoder_ahead,
         )
-        if job.fail_rank == self.rank:
+        if job.faults.fail_rank == self.rank:
             executor.run_step()
             os._exit(3)  # die mid-step, as a crashed rank would
         result = executor.run_step()
@@ -250,14 +261,14 @@ class ExecutorRun:
         self.moved = result.moved
         self.overlapped, self.overlapped_in = result.overlapped, result.overlapped_in
         self.history.append({(c.dp, m): v for m, v in result.losses.items()})
-        if job.collect_grads and step == 0:
+        if job.collect.grads and step == 0:
             self.grads = {k: v for m in self.chunks for k, v in grad_shards(m, c.tp).items()}
             if self.encoder is not None and (
                 self.stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)
             ):
                 for encoder in self.encoders:
                     self.grads.update(grad_shards(encoder, c.enc_tp if not self.stage0 else c.tp))
-        clip = job.clip_grad if self.optimizer is not None else 0.0
+        clip = job.optimizer.clip_grad if self.optimizer is not None else 0.0
         self.last_grad_norm = clip_by_global_norm(self.parts, clip, self.device)
         if not math.isfinite(self.last_grad_norm):  # the same norm on every rank: all skip
             self.skipped_iterations += 1
@@ -289,9 +300,9 @@ class ExecutorRun:
             "unit_times": self.unit_times,  # every step's measured unit and collective times
             "coords": self.groups.coords,
         }
-        if self.job.collect_grads:
+        if self.job.collect.grads:
             out["grads"] = self.grads
-        if self.job.collect_params:
+        if self.job.collect.params:
             from megatron_mllm.models.weights import param_shards
 
             c = self.groups.coords

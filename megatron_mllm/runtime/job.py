@@ -1,9 +1,10 @@
-"""What a runtime job is (`RuntimeJob`: model, plans, schedule, mode and knobs) and every
-check of it that must pass before any process group exists (`check_job`)."""
+"""What a runtime job is (`RuntimeJob`: typed parts for the model, the plans, the data, the
+optimizer, the executor's knobs, what to collect and test-only fault hooks) and every check of it
+that must pass before any process group exists (`check_job`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -13,36 +14,113 @@ from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.schedule import Schedule
 
 
-@dataclass
-class RuntimeJob:
+@dataclass(frozen=True)
+class ModelParts:
+    """What trains: the model, its canonical weights (a dict, or a file written by
+    `models.weights.save_full_state` that each rank maps) and whether the encoder is frozen."""
+
     cfg: MLLMConfig
+    weights: dict[str, torch.Tensor] | str
+    frozen_encoder: bool = False
+
+
+@dataclass(frozen=True)
+class PlanParts:
+    """How it is split: the backbone's plan and the schedule (its metadata names the encoder
+    placement), the encoder's unit size in that schedule, sequence parallelism, and the
+    megatron-core baseline's uneven first stage."""
+
     backbone: ParallelPlan
+    schedule: Schedule | None = None  # executor mode
+    encoder_units: str = "layer"  # the schedule's encoder granularity: "layer" or "kernel"
+    sequence_parallel: bool = False  # the backbone's activations split over TP (TP > 1 only)
+    backbone_first_stage_layers: int | None = None  # megatron_core mode: uneven first stage
+
+
+@dataclass(frozen=True)
+class DataParts:
+    """What each step trains on: micro-batches per DP replica, from shards or synthetic; with a
+    coreset, B chosen from a pool of r x B (its own forward-only schedule)."""
+
     micro_batch: int
     num_microbatches: int
-    full_state: dict[str, torch.Tensor]
-    mode: str = "executor"
-    schedule: Schedule | None = None
-    steps: int = 1
-    seed: int = 0
-    collect_grads: bool = True
-    timeout_s: float = 60.0
-    fail_rank: int | None = None  # fault injection: this rank exits ...
-    fail_at_op: int = 0  # ... before its program's op with this index
-    backbone_first_stage_layers: int | None = None  # megatron_core mode: uneven first stage
-    dynamic: bool = False  # executor: run ready encoder work while waiting for messages
     data_path: str | None = None  # WebDataset-style image-caption shards (else synthetic)
-    coreset: object = None  # a CoresetConfig: train on B chosen from a pool of r x B samples
-    pool_schedule: Schedule | None = None  # forward-only pass over the pool (its micro-batches)
-    lr: float = 0.0  # > 0: take an optimizer step (AdamW) after every step
-    ordered_p2p: bool = False  # match messages by posting order, as NCCL does (on with NCCL)
-    frozen_encoder: bool = False  # forward only; its projector still trains
-    collect_params: bool = False  # result["params"]: this rank's parameter shards at the end
-    encoder_units: str = "layer"  # the schedule's encoder granularity: "layer" or "kernel"
-    replan_after: int | None = None  # re-plan from measured unit times after this many steps
-    overlap_tp_fills: bool = False  # run TP-bubble fills during the backbone's TP collectives
-    sequence_parallel: bool = False  # the backbone's activations split over TP (TP > 1 only)
+    seed: int = 0
+    coreset: object = None  # a CoresetConfig
+    pool_schedule: Schedule | None = None
+
+
+@dataclass(frozen=True)
+class OptimizerSettings:
+    lr: float = 0.0  # > 0: an optimizer step (megatron-core's FP32Optimizer, AdamW) per step
     clip_grad: float = 1.0
-    extra: dict = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ExecutorSettings:
+    """Our executor's knobs (see executor.py and messages.py)."""
+
+    dynamic: bool = False  # run ready encoder work while waiting for messages
+    ordered_p2p: bool = False  # match messages by posting order, as NCCL does (on with NCCL)
+    overlap_tp_fills: bool = False  # TP-bubble fills during the backbone's TP collectives
+    replan_after: int | None = None  # re-plan from measured unit times after this many steps
+    recv_lookahead: int = 2  # ordered mode: receives posted per sender ahead of the one needed
+    max_encoder_ahead: int = 2  # dynamic mode: encoder micro-batches run ahead at most
+
+
+@dataclass(frozen=True)
+class Collect:
+    """What the result carries beyond losses and times (step 0's gradient shards, the final
+    parameter shards)."""
+
+    grads: bool = True
+    params: bool = False
+
+
+@dataclass(frozen=True)
+class FaultHooks:
+    """Test-only fault injection: `fail_rank` exits mid-step, before its program's op
+    `fail_at_op`."""
+
+    fail_rank: int | None = None
+    fail_at_op: int = 0
+
+
+@dataclass(frozen=True)
+class RuntimeJob:
+    """One runtime job: its typed parts, the run mode and how long it runs."""
+
+    model: ModelParts
+    plans: PlanParts
+    data: DataParts
+    mode: str = "executor"  # "executor", "megatron_core" or "reference"
+    steps: int = 1
+    timeout_s: float = 60.0
+    optimizer: OptimizerSettings = OptimizerSettings()
+    executor: ExecutorSettings = ExecutorSettings()
+    collect: Collect = Collect()
+    faults: FaultHooks = FaultHooks()
+
+    # Views of the parts read most often.
+    @property
+    def cfg(self) -> MLLMConfig:
+        return self.model.cfg
+
+    @property
+    def backbone(self) -> ParallelPlan:
+        return self.plans.backbone
+
+    @property
+    def schedule(self) -> Schedule | None:
+        return self.plans.schedule
+
+    @property
+    def micro_batch(self) -> int:
+        return self.data.micro_batch
+
+    @property
+    def num_microbatches(self) -> int:
+        return self.data.num_microbatches
 
 
 def layer_overrides(layers: tuple[int, ...] | list[int], pp: int) -> dict:
@@ -94,7 +172,7 @@ def check_job(job: RuntimeJob, world: int) -> None:
             f"plan {job.backbone} needs {job.backbone.world_size} ranks; "
             f"the job was started with {world}"
         )
-    job.cfg.validate(job.backbone.tp, sequence_parallel=job.sequence_parallel)
+    job.cfg.validate(job.backbone.tp, sequence_parallel=job.plans.sequence_parallel)
     if job.cfg.llm_layers % job.backbone.pp:
         raise ConfigError(
             f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
@@ -137,36 +215,36 @@ def check_job(job: RuntimeJob, world: int) -> None:
             raise ConfigError(
                 f"encoder {e}'s {layers} layers do not split evenly over encoder PP {enc_plan.pp}"
             )
-    if job.coreset is not None:
+    if job.data.coreset is not None:
         if job.backbone.tp != 1:
             raise ConfigError(
                 "coreset selection runs with TP 1 for now (its features replay a "
                 "vocabulary-parallel output layer otherwise)"
             )
-        size = job.coreset.pool_size
-        if job.coreset.batch_size != job.num_microbatches * job.micro_batch:
+        size = job.data.coreset.pool_size
+        if job.data.coreset.batch_size != job.num_microbatches * job.micro_batch:
             raise ConfigError(
-                f"coreset batch {job.coreset.batch_size} must equal the step's "
+                f"coreset batch {job.data.coreset.batch_size} must equal the step's "
                 f"{job.num_microbatches} x {job.micro_batch} samples"
             )
         if (
             size % job.micro_batch
-            or job.pool_schedule is None
-            or job.pool_schedule.meta.num_microbatches != size // job.micro_batch
+            or job.data.pool_schedule is None
+            or job.data.pool_schedule.meta.num_microbatches != size // job.micro_batch
         ):
             raise ConfigError(
                 f"the coreset pool of {size} needs a pool schedule of "
                 f"{size // job.micro_batch} micro-batches of {job.micro_batch}"
             )
-    if job.encoder_units not in ("layer", "kernel"):
-        raise ConfigError(f"encoder units {job.encoder_units!r}: use 'layer' or 'kernel'")
-    per_layer, tail = (8, 2) if job.encoder_units == "kernel" else (1, 1)
+    if job.plans.encoder_units not in ("layer", "kernel"):
+        raise ConfigError(f"encoder units {job.plans.encoder_units!r}: use 'layer' or 'kernel'")
+    per_layer, tail = (8, 2) if job.plans.encoder_units == "kernel" else (1, 1)
     for e, enc in enumerate(meta.encoders):
         frozen_schedule = not any(enc.bwd_kernels[:-1]) and enc.bwd_kernels[-1] == tail
-        if job.frozen_encoder != frozen_schedule:
+        if job.model.frozen_encoder != frozen_schedule:
             raise ConfigError(
                 "the encoder is frozen but the schedule trains it; plan with frozen_encoder=True"
-                if job.frozen_encoder
+                if job.model.frozen_encoder
                 else "the schedule is planned for a frozen encoder but this job trains it"
             )
         layers = job.cfg.encoder_config(e).vit_layers // enc_plan.pp
@@ -175,6 +253,6 @@ def check_job(job: RuntimeJob, world: int) -> None:
             if enc.fwd_kernels[j] != units:
                 raise ConfigError(
                     f"schedule's encoder {e} stage {j} has {enc.fwd_kernels[j]} units; this "
-                    f"model's has {units} at {job.encoder_units} granularity (plan with "
-                    f"unit='{job.encoder_units}')"
+                    f"model's has {units} at {job.plans.encoder_units} granularity (plan with "
+                    f"unit='{job.plans.encoder_units}')"
                 )

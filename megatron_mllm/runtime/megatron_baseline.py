@@ -73,9 +73,11 @@ class MegatronCoreRun:
         # order, which interleaved PP=2 gets wrong (MEGATRON_CORE_ON_CPU.md).
         overrides = {"batch_p2p_comm": dist.get_backend() == "nccl"}
         overrides["batch_p2p_sync"] = overrides["batch_p2p_comm"]
-        if job.backbone_first_stage_layers is not None and plan.pp > 1:
-            rest = job.cfg.llm_layers - job.backbone_first_stage_layers
-            layers = [job.backbone_first_stage_layers] + [rest // (plan.pp - 1)] * (plan.pp - 1)
+        if job.plans.backbone_first_stage_layers is not None and plan.pp > 1:
+            rest = job.cfg.llm_layers - job.plans.backbone_first_stage_layers
+            layers = [job.plans.backbone_first_stage_layers] + [rest // (plan.pp - 1)] * (
+                plan.pp - 1
+            )
             overrides.update(layer_overrides(layers, plan.pp))
         encoder = None
         if stage == 0:
@@ -83,10 +85,22 @@ class MegatronCoreRun:
             enc_pg.tp, enc_pg.cp, enc_pg.dp, enc_pg.pp = pg.tp, pg.cp, pg.dp, solo
             encoder = EncoderPlacement(enc_pg, plan.tp, self.tp_rank)
         backbone = BackbonePlacement(
-            pg, plan.tp, self.tp_rank, plan.pp, stage, plan.vpp, job.sequence_parallel, overrides
+            pg,
+            plan.tp,
+            self.tp_rank,
+            plan.pp,
+            stage,
+            plan.vpp,
+            job.plans.sequence_parallel,
+            overrides,
         )
         self.rank_model = build_rank_model(
-            job.cfg, backbone, encoder, device, open_full_state(job.full_state), job.frozen_encoder
+            job.cfg,
+            backbone,
+            encoder,
+            device,
+            open_full_state(job.model.weights),
+            job.model.frozen_encoder,
         )
         self.chunks = self.rank_model.chunks
         self.backbone = self.rank_model.backbone  # the one holding the loss on the last stage

@@ -29,9 +29,11 @@ class ReferenceRun:
         from megatron_mllm.runtime.optimizer import build_optimizer
 
         self.job, self.device = job, device
-        state = open_full_state(job.full_state)
-        self.model = build_full_model(job.cfg, device, state, job.frozen_encoder)
-        self.optimizer = build_optimizer(self.model.modules, job.lr) if job.lr > 0 else None
+        state = open_full_state(job.model.weights)
+        self.model = build_full_model(job.cfg, device, state, job.model.frozen_encoder)
+        self.optimizer = (
+            build_optimizer(self.model.modules, job.optimizer.lr) if job.optimizer.lr > 0 else None
+        )
         self.history: list[dict] = []
         self.grads: dict = {}
 
@@ -57,7 +59,7 @@ class ReferenceRun:
             self.grads = {k: v for m in model.modules for k, v in grad_shards(m, 0).items()}
         if self.optimizer is not None:
             parts = [(m, None, None) for m in model.modules]
-            clip_by_global_norm(parts, job.clip_grad, self.device)
+            clip_by_global_norm(parts, job.optimizer.clip_grad, self.device)
             self.optimizer.step()
 
     def replan(self) -> bool:

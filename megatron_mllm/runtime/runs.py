@@ -5,7 +5,7 @@ Modes (`RuntimeJob.mode`):
 * "megatron_core": megatron-core's own 1F1B with the encoder in stage 0's forward step (the
   baseline users have today);
 * "reference": one process, no parallelism, every micro-batch in turn.
-All load the same canonical weights (`job.full_state`), so losses and gradients can be compared.
+All load the same canonical weights (`job.model.weights`), so losses and gradients can be compared.
 """
 
 from __future__ import annotations
@@ -54,12 +54,12 @@ def run_interleaved(rank: int, world: int, jobs: list[RuntimeJob], steps: int) -
     comparison on a noisy machine. Returns each job's result."""
     for job in jobs:
         check_job(job, world)
-    device = init_rank(rank, world, jobs[0].seed, jobs[0].timeout_s)
+    device = init_rank(rank, world, jobs[0].data.seed, jobs[0].timeout_s)
     runs = [make_run(rank, world, job, device) for job in jobs]
     for step in range(steps):
         for job, run in zip(jobs, runs, strict=True):
             run.step(step)
-            if job.replan_after is not None and step + 1 == job.replan_after:
+            if job.executor.replan_after is not None and step + 1 == job.executor.replan_after:
                 run.replan()
     dist.barrier()
     return [run.result() for run in runs]

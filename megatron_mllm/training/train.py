@@ -322,7 +322,16 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
 
     from megatron_mllm.runtime.bootstrap import init_rank
     from megatron_mllm.runtime.executor_run import ExecutorRun
-    from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
+    from megatron_mllm.runtime.job import (
+        Collect,
+        DataParts,
+        ExecutorSettings,
+        ModelParts,
+        OptimizerSettings,
+        PlanParts,
+        RuntimeJob,
+        encoder_plan_of,
+    )
     from megatron_mllm.training import checkpointing
 
     rank, world = args.rank, args.world_size
@@ -335,24 +344,22 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
     state = initial_weights(cfg, probe)
     full_shapes = {k: tuple(v.shape) for k, v in state.items()}
     job = RuntimeJob(
-        cfg,
-        plan,
-        args.micro_batch_size,
-        n_mb,
-        state,
-        schedule=schedule,
-        lr=args.lr,
-        clip_grad=args.clip_grad,
-        seed=args.seed,
+        ModelParts(cfg, state, frozen_encoder=args.freeze_ViT),
+        PlanParts(
+            plan, schedule=schedule, encoder_units=units, sequence_parallel=args.sequence_parallel
+        ),
+        DataParts(
+            args.micro_batch_size,
+            n_mb,
+            seed=args.seed,
+            coreset=args.coreset,
+            pool_schedule=pool_schedule,
+            data_path=args.data_path,
+        ),
+        optimizer=OptimizerSettings(lr=args.lr, clip_grad=args.clip_grad),
+        collect=Collect(grads=False),
+        executor=ExecutorSettings(overlap_tp_fills=args.overlap_tp_fills),
         timeout_s=args.distributed_timeout_minutes * 60,
-        collect_grads=False,
-        coreset=args.coreset,
-        pool_schedule=pool_schedule,
-        data_path=args.data_path,
-        frozen_encoder=args.freeze_ViT,
-        encoder_units=units,
-        overlap_tp_fills=args.overlap_tp_fills,
-        sequence_parallel=args.sequence_parallel,
     )
     run = ExecutorRun(rank, world, job, device)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
