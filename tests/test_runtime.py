@@ -133,18 +133,22 @@ def _stripped(action) -> str:
     return str(action).split("@")[0]
 
 
-def test_dead_rank_is_named_within_the_timeout(reference):
+@pytest.mark.parametrize("ordered", [False, True], ids=["tagged", "ordered"])
+def test_dead_rank_is_named_within_the_timeout(reference, ordered):
+    """A rank that dies mid-step makes the survivor exit within the timeout naming itself, the
+    receive and the peer, on both transports (gloo's tags; lazily posted tagless receives)."""
+    import time
+
     plan = ParallelPlan(1, 1, 2)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus")
     job = RuntimeJob(
         ModelParts(TINY, reference[0]),
         PlanParts(plan, schedule=schedule),
         DataParts(1, N),
+        executor=ExecutorSettings(ordered_p2p=ordered),
         faults=FaultHooks(fail_rank=1, fail_at_op=4),
         timeout_s=20,
     )
-    import time
-
     t0 = time.time()
     outs = spawn(run_rank, 2, job, allow_failures=True, timeout_s=90)
     assert time.time() - t0 < 60
@@ -267,13 +271,17 @@ def test_pairwise_order_check_finds_what_tagless_matching_would_mix_up():
 
 
 @pytest.mark.parametrize("layout", ["pp2", pytest.param("pp2-encoder-dp2", marks=pytest.mark.slow)])
-def test_ordered_p2p_without_tags_agrees(reference, layout):
-    """NCCL semantics on gloo: every message tag 0, receives posted at step start in each
-    sender's order on one group per direction. Same losses and gradients."""
+def test_ordered_p2p_without_tags_agrees(reference, layout, tmp_path):
+    """NCCL semantics on gloo: every message tag 0, each sender's receives posted lazily in its
+    order on one group per direction. Same losses and gradients. The weights come from a file
+    each rank maps (it reads only its own shards), not a copy of the whole state per rank."""
+    from megatron_mllm.models.weights import save_full_state
+
     plan, forced, _ = LAYOUTS[layout]
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced)
+    weights = save_full_state(reference[0], str(tmp_path / "weights.pt"))
     job = RuntimeJob(
-        ModelParts(TINY, reference[0]),
+        ModelParts(TINY, weights),
         PlanParts(plan, schedule=schedule),
         DataParts(1, N),
         executor=ExecutorSettings(ordered_p2p=True),
