@@ -1,8 +1,10 @@
 """The executor on a GPU's terms, checked on gloo: lazy ordered receives within a look-ahead,
 fills paced by their planned budget and on their own scratch buffer, sent tensors released from
-the table, dynamic run-ahead capped, and a dead rank named on the ordered transport too."""
+the table, and dynamic run-ahead capped (never beyond the plan's own peak of encoder
+activations)."""
 
 import warnings
+from dataclasses import replace
 
 import pytest
 
@@ -256,6 +258,15 @@ def test_sent_tensors_leave_the_table_and_dynamic_run_ahead_is_capped(state):
     assert max(s.max_encoder_ahead for o in loose for s in o["steps"]) > 1
     assert max(s.max_encoder_ahead for o in capped for s in o["steps"]) == 1
     assert sum(o["moved"] for o in capped) > 0
+    # Whatever the cap, never more encoder activations held than the plan holds at its peak
+    # (the order the planner estimated memory for).
+    # The static program reaches exactly the peak counted from it (so the count is right).
+    static = spawn(_probe, 2, replace(job, executor=ExecutorSettings()), {})
+    for out in static:
+        assert all(s.max_encoder_live == s.planned_encoder_live for s in out["steps"])
+    for out in (*loose, *capped):
+        for step in out["steps"]:
+            assert 1 <= step.max_encoder_live <= step.planned_encoder_live
     # Same losses either way: the cap changes only when work runs.
     for a, b in zip(loose, capped, strict=True):
         for x, y in zip(a["history"], b["history"], strict=True):

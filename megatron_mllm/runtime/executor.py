@@ -11,7 +11,8 @@ On a GPU's terms (a host that runs ahead of the device):
   read there too (no `.item()` per micro-batch);
 * a tensor leaves the table once its last local consumer has read it and its last send is
   posted; pending sends are dropped as they complete; dynamic mode holds at most
-  `max_encoder_ahead` encoder micro-batches run ahead of the program.
+  `max_encoder_ahead` encoder micro-batches run ahead of the program, and never more encoder
+  activations at once than the static plan holds at its peak (what the planner costed).
 """
 
 from __future__ import annotations
@@ -59,6 +60,10 @@ class StepResult:
     # Ordered mode: sender -> the most of its receives posted and not yet consumed at once.
     max_posted_ahead: dict[int, int] = field(default_factory=dict)
     max_encoder_ahead: int = 0  # dynamic mode: most encoder micro-batches run ahead at once
+    # Most encoder (stage, micro-batch) activations held at once, and the plan's own peak (the
+    # schedule the planner costed memory for): dynamic mode never holds more than the plan.
+    max_encoder_live: int = 0
+    planned_encoder_live: int = 0
     leftover_keys: list[str] = field(default_factory=list)  # the tensor table at step end
     fills_per_wait: list[int] = field(default_factory=list)  # fills run inside each TP wait
 
@@ -114,6 +119,7 @@ class Executor:
         # Dynamic mode: run ready encoder work while waiting for a message (see _fill_wait),
         # at most `max_encoder_ahead` encoder micro-batches ahead of the program.
         self.dynamic, self.max_encoder_ahead = dynamic, max_encoder_ahead
+        self.encoder_live_budget = planned_encoder_live(program, meta)
         # Ordered mode (NCCL has no tags): (receive orders {src: keys in the sender's posting
         # order}, {(src, dst): a process group carrying only that direction}). Each sender's
         # receives are posted in its order, so matching by order is matching by key; they are
@@ -200,6 +206,7 @@ class Executor:
         self.result.losses = {mb: float(t) for mb, t in self._losses.items()}
         self.result.leftover_keys = sorted(self.tensors)
         self.result.max_posted_ahead = self.messages.max_posted_ahead
+        self.result.planned_encoder_live = self.encoder_live_budget
 
     def _run_program(self) -> None:
         done = [False] * len(self.program)
@@ -323,6 +330,8 @@ class Executor:
             full = len(self._ahead) >= self.max_encoder_ahead
             if a.kind == "EF" and full and (a.enc, a.mb) not in self._ahead:
                 continue  # a new micro-batch's activations would exceed the budget
+            if a.kind == "EF" and a.k0 == 0 and len(self.enc_units) >= self.encoder_live_budget:
+                continue  # more encoder activations than the plan holds at its peak
             if self._ready(a):
                 return j
         return None
@@ -468,6 +477,8 @@ class Executor:
         its backward can run on its own (see EncoderStage's units)."""
         enc_meta = self.meta.encoders[a.enc]
         units = self.enc_units.setdefault((a.enc, a.stage, a.mb), [])
+        live = max(self.result.max_encoder_live, len(self.enc_units))
+        self.result.max_encoder_live = live
         if a.k0 == 0:
             needs = self._needs(a)
             state = (self._take(needs[0]) if needs else self._batch(a.mb)[0],)
@@ -532,3 +543,26 @@ class Executor:
             return
         params = [p for m in modules for p in m.parameters() if p.requires_grad]
         self.reductions.append(start_reduction(params, group, self.bb_dp))
+
+
+def planned_encoder_live(program: list[Op], meta: ScheduleMeta) -> int:
+    """The most encoder (encoder, stage, micro-batch) activations `program` holds at once, run
+    in its own order: from a stage's first forward unit to its last backward unit (or to its
+    last forward unit when nothing runs backward). The planner's memory estimate is for this
+    order, so dynamic mode keeps within it."""
+    live: set[tuple[int, int, int]] = set()
+    peak = 0
+    for op in program:
+        for a in (*op.fills, op.action) if op.kind == "run" else ():
+            if a.kind not in ("EF", "EB"):
+                continue
+            enc, key = meta.encoders[a.enc], (a.enc, a.stage, a.mb)
+            if a.kind == "EF" and a.k0 == 0:
+                live.add(key)
+                peak = max(peak, len(live))
+            last_fwd = a.kind == "EF" and a.k1 == enc.fwd_kernels[a.stage]
+            if (a.kind == "EB" and a.k1 == enc.bwd_kernels[a.stage]) or (
+                last_fwd and enc.bwd_kernels[a.stage] == 0
+            ):
+                live.discard(key)
+    return max(peak, 1)
