@@ -14,7 +14,12 @@ import megatron.core
 import torch
 
 SUPPORTED_MEGATRON_CORE = ("0.16.1",)
-CPU_PATCHES = ("cuda_device_on_cpu", "cpu_rng_tracker", "cuda_allocations_on_cpu")
+CPU_PATCHES = (
+    "cuda_device_on_cpu",
+    "cpu_rng_tracker",
+    "cuda_allocations_on_cpu",
+    "distributed_optimizer_on_cpu",
+)
 RUNTIME_PATCHES = ("async_tp_collectives", "sequence_parallel_torch_norm")  # on every device
 
 
