@@ -485,3 +485,36 @@ def test_schedule_metadata_names_the_encoder_placement():
     tampered = replace(loaded, meta=replace(loaded.meta, encoder_plan=(1, 1, 2)))
     with pytest.raises(ConfigError, match="disagrees with its layout"):
         encoder_plan_of(tampered, plan)
+
+
+@pytest.mark.parametrize(
+    "layout, unit",
+    [("pp2-encoder-dp2", "layer"), pytest.param("tp2", "kernel", marks=pytest.mark.slow)],
+)
+def test_overlapped_grad_reduce_agrees(layout, unit):
+    """megatron-core's DDP with --overlap-grad-reduce and small buckets: each bucket is reduced
+    from the gradient hooks as soon as its last backward ran (from the second step on; the
+    first learns the counts). Three optimizer steps give the reference's losses, and the first
+    step's gradients match."""
+    plan, forced, _ = LAYOUTS[layout]
+    train = dict(TRAIN, steps=3)
+    state, ref = reference_of(TINY, **train)
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced, unit=unit)
+    opt = replace(train["optimizer"], overlap_grad_reduce=True, ddp_bucket_size=20_000)
+    job = RuntimeJob(
+        ModelParts(TINY, state),
+        PlanParts(plan, schedule, unit),
+        DataParts(1, N),
+        steps=3,
+        optimizer=opt,
+    )
+    outs = spawn(run_rank, plan.world_size, job)
+    etp = encoder_plan_of(schedule, plan)[0].tp
+    check_against((state, ref), outs, {"backbone": plan.tp, "encoder": etp, "projector": etp})
+    for step, losses in enumerate(ref["history"]):
+        mine = {k: v for o in outs for k, v in o["history"][step].items()}
+        assert all(mine[k] == pytest.approx(v, abs=1e-4) for k, v in losses.items()), step
+    parts = [part for out in outs for part in out["ddp"].values()]
+    assert max(buckets for buckets, _ in parts) > 1, parts  # several buckets somewhere
+    for buckets, in_flight in parts:  # from the second step on, all in flight before RS
+        assert in_flight[0] == 0 and in_flight[1:] == [buckets, buckets], parts

@@ -149,11 +149,11 @@ def test_kernel_granularity_frozen_encoder_and_online_replanning(tmp_path):
 
 def test_two_encoders_train_and_resume_from_checkpoint_args(tmp_path):
     """--extra-encoder: a second ViT (half the width, its own resolution) beside the first under
-    PP=2 Optimus; a resume that takes the model from the checkpoint (--use-checkpoint-args, no
-    --extra-encoder given) continues bit for bit."""
+    PP=2 Optimus, with --overlap-grad-reduce; a resume that takes the model from the checkpoint
+    (--use-checkpoint-args, no --extra-encoder given) continues bit for bit."""
     second = "num-layers=1,hidden-size=32,num-attention-heads=2,img-h=16,patch-dim=4"
     args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "3"]
-    args += ["--global-batch-size", "4"]
+    args += ["--global-batch-size", "4", "--overlap-grad-reduce", "--ddp-bucket-size", "20000"]
     straight = torchrun(
         *args, "--extra-encoder", second, "--save", str(tmp_path / "a"), "--save-interval", "2"
     )
@@ -205,6 +205,7 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--data-path", "/nonexistent/shards"], "no .tar shards"),
         (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size"),
         (["--replan-after-iters", "0"], "--replan-after-iters N needs N >= 1"),
+        (["--ddp-bucket-size", "0"], "--ddp-bucket-size 0: give a positive count"),
         (["--extra-encoder", "num-layers=1,hidden-size=32"], "give num-attention-heads"),
         (["--extra-encoder", "layers=1"], "is not key=value with a key among num-layers"),
         (

@@ -1,8 +1,8 @@
 """Runs one GPU's program on real megatron-core modules and torch.distributed.
 
 Handlers, one per action kind (DeepSpeed's instruction -> handler map): backbone forward and
-backward, encoder units forward and backward, the parts' DP gradient reductions (bucketed and
-asynchronous, `grad_reduction.py`); messages go through `messages.py` (tagged on gloo, ordered
+backward, encoder units forward and backward, the parts' DP gradient reductions (megatron-core's
+DDP, `data_parallel.py`); messages go through `messages.py` (tagged on gloo, ordered
 with lazily posted receives as NCCL needs); TP-bubble fills are paced by the plan
 (`fill_pacing.py`). What really ran is recorded as trace spans in the simulator's format.
 
@@ -23,18 +23,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
 from megatron_mllm.runtime.clock import StepClock
 from megatron_mllm.runtime.fill_pacing import FillPacer, fill_budgets, planned_bubbles
-from megatron_mllm.runtime.grad_reduction import start_reduction
 from megatron_mllm.runtime.messages import RECV_LOOKAHEAD, Messages, PeerFailure
 from megatron_mllm.runtime.program import Op
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.dataflow import Dataflow
-from megatron_mllm.schedule.keys import TensorKey, part_encoder
+from megatron_mllm.schedule.keys import TensorKey
 from megatron_mllm.schedule.schedule import ScheduleMeta
 from megatron_mllm.schedule.simulator import Span
 
@@ -91,6 +89,7 @@ class Executor:
         overlap_fills: bool = False,
         recv_lookahead: int = RECV_LOOKAHEAD,
         max_encoder_ahead: int = MAX_ENCODER_AHEAD,
+        grad_sync: dict | None = None,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
@@ -128,6 +127,8 @@ class Executor:
         # Overlap: a backbone action's TP-bubble fills run while its TP collectives are in
         # flight (patches/async_tp_collectives.py), paced by the plan; the rest run after it.
         self.overlap_fills = overlap_fills
+        # Each part's DP gradient reduction (data_parallel.PartGradSync by part: "bb", "e0", ...).
+        self.grad_sync = grad_sync or {}
         self.flow = Dataflow(meta, [])  # what each action reads (needs use no assignment)
         self._planned = planned_bubbles(program)
         self._collectives: dict[tuple[str, int, int], int] = {}  # counted TP waits per action
@@ -161,6 +162,8 @@ class Executor:
             if hook is not None:
                 hook.remove()
         self.messages.drain()
+        for key in self.grad_sync.keys() - self._reduced:  # a part whose RS the program lacks
+            self.reductions.append(self.grad_sync[key].start())
         for finish in self.reductions:
             finish()
         self._finish_step()
@@ -172,6 +175,7 @@ class Executor:
         self.bb_ctx: dict[tuple, tuple] = {}
         self.enc_units: dict[tuple, list] = {}
         self.reductions: list[Callable[[], None]] = []  # gradient reductions still in flight
+        self._reduced: set[str] = set()  # parts whose RS has run
         self.result = StepResult()
         self._batches: dict[int, tuple] = {}
         self._bwd_done: dict[tuple, int] = {}  # encoder backward units done per (e, s, mb)
@@ -534,15 +538,12 @@ class Executor:
         """Parameters are replicated over DP (non-distributed optimizer): nothing to gather."""
 
     def _reduce_scatter(self, a: Action) -> None:
-        """Start the part's gradient reduction over its own DP group, bucketed and asynchronous;
-        it finishes at step end, so it overlaps the work after it (see grad_reduction)."""
-        enc = part_encoder(a.key)
-        modules = self.chunks if enc is None else [self.encoders[enc]]
-        group = self.bb_dp_group if enc is None else self.enc_dp_group
-        if modules[0] is None or dist.get_world_size(group) == 1 and self.bb_dp == 1:
-            return
-        params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        self.reductions.append(start_reduction(params, group, self.bb_dp))
+        """The part's DP gradient reduction (megatron-core DDP, data_parallel.py): run or marked
+        here, waited for at step end. A part this rank does not hold has nothing to reduce."""
+        sync = self.grad_sync.get(a.key)
+        if sync is not None:
+            self._reduced.add(a.key)
+            self.reductions.append(sync.start())
 
 
 def planned_encoder_live(program: list[Op], meta: ScheduleMeta) -> int:

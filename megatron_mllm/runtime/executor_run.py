@@ -62,6 +62,7 @@ class ExecutorRun:
         if job.faults.fail_rank == rank:
             self.program = self.program[: job.faults.fail_at_op]
         self.enc_dp_group = groups.backbone.dp if self.stage0 else groups.encoder.dp
+        self.grad_sync = self._wrap_parts()
         self.optimizer = (
             build_optimizer(self.rank_model.modules, job.optimizer.lr)
             if job.optimizer.lr > 0
@@ -105,6 +106,24 @@ class ExecutorRun:
             return EncoderPlacement(self.groups.stage0_encoder(), plan.tp, c.tp, 0, 1, kernels)
         pg = self.groups.encoder
         return EncoderPlacement(pg, enc_plan.tp, c.enc_tp, c.enc_stage, enc_plan.pp, kernels)
+
+    def _wrap_parts(self) -> dict:
+        """megatron-core DDP per part, on a DP group of its own (see data_parallel.py). Every
+        rank creates every part's group (collective), also for parts it does not hold."""
+        from megatron_mllm.runtime.data_parallel import dedicated_group, wrap_part
+        from megatron_mllm.schedule.keys import part_name
+
+        groups, opt = self.groups, self.job.optimizer
+        knobs = (self.job.backbone.dp, opt.overlap_grad_reduce, opt.ddp_bucket_size)
+        bb_dp = dedicated_group(groups.backbone.dp)
+        out = {"bb": wrap_part(self.chunks, groups.backbone, bb_dp, groups.solo, *knobs)}
+        pg = groups.stage0_encoder() if self.stage0 else groups.encoder
+        for e, encoder in enumerate(self.encoders):
+            held = encoder is not None and any(p.requires_grad for p in encoder.parameters())
+            dp = dedicated_group(self.enc_dp_group if encoder is not None else groups.backbone.dp)
+            if held:
+                out[part_name(e)] = wrap_part([encoder], pg, dp, groups.solo, *knobs)
+        return out
 
     def _ordered_p2p(self, plan: ParallelPlan, enc_plan: ParallelPlan) -> None:
         """Receive orders and one process group per message direction (see Executor)."""
@@ -220,6 +239,8 @@ class ExecutorRun:
 
         job, c = self.job, self.groups.coords
         self.rank_model.zero_grad()
+        for sync in self.grad_sync.values():
+            sync.zero()
         data = batches(job, step)
         if self.selector is not None:
             from megatron_mllm.data.synthetic import samples
@@ -247,6 +268,7 @@ class ExecutorRun:
             overlap_fills=job.executor.overlap_tp_fills and self.enc_tp == 1,
             recv_lookahead=job.executor.recv_lookahead,
             max_encoder_ahead=job.executor.max_encoder_ahead,
+            grad_sync=self.grad_sync,
         )
         if job.faults.fail_rank == self.rank:
             executor.run_step()
@@ -296,6 +318,8 @@ class ExecutorRun:
             "spans": self.spans,
             "seconds": self.seconds,
             "compute_seconds": self.compute_seconds,
+            # part -> (DDP buckets, per step: buckets already reducing when its RS action ran)
+            "ddp": {k: (s.buckets, s.in_flight_at_rs) for k, s in self.grad_sync.items()},
             "skipped_iterations": self.skipped_iterations,
             "unit_times": self.unit_times,  # every step's measured unit and collective times
             "coords": self.groups.coords,

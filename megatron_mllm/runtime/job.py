@@ -54,6 +54,8 @@ class DataParts:
 class OptimizerSettings:
     lr: float = 0.0  # > 0: an optimizer step (megatron-core's FP32Optimizer, AdamW) per step
     clip_grad: float = 1.0
+    overlap_grad_reduce: bool = False  # DDP buckets reduced as their last backward finishes
+    ddp_bucket_size: int | None = None  # parameters per DDP bucket (megatron-core's default)
 
 
 @dataclass(frozen=True)

@@ -144,6 +144,17 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument(
+        "--overlap-grad-reduce",
+        action="store_true",
+        help="megatron-core DDP: reduce each gradient bucket as soon as its last backward ran",
+    )
+    g.add_argument(
+        "--ddp-bucket-size",
+        type=int,
+        default=None,
+        help="parameters per DDP gradient bucket (megatron-core's default when not given)",
+    )
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--hidden-dropout", type=float, default=0.0)
     g.add_argument("--attention-dropout", type=float, default=0.0)
@@ -289,6 +300,8 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     for spec in args.extra_encoder:
         parse_encoder_spec(spec)
+    if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
+        raise ConfigError(f"--ddp-bucket-size {args.ddp_bucket_size}: give a positive count")
     dp = world // (tp * pp)
     args.data_parallel_size = dp
     if args.sequence_parallel and tp == 1:  # Megatron's rule: a warning, not an error

@@ -356,7 +356,12 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
             pool_schedule=pool_schedule,
             data_path=args.data_path,
         ),
-        optimizer=OptimizerSettings(lr=args.lr, clip_grad=args.clip_grad),
+        optimizer=OptimizerSettings(
+            lr=args.lr,
+            clip_grad=args.clip_grad,
+            overlap_grad_reduce=args.overlap_grad_reduce,
+            ddp_bucket_size=args.ddp_bucket_size,
+        ),
         collect=Collect(grads=False),
         executor=ExecutorSettings(overlap_tp_fills=args.overlap_tp_fills),
         timeout_s=args.distributed_timeout_minutes * 60,

@@ -1,0 +1,117 @@
+"""megatron-core's DistributedDataParallel around each part of a rank's model, each on its own
+plan's DP group: every backbone chunk on the backbone's, every encoder stage on the encoder
+plan's (colocated on the same ranks). The schedule's RS action of a part is its gradient
+reduction:
+
+* without `overlap_grad_reduce`: the bucketed reduction runs at the RS action, synchronously;
+* with it: each bucket is reduced asynchronously as soon as the last backward that touches it
+  has run (megatron-core's gradient hooks count the step's gradients per parameter; the counts
+  are learnt on the first step, whose reduction starts at step end), so an encoder's reduction
+  overlaps the backbone's remaining backward work; RS then marks where it must have started.
+
+Every reduction is waited for at step end; gradients are then in each parameter's `main_grad`
+(megatron-core's buffer), exposed as `.grad` for clipping, the optimizer and result checks.
+The encoder's DP group holds m pipelines per backbone replica, each with its own micro-batches:
+their gradients add up, then average over the backbone's replicas (`divide_by`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+
+def dedicated_group(group):
+    """A new process group with `group`'s members, created collectively (every rank calls it,
+    each with its own group; the groups must partition the world). Each part reduces on a group
+    of its own: collectives on one group must be issued in one order on every rank, and two
+    parts' buckets (two encoders, or an encoder on stage 0 beside the backbone) become ready in
+    rank-dependent order when the ranks run different programs."""
+    import torch.distributed as dist
+
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, tuple(dist.get_process_group_ranks(group)))
+    mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in sorted(set(every))])
+    return mine
+
+
+def ddp_groups(pg, dp_group, solo):
+    """The part's ProcessGroupCollection as DDP reads it: its DP group, no experts."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    out = ProcessGroupCollection()
+    for name in ("tp", "cp", "pp", "mp", "tp_cp"):
+        setattr(out, name, getattr(pg, name, None))
+    out.dp = out.dp_cp = dp_group
+    out.ep = out.expt_dp = solo
+    return out
+
+
+@dataclass
+class PartGradSync:
+    """One part's DDP instances (one per module) and how its RS action behaves."""
+
+    ddps: list
+    overlap: bool
+    in_flight_at_rs: list[int] = field(default_factory=list)  # per step: buckets already started
+
+    @property
+    def buckets(self) -> int:
+        return sum(len(ddp.bucket_groups) for ddp in self.ddps)
+
+    def start(self) -> Callable[[], None]:
+        """The RS action: reduce now (without overlap) or nothing (the hooks started it);
+        returns the step-end wait that exposes the reduced gradients as `.grad`."""
+        groups = [g for ddp in self.ddps for g in ddp.bucket_groups]
+        self.in_flight_at_rs.append(sum(g.grad_reduce_handle is not None for g in groups))
+        if not self.overlap:
+            for ddp in self.ddps:
+                ddp.finish_grad_sync()  # synchronous, bucketed
+        return self.finish
+
+    def finish(self) -> None:
+        for ddp in self.ddps:
+            if self.overlap:
+                ddp.finish_grad_sync()
+            for p in ddp.module.parameters():
+                if p.requires_grad:
+                    p.grad = p.main_grad
+
+    def zero(self) -> None:
+        """Before a step's first backward: empty the gradient buffers (and bucket counts)."""
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
+
+
+def wrap_part(
+    modules: list[torch.nn.Module],
+    pg,
+    dp_group,
+    solo,
+    divide_by: int,
+    overlap: bool = False,
+    bucket_size: int | None = None,
+) -> PartGradSync:
+    """megatron-core DDP around each module of one part (their parameters stay the modules')."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    groups = ddp_groups(pg, dp_group, solo)
+    ddps = []
+    for module in modules:
+        config = DistributedDataParallelConfig(
+            overlap_grad_reduce=overlap, bucket_size=bucket_size if overlap else None
+        )
+        ddp = DistributedDataParallel(_config_of(module), config, module, pg_collection=groups)
+        for buffer in ddp.buffers:
+            for bucket in buffer.buckets:
+                bucket.gradient_scaling_factor = 1.0 / divide_by
+        ddps.append(ddp)
+    return PartGradSync(ddps, overlap)
+
+
+def _config_of(module: torch.nn.Module):
+    """The TransformerConfig of a BackboneStage or an EncoderStage."""
+    gpt = getattr(module, "gpt", None)
+    return gpt.config if gpt is not None else module.block.config
