@@ -132,12 +132,13 @@ def test_interleaved_backbone_trains_and_reshards_to_non_interleaved(tmp_path):
 
 def test_kernel_granularity_frozen_encoder_and_online_replanning(tmp_path):
     """--fill-granularity kernel --freeze-ViT --replan-after-iters 1 --overlap-tp-fills
-    --sequence-parallel on TP=2: trains, re-plans from measured unit times after the first
-    iteration, the loss falls."""
+    --sequence-parallel --use-distributed-optimizer --overlap-grad-reduce on TP=2: trains,
+    re-plans from measured unit times after the first iteration, the loss falls."""
     out = torchrun(
         "--tensor-model-parallel-size", "2", *COMMON, "--train-iters", "3",
         "--fill-granularity", "kernel", "--freeze-ViT", "--replan-after-iters", "1",
-        "--overlap-tp-fills", "--sequence-parallel",
+        "--overlap-tp-fills", "--sequence-parallel", "--use-distributed-optimizer",
+        "--overlap-grad-reduce",
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "frozen: forward only" in out.stdout
@@ -206,6 +207,7 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size"),
         (["--replan-after-iters", "0"], "--replan-after-iters N needs N >= 1"),
         (["--ddp-bucket-size", "0"], "--ddp-bucket-size 0: give a positive count"),
+        (["--use-distributed-optimizer", "--save", "/tmp/x"], "cannot be saved or resumed yet"),
         (["--extra-encoder", "num-layers=1,hidden-size=32"], "give num-attention-heads"),
         (["--extra-encoder", "layers=1"], "is not key=value with a key among num-layers"),
         (

@@ -38,7 +38,9 @@ def dedicated_group(group):
 
 
 def ddp_groups(pg, dp_group, solo):
-    """The part's ProcessGroupCollection as DDP reads it: its DP group, no experts."""
+    """The part's ProcessGroupCollection as DDP and the optimizer read it: its DP group, no
+    experts."""
+    import torch.distributed as dist
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     out = ProcessGroupCollection()
@@ -46,6 +48,10 @@ def ddp_groups(pg, dp_group, solo):
         setattr(out, name, getattr(pg, name, None))
     out.dp = out.dp_cp = dp_group
     out.ep = out.expt_dp = solo
+    out.tp_ep_pp = None  # no experts
+    # The distributed optimizer sums its gradient statistics (the norm) over every rank that
+    # holds a shard of the part: each part spans the whole world (both plans cover every rank).
+    out.intra_dist_opt = dist.group.WORLD
     return out
 
 
@@ -55,6 +61,8 @@ class PartGradSync:
 
     ddps: list
     overlap: bool
+    pg: object  # the part's groups as megatron-core's DDP and optimizer read them
+    distributed: bool = False  # the distributed optimizer: RS reduce-scatters, shards only
     in_flight_at_rs: list[int] = field(default_factory=list)  # per step: buckets already started
 
     @property
@@ -75,6 +83,8 @@ class PartGradSync:
         for ddp in self.ddps:
             if self.overlap:
                 ddp.finish_grad_sync()
+            if self.distributed:
+                continue  # main_grad holds only this rank's reduced shard; the optimizer reads it
             for p in ddp.module.parameters():
                 if p.requires_grad:
                     p.grad = p.main_grad
@@ -93,6 +103,7 @@ def wrap_part(
     divide_by: int,
     overlap: bool = False,
     bucket_size: int | None = None,
+    distributed: bool = False,
 ) -> PartGradSync:
     """megatron-core DDP around each module of one part (their parameters stay the modules')."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -101,14 +112,16 @@ def wrap_part(
     ddps = []
     for module in modules:
         config = DistributedDataParallelConfig(
-            overlap_grad_reduce=overlap, bucket_size=bucket_size if overlap else None
+            overlap_grad_reduce=overlap,
+            bucket_size=bucket_size if overlap else None,
+            use_distributed_optimizer=distributed,
         )
         ddp = DistributedDataParallel(_config_of(module), config, module, pg_collection=groups)
         for buffer in ddp.buffers:
             for bucket in buffer.buckets:
                 bucket.gradient_scaling_factor = 1.0 / divide_by
         ddps.append(ddp)
-    return PartGradSync(ddps, overlap)
+    return PartGradSync(ddps, overlap, groups, distributed)
 
 
 def _config_of(module: torch.nn.Module):

@@ -492,7 +492,7 @@ class Executor:
         names, t_unit = encoder.unit_names(), self.clock.mark()
         for u in range(a.k0, a.k1):
             if encoder.unit_trainable(u):
-                upstream = not (a.stage == 0 and u == 0) and not self.encoder_frozen[a.enc]
+                upstream = self._wants_input_grad(a, u)
                 leaves = tuple(t.detach().requires_grad_(upstream) for t in state)
                 out = encoder.run_unit(u, leaves)
             else:  # frozen: no graph, and nothing upstream of it wants a gradient
@@ -511,6 +511,17 @@ class Executor:
             self._put(str(nxt), out)
             if self.forward_only or enc_meta.bwd_kernels[a.stage] == 0:
                 del self.enc_units[(a.enc, a.stage, a.mb)]  # no backward will read its units
+
+    def _wants_input_grad(self, a: Action, u: int) -> bool:
+        """Whether unit u's input needs a gradient: something before it trains. In a frozen
+        encoder only the projector trains, so the input of its second half (proj_fc2) needs
+        one (for proj_fc1's parameters), the first trained unit's input does not."""
+        if a.stage == 0 and u == 0:
+            return False
+        if not self.encoder_frozen[a.enc]:
+            return True
+        encoder = self.encoders[a.enc]
+        return any(encoder.unit_trainable(v) for v in range(u))
 
     def _encoder_backward(self, a: Action) -> None:
         enc_meta = self.meta.encoders[a.enc]

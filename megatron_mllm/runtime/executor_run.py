@@ -26,7 +26,6 @@ class ExecutorRun:
 
     def __init__(self, rank: int, world: int, job: RuntimeJob, device: torch.device) -> None:
         from megatron_mllm.parallel.groups import build_colocated_groups
-        from megatron_mllm.runtime.optimizer import build_optimizer
         from megatron_mllm.runtime.program import gpu_program
 
         self.rank, self.job, self.device = rank, job, device
@@ -63,11 +62,7 @@ class ExecutorRun:
             self.program = self.program[: job.faults.fail_at_op]
         self.enc_dp_group = groups.backbone.dp if self.stage0 else groups.encoder.dp
         self.grad_sync = self._wrap_parts()
-        self.optimizer = (
-            build_optimizer(self.rank_model.modules, job.optimizer.lr)
-            if job.optimizer.lr > 0
-            else None
-        )
+        self.optimizer = self._build_optimizer()
         # Clipping norm: each part once, summed over its own plan's model-parallel group.
         enc_groups = (
             (groups.backbone.mp, groups.backbone.tp)
@@ -107,6 +102,18 @@ class ExecutorRun:
         pg = self.groups.encoder
         return EncoderPlacement(pg, enc_plan.tp, c.enc_tp, c.enc_stage, enc_plan.pp, kernels)
 
+    def _build_optimizer(self):
+        """megatron-core's FP32Optimizer over this rank's parameters, or with `distributed` its
+        DistributedOptimizer over the DDP-wrapped parts; None without a learning rate."""
+        from megatron_mllm.runtime.optimizer import build_distributed_optimizer, build_optimizer
+
+        opt = self.job.optimizer
+        if opt.lr <= 0:
+            return None
+        if opt.distributed:
+            return build_distributed_optimizer(list(self.grad_sync.values()), opt.lr, opt.clip_grad)
+        return build_optimizer(self.rank_model.modules, opt.lr)
+
     def _wrap_parts(self) -> dict:
         """megatron-core DDP per part, on a DP group of its own (see data_parallel.py). Every
         rank creates every part's group (collective), also for parts it does not hold."""
@@ -114,7 +121,12 @@ class ExecutorRun:
         from megatron_mllm.schedule.keys import part_name
 
         groups, opt = self.groups, self.job.optimizer
-        knobs = (self.job.backbone.dp, opt.overlap_grad_reduce, opt.ddp_bucket_size)
+        knobs = (
+            self.job.backbone.dp,
+            opt.overlap_grad_reduce,
+            opt.ddp_bucket_size,
+            opt.distributed,
+        )
         bb_dp = dedicated_group(groups.backbone.dp)
         out = {"bb": wrap_part(self.chunks, groups.backbone, bb_dp, groups.solo, *knobs)}
         pg = groups.stage0_encoder() if self.stage0 else groups.encoder
@@ -234,13 +246,14 @@ class ExecutorRun:
         from megatron_mllm.runtime.executor import Executor
         from megatron_mllm.runtime.optimizer import (
             allreduce_sequence_parallel_grads,
-            clip_by_global_norm,
         )
 
         job, c = self.job, self.groups.coords
         self.rank_model.zero_grad()
         for sync in self.grad_sync.values():
             sync.zero()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
         data = batches(job, step)
         if self.selector is not None:
             from megatron_mllm.data.synthetic import samples
@@ -290,9 +303,21 @@ class ExecutorRun:
             ):
                 for encoder in self.encoders:
                     self.grads.update(grad_shards(encoder, c.enc_tp if not self.stage0 else c.tp))
-        clip = job.optimizer.clip_grad if self.optimizer is not None else 0.0
+        self._optimizer_step()
+
+    def _optimizer_step(self) -> None:
+        """Clip by the whole model's norm and step, or skip (and count) a step whose norm is NaN
+        or Inf: the same norm on every rank, so every rank skips."""
+        from megatron_mllm.runtime.optimizer import clip_by_global_norm, step_megatron_optimizer
+
+        opt = self.job.optimizer
+        if opt.distributed and self.optimizer is not None:  # its own clipping, on its shards
+            applied, self.last_grad_norm = step_megatron_optimizer(self.optimizer)
+            self.skipped_iterations += not applied
+            return
+        clip = opt.clip_grad if self.optimizer is not None else 0.0
         self.last_grad_norm = clip_by_global_norm(self.parts, clip, self.device)
-        if not math.isfinite(self.last_grad_norm):  # the same norm on every rank: all skip
+        if not math.isfinite(self.last_grad_norm):
             self.skipped_iterations += 1
         elif self.optimizer is not None:
             self.optimizer.step()
@@ -318,6 +343,10 @@ class ExecutorRun:
             "spans": self.spans,
             "seconds": self.seconds,
             "compute_seconds": self.compute_seconds,
+            "optimizers": [
+                type(o).__name__
+                for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
+            ],
             # part -> (DDP buckets, per step: buckets already reducing when its RS action ran)
             "ddp": {k: (s.buckets, s.in_flight_at_rs) for k, s in self.grad_sync.items()},
             "skipped_iterations": self.skipped_iterations,

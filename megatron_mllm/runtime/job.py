@@ -55,6 +55,7 @@ class OptimizerSettings:
     lr: float = 0.0  # > 0: an optimizer step (megatron-core's FP32Optimizer, AdamW) per step
     clip_grad: float = 1.0
     overlap_grad_reduce: bool = False  # DDP buckets reduced as their last backward finishes
+    distributed: bool = False  # megatron-core's DistributedOptimizer (state sharded over DP)
     ddp_bucket_size: int | None = None  # parameters per DDP bucket (megatron-core's default)
 
 

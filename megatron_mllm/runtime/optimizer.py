@@ -32,12 +32,13 @@ def allreduce_sequence_parallel_grads(modules: list[torch.nn.Module | None], tp_
     """Sum, over the TP group, the gradients of parameters that sequence parallelism leaves
     replicated but feeds different tokens on each TP rank (norms; megatron-core marks them
     `sequence_parallel`). What megatron-core's finalize_model_grads does for them."""
-    grads = [
-        p.grad
+    grads = [  # megatron-core's DDP keeps them in main_grad (under the distributed optimizer
+        # only this rank's shard is reduced there; the TP sum is linear, so the shard is right)
+        getattr(p, "main_grad", p.grad)
         for m in modules
         if m is not None
         for p in m.parameters()
-        if getattr(p, "sequence_parallel", False) and p.grad is not None
+        if getattr(p, "sequence_parallel", False) and getattr(p, "main_grad", p.grad) is not None
     ]
     if not grads or dist.get_world_size(tp_group) == 1:
         return
@@ -85,3 +86,50 @@ def clip_by_global_norm(
         ]
         torch._foreach_mul_(grads, scale)
     return norm
+
+
+def step_megatron_optimizer(optimizer) -> tuple[bool, float]:
+    """One step of a megatron-core (chained) optimizer that is skipped, not applied, when the
+    whole model's gradient norm is NaN or Inf: (applied, norm). ChainedOptimizer.step's order
+    (prepare the main grads, the norm, clipping by it, the update and parameter all-gather)."""
+    from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+
+    if optimizer.prepare_grads():  # an overflow found by a loss scaler
+        return False, float("nan")
+    norm = float(optimizer.get_grad_norm())
+    if not math.isfinite(norm):
+        return False, norm
+    for sub in optimizer.chained_optimizers:
+        params = sub.get_parameters()
+        if sub.config.clip_grad > 0 and params:
+            clip_grad_by_total_norm_fp32(params, max_norm=sub.config.clip_grad, total_norm=norm)
+    return bool(optimizer.step_with_ready_grads()), norm
+
+
+def build_distributed_optimizer(
+    parts: list, lr: float, clip_grad: float, weight_decay: float = 0.0
+):
+    """megatron-core's DistributedOptimizer (Adam) over DDP-wrapped parts (data_parallel's
+    PartGradSync), one per part's DP group, chained: the optimizer state is sharded over each
+    part's DP group, gradients are clipped by the whole model's norm (summed over the world, as
+    every part spans it) and the parameters all-gathered at the end of each step."""
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        bf16=False,
+        fp16=False,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=True,
+    )
+    chained = []
+    for part in parts:
+        built = get_megatron_optimizer(
+            config, part.ddps, use_gloo_process_groups=False, pg_collection=part.pg
+        )
+        chained += built.chained_optimizers
+    return ChainedOptimizer(chained)

@@ -150,6 +150,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="megatron-core DDP: reduce each gradient bucket as soon as its last backward ran",
     )
     g.add_argument(
+        "--use-distributed-optimizer",
+        action="store_true",
+        help="megatron-core's DistributedOptimizer: optimizer state sharded over each part's DP "
+        "group, gradients reduce-scattered (checkpoints not supported with it yet)",
+    )
+    g.add_argument(
         "--ddp-bucket-size",
         type=int,
         default=None,
@@ -300,6 +306,11 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     for spec in args.extra_encoder:
         parse_encoder_spec(spec)
+    if args.use_distributed_optimizer and (args.save or args.load):
+        raise ConfigError(
+            "--use-distributed-optimizer cannot be saved or resumed yet (its sharded state is not "
+            "in our torch_dist checkpoints); drop --save/--load or the distributed optimizer"
+        )
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ConfigError(f"--ddp-bucket-size {args.ddp_bucket_size}: give a positive count")
     dp = world // (tp * pp)

@@ -360,6 +360,7 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
             lr=args.lr,
             clip_grad=args.clip_grad,
             overlap_grad_reduce=args.overlap_grad_reduce,
+            distributed=args.use_distributed_optimizer,
             ddp_bucket_size=args.ddp_bucket_size,
         ),
         collect=Collect(grads=False),
