@@ -71,9 +71,7 @@ def _train(
     device = init_rank(rank, world, 0, 60.0)
     pg = _groups(rank, world, broken_dp)
     dtype = torch.bfloat16 if bf16 else torch.float32
-    overrides = dict(bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype)
-    placement = BackbonePlacement(pg, config_overrides=overrides)
-    bb = build_rank_model(TINY, placement, None, device).backbone
+    bb = build_rank_model(TINY, BackbonePlacement(pg), None, device, dtype=dtype).backbone
     losses, norms = [], []
     if mode == "replicated":
         from megatron_mllm.runtime.optimizer import build_optimizer, clip_by_global_norm
@@ -140,16 +138,16 @@ def replicated():
     return spawn(_train, 2, "replicated")
 
 
-def _check(reference, outs, rtol: float = 1e-5) -> None:
+def _check(reference, outs, rtol: float = 1e-5, loss_rel: float = 0.0, atol: float = 1e-5) -> None:
     for rank, ((ref_losses, ref_norms, ref_params), (losses, norms, params)) in enumerate(
         zip(reference, outs, strict=True)
     ):
-        assert losses == pytest.approx(ref_losses, abs=1e-5), f"rank {rank} losses"
-        assert norms == pytest.approx(ref_norms, abs=1e-5), f"rank {rank} grad norms"
+        assert losses == pytest.approx(ref_losses, abs=1e-5, rel=loss_rel), f"rank {rank} losses"
+        assert norms == pytest.approx(ref_norms, abs=1e-5, rel=loss_rel), f"rank {rank} norms"
         assert min(ref_norms) > CLIP  # clipping scaled every step: the norm was used
         assert ref_params.keys() == params.keys()
         for name, ref in ref_params.items():
-            assert torch.allclose(params[name], ref, atol=1e-5, rtol=rtol), f"rank {rank} {name}"
+            assert torch.allclose(params[name], ref, atol=atol, rtol=rtol), f"rank {rank} {name}"
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap_grad_reduce"])
@@ -172,4 +170,6 @@ def test_bf16_distributed_optimizer_matches_float16_optimizer():
     gradient reduce-scatter) against megatron-core's non-distributed bf16 optimizer."""
     reference = spawn(_train, 2, "float16", False, False, True)
     outs = spawn(_train, 2, "distributed", True, False, True)
-    _check(reference, outs, rtol=1e-2)  # a bf16 rounding of the same fp32 main parameters
+    # A bf16 rounding of the same fp32 main parameters; the reduce-scatter sums in another order
+    # than the all-reduce, which bf16 gradients show at ~1e-4 by the third step.
+    _check(reference, outs, rtol=1e-2, loss_rel=1e-3, atol=5e-4)  # ~1 bf16 ulp at |w| ~ 0.06

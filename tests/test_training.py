@@ -184,6 +184,18 @@ def test_resume_restores_rng_streams_under_dropout(tmp_path):
     assert_same_checkpoint(tmp_path / "a" / "iter_0000004", tmp_path / "b" / "iter_0000004")
 
 
+def test_bf16_with_the_distributed_optimizer_trains():
+    """--bf16 --use-distributed-optimizer --overlap-grad-reduce on PP=2 Optimus: the loss falls
+    and no step is skipped."""
+    args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "8"]
+    args += ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    out = torchrun(*args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = losses(out.stdout)
+    assert sorted(got) == list(range(1, 9)) and got[8] < got[1]
+    assert "number of skipped iterations:   0" in out.stdout.splitlines()[-1]
+
+
 def test_log_line_counts_nan_and_skipped_iterations():
     """A step whose gradient norm is not finite is skipped (not applied, counted), and a NaN
     loss is counted: here a learning rate of 1e30 makes every step after the first NaN."""
@@ -208,6 +220,7 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--replan-after-iters", "0"], "--replan-after-iters N needs N >= 1"),
         (["--ddp-bucket-size", "0"], "--ddp-bucket-size 0: give a positive count"),
         (["--use-distributed-optimizer", "--save", "/tmp/x"], "cannot be saved or resumed yet"),
+        (["--bf16"], "add --use-distributed-optimizer"),
         (["--extra-encoder", "num-layers=1,hidden-size=32"], "give num-attention-heads"),
         (["--extra-encoder", "layers=1"], "is not key=value with a key among num-layers"),
         (

@@ -37,6 +37,9 @@ def main() -> int:
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument(
+        "--ddp-bucket-size", type=int, default=2_000_000, help="parameters per DDP bucket"
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--trace",
@@ -63,6 +66,7 @@ def main() -> int:
         DataParts,
         ExecutorSettings,
         ModelParts,
+        OptimizerSettings,
         PlanParts,
         RuntimeJob,
     )
@@ -93,7 +97,10 @@ def main() -> int:
         "optimus_replanned": float("nan"),  # filled in from the run's own re-plan below
     }
     steps = args.steps + 1
-    common = dict(steps=steps, collect=Collect(grads=False))
+    # Our executor's DP reductions are megatron-core's DDP, overlapped as Megatron jobs run them
+    # (megatron-core's own schedule reduces after its backward, as its baseline here always has).
+    optim = OptimizerSettings(overlap_grad_reduce=True, ddp_bucket_size=args.ddp_bucket_size)
+    common = dict(steps=steps, collect=Collect(grads=False), optimizer=optim)
     jobs = {
         "megatron_core_1f1b": RuntimeJob(
             ModelParts(cfg, state),

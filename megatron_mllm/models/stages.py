@@ -87,6 +87,7 @@ class EncoderStage(nn.Module):
         tp: int,
         kernel_units: bool = False,
         index: int = 0,
+        **config_overrides,
     ) -> None:
         super().__init__()
         self.kernel_units, self.index = kernel_units, index
@@ -98,7 +99,7 @@ class EncoderStage(nn.Module):
 
         self.cfg, self.stage, self.num_stages = cfg, stage, num_stages
         self.first, self.last = stage == 0, stage == num_stages - 1
-        config = transformer_config(cfg, "vit", tp, num_stages)
+        config = transformer_config(cfg, "vit", tp, num_stages, **config_overrides)
         if self.first:
             self.patch_embed = nn.Linear(cfg.patch_dim, cfg.vit_hidden, bias=cfg.vit_patch_bias)
             self.pos_embed = nn.Parameter(
@@ -118,7 +119,13 @@ class EncoderStage(nn.Module):
         )
         if self.last:
             proj_config = transformer_config(
-                cfg, "projector", tp, 1, num_layers=1, ffn_hidden_size=cfg.llm_hidden
+                cfg,
+                "projector",
+                tp,
+                1,
+                num_layers=1,
+                ffn_hidden_size=cfg.llm_hidden,
+                **config_overrides,
             )
             self.projector = MultimodalProjector(
                 proj_config,
@@ -302,5 +309,5 @@ class BackboneStage(nn.Module):
     def loss(self, logits: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss over the text tokens; `logits` is [b, s, vocab/tp]."""
         n = self.cfg.image_tokens
-        pred = logits[:, n - 1 : n - 1 + text.shape[1]]
+        pred = logits[:, n - 1 : n - 1 + text.shape[1]].float()  # the loss in fp32 under bf16
         return vocab_parallel_cross_entropy(pred, text, self.pg.tp).mean()

@@ -115,6 +115,7 @@ def wrap_part(
             overlap_grad_reduce=overlap,
             bucket_size=bucket_size if overlap else None,
             use_distributed_optimizer=distributed,
+            grad_reduce_in_fp32=True,  # Megatron's --accumulate-allreduce-grads-in-fp32
         )
         ddp = DistributedDataParallel(_config_of(module), config, module, pg_collection=groups)
         for buffer in ddp.buffers:

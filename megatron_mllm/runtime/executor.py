@@ -97,7 +97,9 @@ class Executor:
         # This GPU's stage of each encoder (None where it holds none), indexed by encoder.
         self.encoders = encoder if isinstance(encoder, list) else [encoder]
         self.backbone = backbone[-1]
-        self.device = next(self.backbone.parameters()).device  # buffers and batches go here
+        first = next(self.backbone.parameters())
+        self.device = first.device  # buffers and batches go here
+        self.dtype = first.dtype  # the pipeline dtype: messages and images in it
         # A frozen encoder trains its projector only: no gradient flows into its layers.
         self.encoder_frozen = [
             enc is not None
@@ -186,7 +188,13 @@ class Executor:
         self._later: list[Callable[[], None]] = []  # read marks after clock.finish()
         self.clock = StepClock(self.device)
         self.messages = Messages(
-            self.rank, self.device, self._shape, self.timeout_s, self.ordered, self.recv_lookahead
+            self.rank,
+            self.device,
+            self._shape,
+            self.timeout_s,
+            self.ordered,
+            self.recv_lookahead,
+            self.dtype,
         )
 
     def _capture_hook(self):
@@ -431,7 +439,8 @@ class Executor:
 
     def _batch(self, mb: int):
         if mb not in self._batches:
-            self._batches[mb] = tuple(t.to(self.device) for t in self.data(mb))
+            images, text = self.data(mb)
+            self._batches[mb] = (images.to(self.device, self.dtype), text.to(self.device))
         return self._batches[mb]
 
     # -- backbone --------------------------------------------------------------------------

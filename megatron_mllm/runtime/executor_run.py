@@ -49,6 +49,7 @@ class ExecutorRun:
             device,
             open_full_state(job.model.weights),
             job.model.frozen_encoder,
+            job.model.dtype,
         )
         self.chunks, self.encoders = self.rank_model.chunks, self.rank_model.encoders
         self.backbone = self.rank_model.backbone
@@ -111,7 +112,11 @@ class ExecutorRun:
         if opt.lr <= 0:
             return None
         if opt.distributed:
-            return build_distributed_optimizer(list(self.grad_sync.values()), opt.lr, opt.clip_grad)
+            parts = list(self.grad_sync.values())
+            dtype = self.job.model.dtype
+            return build_distributed_optimizer(
+                parts, opt.lr, opt.clip_grad, dtype, min_lr=opt.min_lr
+            )
         return build_optimizer(self.rank_model.modules, opt.lr)
 
     def _wrap_parts(self) -> dict:

@@ -22,6 +22,11 @@ class ModelParts:
     cfg: MLLMConfig
     weights: dict[str, torch.Tensor] | str
     frozen_encoder: bool = False
+    bf16: bool = False  # parameters, activations and messages in bf16; fp32 main params
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.bf16 else torch.float32
 
 
 @dataclass(frozen=True)
@@ -54,6 +59,7 @@ class DataParts:
 class OptimizerSettings:
     lr: float = 0.0  # > 0: an optimizer step (megatron-core's FP32Optimizer, AdamW) per step
     clip_grad: float = 1.0
+    min_lr: float = 0.0  # the schedule's floor (megatron-core's optimizers keep it per group)
     overlap_grad_reduce: bool = False  # DDP buckets reduced as their last backward finishes
     distributed: bool = False  # megatron-core's DistributedOptimizer (state sharded over DP)
     ddp_bucket_size: int | None = None  # parameters per DDP bucket (megatron-core's default)
@@ -180,6 +186,13 @@ def check_job(job: RuntimeJob, world: int) -> None:
         raise ConfigError(
             f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
         )
+    if job.model.bf16 and (job.mode != "executor" or not job.optimizer.distributed):
+        raise ConfigError(
+            "bf16 runs in our executor with the distributed optimizer for now (its fp32 main "
+            "parameters); add --use-distributed-optimizer"
+        )
+    if job.model.bf16 and job.data.coreset is not None:
+        raise ConfigError("coreset selection runs in fp32 for now; drop bf16 or the coreset")
     if job.mode == "megatron_core" and job.cfg.num_encoders > 1:
         raise ConfigError("the megatron-core baseline runs one encoder; use the executor")
     if job.mode != "executor":

@@ -42,8 +42,10 @@ class Messages:
         timeout_s: float,
         ordered: tuple[dict, dict] | None = None,
         lookahead: int = RECV_LOOKAHEAD,
+        dtype: torch.dtype = torch.float32,
     ) -> None:
         self.rank, self.device, self.shape_of = rank, device, shape_of
+        self.dtype = dtype  # the pipeline dtype: every message is an activation or its gradient
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # (receive orders {src: keys in the sender's posting order}, {(src, dst): group}).
         self.ordered, self.lookahead = ordered, lookahead
@@ -87,7 +89,7 @@ class Messages:
     def receive(self, op: Op) -> tuple[object, torch.Tensor]:
         """(work, buffer) of the message `op` waits for, posted if it was not yet."""
         if self.ordered is None:
-            buf = torch.empty(self.shape_of(op.key), device=self.device)
+            buf = torch.empty(self.shape_of(op.key), dtype=self.dtype, device=self.device)
             return dist.irecv(buf, op.peer, tag=op.tag), buf
         keys, want = self.ordered[0][op.peer], self._index[op.peer][op.key]
         while self._next[op.peer] <= want:  # what the sender sends first is received first
@@ -107,7 +109,7 @@ class Messages:
 
     def _post_next(self, src: int, keys: list[str]) -> None:
         key = keys[self._next[src]]
-        buf = torch.empty(self.shape_of(key), device=self.device)
+        buf = torch.empty(self.shape_of(key), dtype=self.dtype, device=self.device)
         work = dist.irecv(buf, src, group=self.ordered[1][(src, self.rank)], tag=0)
         self._posted[(key, src)] = (work, buf)
         self._next[src] += 1

@@ -73,20 +73,23 @@ def build_rank_model(
     device: torch.device | str = "cpu",
     full_state: dict[str, torch.Tensor] | None = None,
     frozen_encoder: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> RankModel:
     """Build, place and load this rank's modules (`encoder` None: the rank holds no encoder;
-    `full_state` None: keep the seed's initial weights)."""
+    `full_state` None: keep the seed's initial weights). `dtype` bfloat16: parameters and
+    activations in bf16 (megatron-core's bf16 configs; the canonical weights are cast)."""
     from megatron_mllm.models.weights import load_full_state
 
+    precision = _precision(dtype)
     encoders: list[EncoderStage | None] = [None] * cfg.num_encoders
     if encoder is not None:  # built first: a model from the seed draws the encoder's weights first
         e = encoder
         encoders = [
-            EncoderStage(cfg, e.stage, e.stages, e.pg, e.tp, e.kernel_units, index=i)
+            EncoderStage(cfg, e.stage, e.stages, e.pg, e.tp, e.kernel_units, index=i, **precision)
             for i in range(cfg.num_encoders)
         ]
     b = backbone
-    overrides = dict(b.config_overrides)
+    overrides = {**precision, **b.config_overrides}
     if b.vpp > 1:  # megatron-core spreads the layers evenly over the virtual stages
         overrides["virtual_pipeline_model_parallel_size"] = b.vpp
     chunks = [
@@ -105,7 +108,7 @@ def build_rank_model(
     ]
     model = RankModel(chunks, encoders, torch.device(device))
     for module in model.modules:
-        module.to(model.device)
+        module.to(model.device, dtype)  # also our own tensors (patch embedding, positions)
     if full_state is not None:
         for chunk in chunks:
             load_full_state(chunk, full_state, b.tp_rank, b.tp)
@@ -117,6 +120,15 @@ def build_rank_model(
             if enc is not None:
                 enc.freeze()
     return model
+
+
+def _precision(dtype: torch.dtype) -> dict:
+    """TransformerConfig fields for the parameter and pipeline dtype."""
+    if dtype == torch.float32:
+        return {}
+    if dtype != torch.bfloat16:
+        raise ValueError(f"dtype {dtype}: use torch.float32 or torch.bfloat16")
+    return dict(bf16=True, params_dtype=dtype, pipeline_dtype=dtype)
 
 
 def solo_groups(group=None):

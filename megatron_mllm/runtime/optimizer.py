@@ -107,23 +107,30 @@ def step_megatron_optimizer(optimizer) -> tuple[bool, float]:
 
 
 def build_distributed_optimizer(
-    parts: list, lr: float, clip_grad: float, weight_decay: float = 0.0
+    parts: list,
+    lr: float,
+    clip_grad: float,
+    dtype: torch.dtype = torch.float32,
+    weight_decay: float = 0.0,
+    min_lr: float = 0.0,
 ):
     """megatron-core's DistributedOptimizer (Adam) over DDP-wrapped parts (data_parallel's
     PartGradSync), one per part's DP group, chained: the optimizer state is sharded over each
     part's DP group, gradients are clipped by the whole model's norm (summed over the world, as
-    every part spans it) and the parameters all-gathered at the end of each step."""
+    every part spans it) and the parameters all-gathered at the end of each step. With bf16
+    parameters it keeps fp32 main parameters (megatron-core's mixed precision)."""
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
     config = OptimizerConfig(
         optimizer="adam",
         lr=lr,
+        min_lr=min_lr,
         weight_decay=weight_decay,
         clip_grad=clip_grad,
-        bf16=False,
+        bf16=dtype == torch.bfloat16,
         fp16=False,
-        params_dtype=torch.float32,
+        params_dtype=dtype,
         use_distributed_optimizer=True,
     )
     chained = []

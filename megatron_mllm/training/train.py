@@ -344,7 +344,7 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
     state = initial_weights(cfg, probe)
     full_shapes = {k: tuple(v.shape) for k, v in state.items()}
     job = RuntimeJob(
-        ModelParts(cfg, state, frozen_encoder=args.freeze_ViT),
+        ModelParts(cfg, state, frozen_encoder=args.freeze_ViT, bf16=args.bf16),
         PlanParts(
             plan, schedule=schedule, encoder_units=units, sequence_parallel=args.sequence_parallel
         ),
@@ -359,6 +359,7 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
         optimizer=OptimizerSettings(
             lr=args.lr,
             clip_grad=args.clip_grad,
+            min_lr=args.min_lr,
             overlap_grad_reduce=args.overlap_grad_reduce,
             distributed=args.use_distributed_optimizer,
             ddp_bucket_size=args.ddp_bucket_size,
