@@ -1,5 +1,7 @@
 """The baseline users run today: megatron-core's own 1F1B (forward_backward_pipelining_without_
-interleaving, or no pipelining for PP 1) with the encoder and projector in stage 0's forward.
+interleaving, or no pipelining for PP 1) with the encoder and projector in stage 0's forward,
+each model chunk in megatron-core's DistributedDataParallel and its finalize_model_grads run by
+the schedule (DP reduction, sequence-parallel norm gradients), as Megatron's training loop does.
 
 megatron-core's schedules read their groups from `parallel_state`, so this mode initialises it
 (in its own processes); our executor never does.
@@ -25,6 +27,9 @@ class _Stage0Model(nn.Module):
         from megatron.core.enums import ModelType
 
         self.model_type = ModelType.encoder_or_decoder
+        # What megatron-core's finalize_model_grads asks the (unwrapped) model.
+        self.pre_process, self.post_process = backbone.pre_process, backbone.post_process
+        self.share_embeddings_and_output_weights = False
 
     def set_input_tensor(self, tensor) -> None:
         tensor = tensor[0] if isinstance(tensor, list) else tensor
@@ -66,7 +71,7 @@ class MegatronCoreRun:
                 create_gloo_process_groups=False,
             )
         pg = ProcessGroupCollection.use_mpu_process_groups()
-        self.tp_rank, self.tp_group = ps.get_tensor_model_parallel_rank(), pg.tp
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
         stage = ps.get_pipeline_model_parallel_rank()
         solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
         # NCCL: batched p2p (upstream's default). Gloo matches a batch's messages in posting
@@ -109,7 +114,8 @@ class MegatronCoreRun:
             _Stage0Model(self.encoder if v == 0 else None, c) for v, c in enumerate(self.chunks)
         ]
         self.model = torch.nn.ModuleList(self.models)
-        self.dp_rank, self.dp_group = ps.get_data_parallel_rank(), ps.get_data_parallel_group()
+        self.ddps = _wrap_in_ddp(self.models)  # megatron-core's DDP, as Megatron trains
+        self.dp_rank = ps.get_data_parallel_rank()
         self.fb = get_forward_backward_func()
         self.seconds, self.history, self.grads = [], [], None
 
@@ -117,7 +123,6 @@ class MegatronCoreRun:
         from megatron_mllm.models.weights import grad_shards
         from megatron_mllm.runtime.batches import batches
         from megatron_mllm.runtime.clock import StepClock
-        from megatron_mllm.runtime.optimizer import allreduce_sequence_parallel_grads
 
         job, backbone, device = self.job, self.backbone, self.device
 
@@ -136,19 +141,22 @@ class MegatronCoreRun:
             return model(images, text), partial(loss_func, text)
 
         self.rank_model.zero_grad()
+        for ddp in self.ddps:
+            ddp.zero_grad_buffer()
         clock = StepClock(device)
         iterators = [microbatches() for _ in self.models]  # every chunk reads its own copy
         reduced = self.fb(
             forward_step_func=forward_step,
             data_iterator=iterators if len(self.models) > 1 else iterators[0],
-            model=self.models,
+            model=self.ddps,
             num_microbatches=job.num_microbatches,
             seq_length=job.cfg.seq_len,
             micro_batch_size=job.micro_batch,
             forward_only=False,
         )
-        allreduce_sequence_parallel_grads(self.chunks, self.tp_group)
-        _all_reduce_dp(self.model, self.dp_group, job.backbone.dp)
+        for p in self.model.parameters():  # reduced by finalize_model_grads, in the schedule
+            if p.requires_grad:
+                p.grad = p.main_grad
         end = clock.mark()
         clock.finish()
         self.seconds.append(clock.since_start(end))
@@ -172,12 +180,17 @@ class MegatronCoreRun:
         }
 
 
-def _all_reduce_dp(model: nn.Module, group, dp: int) -> None:
-    if dp == 1:
-        return
-    import torch.distributed as dist
+def _wrap_in_ddp(models: list[nn.Module]) -> list:
+    """Each model chunk in megatron-core's DistributedDataParallel on parallel_state's groups,
+    with megatron-core's finalize_model_grads (DP reduction, sequence-parallel norm gradients)
+    run by the schedule at the end of its backward, as Megatron's training loop sets it up."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad, group=group)
-            p.grad /= dp
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    ddps = [DistributedDataParallel(m.config, ddp_config, m) for m in models]
+    ddps[0].config.finalize_model_grads_func = finalize_model_grads
+    return ddps
