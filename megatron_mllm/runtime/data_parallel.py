@@ -10,7 +10,9 @@ reduction:
   overlaps the backbone's remaining backward work; RS then marks where it must have started.
 
 Every reduction is waited for at step end; gradients are then in each parameter's `main_grad`
-(megatron-core's buffer), exposed as `.grad` for clipping, the optimizer and result checks.
+(megatron-core's buffer), exposed as `.grad` for clipping, the optimizer and result checks
+(not under the distributed optimizer, whose main_grad holds only this rank's reduced shard
+and which reads it itself).
 The encoder's DP group holds m pipelines per backbone replica, each with its own micro-batches:
 their gradients add up, then average over the backbone's replicas (`divide_by`).
 """

@@ -57,7 +57,7 @@ class DataParts:
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    lr: float = 0.0  # > 0: an optimizer step (megatron-core's FP32Optimizer, AdamW) per step
+    lr: float = 0.0  # > 0: an Adam step per step (megatron-core's FP32Optimizer, or below)
     clip_grad: float = 1.0
     min_lr: float = 0.0  # the schedule's floor (megatron-core's optimizers keep it per group)
     overlap_grad_reduce: bool = False  # DDP buckets reduced as their last backward finishes
