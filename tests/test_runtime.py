@@ -372,18 +372,20 @@ def test_kernel_sized_encoder_tasks_agree(reference, layout):
 )
 def test_online_replanning_from_measured_unit_times(plan, unit):
     """After a step, every rank's measured unit times replace the cost model's and Optimus is
-    planned again; the run continues on the new schedule with the reference's losses."""
+    planned again; the run continues on the new schedule with the reference's losses (with
+    overlapped DDP reduction, whose per-parameter counts are learnt again for the new plan)."""
     from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 
     train = dict(TRAIN, steps=3)
     state, ref = reference_of(TINY, **train)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit=unit)
+    opt = replace(train["optimizer"], overlap_grad_reduce=True, ddp_bucket_size=20_000)
     job = RuntimeJob(
         ModelParts(TINY, state),
         PlanParts(plan, schedule=schedule, encoder_units=unit),
         DataParts(1, N),
         executor=ExecutorSettings(replan_after=1),
-        **train,
+        **dict(train, optimizer=opt),
     )
     outs = spawn(run_rank, plan.world_size, job)
     assert all(o["replanned"] for o in outs)

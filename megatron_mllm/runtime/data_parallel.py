@@ -3,11 +3,14 @@ plan's DP group: every backbone chunk on the backbone's, every encoder stage on 
 plan's (colocated on the same ranks). The schedule's RS action of a part is its gradient
 reduction:
 
-* without `overlap_grad_reduce`: the bucketed reduction runs at the RS action, synchronously;
+* without `overlap_grad_reduce`: the bucketed reduction runs at step end (as megatron-core's
+  finalize_model_grads does), every rank taking the parts in the same (sorted) order: two
+  parts' collectives issued in rank-dependent program order could deadlock on NCCL, where a
+  synchronous collective makes the next one's stream wait;
 * with it: each bucket is reduced asynchronously as soon as the last backward that touches it
   has run (megatron-core's gradient hooks count the step's gradients per parameter; the counts
   are learnt on the first step, whose reduction starts at step end), so an encoder's reduction
-  overlaps the backbone's remaining backward work; RS then marks where it must have started.
+  overlaps the backbone's remaining backward work; RS marks where it must have started.
 
 Every reduction is waited for at step end; gradients are then in each parameter's `main_grad`
 (megatron-core's buffer), exposed as `.grad` for clipping, the optimizer and result checks
@@ -19,7 +22,6 @@ their gradients add up, then average over the backbone's replicas (`divide_by`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -71,25 +73,32 @@ class PartGradSync:
     def buckets(self) -> int:
         return sum(len(ddp.bucket_groups) for ddp in self.ddps)
 
-    def start(self) -> Callable[[], None]:
-        """The RS action: reduce now (without overlap) or nothing (the hooks started it);
-        returns the step-end wait that exposes the reduced gradients as `.grad`."""
+    def mark(self) -> None:
+        """The RS action: record how many buckets are already reducing (with overlap, all of
+        them from the second step on; the hooks started them)."""
         groups = [g for ddp in self.ddps for g in ddp.bucket_groups]
         self.in_flight_at_rs.append(sum(g.grad_reduce_handle is not None for g in groups))
-        if not self.overlap:
-            for ddp in self.ddps:
-                ddp.finish_grad_sync()  # synchronous, bucketed
-        return self.finish
 
     def finish(self) -> None:
+        """At step end (every rank takes the parts in one order): the reduction without
+        overlap, bucketed; with it, the wait (the first step also starts it here)."""
         for ddp in self.ddps:
-            if self.overlap:
-                ddp.finish_grad_sync()
+            ddp.finish_grad_sync()
             if self.distributed:
                 continue  # main_grad holds only this rank's reduced shard; the optimizer reads it
             for p in ddp.module.parameters():
                 if p.requires_grad:
                     p.grad = p.main_grad
+
+    def relearn(self) -> None:
+        """After re-planning: the new program may run another number of backward passes per
+        parameter, so the next step learns the per-parameter counts again (megatron-core's
+        first-batch mode of its bucket groups; 0.16.1's attribute names)."""
+        for ddp in self.ddps:
+            for g in ddp.bucket_groups:
+                g.is_first_batch = True
+                g.golden_per_param_grad_ready_counts = {}
+                g.per_param_grad_ready_counts = {}
 
     def zero(self) -> None:
         """Before a step's first backward: empty the gradient buffers (and bucket counts)."""

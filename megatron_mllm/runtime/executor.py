@@ -164,10 +164,8 @@ class Executor:
             if hook is not None:
                 hook.remove()
         self.messages.drain()
-        for key in self.grad_sync.keys() - self._reduced:  # a part whose RS the program lacks
-            self.reductions.append(self.grad_sync[key].start())
-        for finish in self.reductions:
-            finish()
+        for key in sorted(self.grad_sync):  # one order on every rank (see data_parallel.py)
+            self.grad_sync[key].finish()
         self._finish_step()
         return self.result
 
@@ -176,8 +174,6 @@ class Executor:
         self.tensors: dict[str, torch.Tensor] = {}
         self.bb_ctx: dict[tuple, tuple] = {}
         self.enc_units: dict[tuple, list] = {}
-        self.reductions: list[Callable[[], None]] = []  # gradient reductions still in flight
-        self._reduced: set[str] = set()  # parts whose RS has run
         self.result = StepResult()
         self._batches: dict[int, tuple] = {}
         self._bwd_done: dict[tuple, int] = {}  # encoder backward units done per (e, s, mb)
@@ -558,12 +554,12 @@ class Executor:
         """Parameters are replicated over DP (non-distributed optimizer): nothing to gather."""
 
     def _reduce_scatter(self, a: Action) -> None:
-        """The part's DP gradient reduction (megatron-core DDP, data_parallel.py): run or marked
-        here, waited for at step end. A part this rank does not hold has nothing to reduce."""
+        """The part's DP gradient reduction (megatron-core DDP, data_parallel.py): with overlap
+        its buckets are in flight by now; it is finished at step end, part by part in one
+        order on every rank. A part this rank does not hold has nothing to reduce."""
         sync = self.grad_sync.get(a.key)
         if sync is not None:
-            self._reduced.add(a.key)
-            self.reductions.append(sync.start())
+            sync.mark()
 
 
 def planned_encoder_live(program: list[Op], meta: ScheduleMeta) -> int:

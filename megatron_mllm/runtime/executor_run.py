@@ -187,6 +187,8 @@ class ExecutorRun:
         new_job = replace(job, plans=replace(job.plans, schedule=out[0]))
         check_job(new_job, dist.get_world_size())
         self.job, self.replanned = new_job, out
+        for sync in self.grad_sync.values():
+            sync.relearn()
         self.program = gpu_program(out[0], self.groups, self.enc_tp)
         if self.ordered is not None:
             self._ordered_p2p(job.backbone, enc_plan)
