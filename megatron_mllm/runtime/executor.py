@@ -79,9 +79,6 @@ class Executor:
         encoder: EncoderStage | None,
         data: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
         micro_batch: int,
-        backbone_dp_group,
-        encoder_dp_group,
-        backbone_dp: int,
         timeout_s: float = 60.0,
         forward_only: bool = False,
         dynamic: bool = False,
@@ -109,11 +106,6 @@ class Executor:
             for enc in self.encoders
         ]
         self.data, self.micro_batch = data, micro_batch
-        self.bb_dp_group, self.enc_dp_group, self.bb_dp = (
-            backbone_dp_group,
-            encoder_dp_group,
-            backbone_dp,
-        )
         self.timeout_s = timeout_s
         # Forward-only (a coreset pool): no graph; the last stage keeps its output layer's input.
         self.forward_only = forward_only

@@ -194,6 +194,25 @@ class ExecutorRun:
             self._ordered_p2p(job.backbone, enc_plan)
         return True
 
+    def _executor(self, program, meta, data, **options):
+        """An Executor for one pass of `program` over this rank's modules."""
+        from megatron_mllm.runtime.executor import Executor
+
+        job = self.job
+        return Executor(
+            program,
+            meta,
+            job.cfg,
+            self.rank,
+            self.chunks,
+            self.encoders,
+            data,
+            job.micro_batch,
+            job.timeout_s,
+            recv_lookahead=job.executor.recv_lookahead,
+            **options,
+        )
+
     def select(self, step: int) -> list[int]:
         """Coreset: the pool's forward pass without gradients through the whole pipeline; the
         last stage computes features on its output layer and selects; every rank of the
@@ -203,27 +222,16 @@ class ExecutorRun:
         from megatron_mllm.data.sampler import broadcast_selection
         from megatron_mllm.data.synthetic import samples
         from megatron_mllm.parallel.groups import backbone_rank
-        from megatron_mllm.runtime.executor import Executor
 
         job, c, mb = self.job, self.groups.coords, self.job.micro_batch
         size = job.data.coreset.pool_size
         ids = [(step * job.backbone.dp + c.dp) * size + j for j in range(size)]
-        executor = Executor(
+        executor = self._executor(
             self.pool_program,
             job.data.pool_schedule.meta,
-            job.cfg,
-            self.rank,
-            self.chunks,
-            self.encoders,
             lambda m: samples(job.cfg, ids[m * mb : (m + 1) * mb], job.data.seed)[:2],
-            mb,
-            self.groups.backbone.dp,
-            self.enc_dp_group,
-            job.backbone.dp,
-            job.timeout_s,
             forward_only=True,
             ordered=self.pool_ordered,
-            recv_lookahead=job.executor.recv_lookahead,
         )
         executor.run_step()
         chosen = None
@@ -250,7 +258,6 @@ class ExecutorRun:
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
         from megatron_mllm.runtime.batches import batches
-        from megatron_mllm.runtime.executor import Executor
         from megatron_mllm.runtime.optimizer import (
             allreduce_sequence_parallel_grads,
         )
@@ -270,23 +277,13 @@ class ExecutorRun:
             def data(m, dp, chosen=chosen):  # noqa: ARG001 - every replica has its own pool
                 return samples(job.cfg, chosen[m * mb : (m + 1) * mb], job.data.seed)[:2]
 
-        executor = Executor(
+        executor = self._executor(
             self.program,
             job.schedule.meta,
-            job.cfg,
-            self.rank,
-            self.chunks,
-            self.encoders,
             lambda m: data(m, c.dp),
-            job.micro_batch,
-            self.groups.backbone.dp,
-            self.enc_dp_group,
-            job.backbone.dp,
-            job.timeout_s,
             dynamic=job.executor.dynamic,
             ordered=self.ordered,
             overlap_fills=job.executor.overlap_tp_fills and self.enc_tp == 1,
-            recv_lookahead=job.executor.recv_lookahead,
             max_encoder_ahead=job.executor.max_encoder_ahead,
             grad_sync=self.grad_sync,
         )

@@ -1,6 +1,7 @@
-"""megatron-core's FP32Optimizer over one rank's parameters, with gradient clipping by the norm
-of the whole model: backbone and encoder shards each summed over their own model-parallel group
-(so replicas are counted once)."""
+"""The optimizers: megatron-core's FP32Optimizer over one rank's parameters with our clipping by
+the norm of the whole model (backbone and encoder shards each summed over their own
+model-parallel group, so replicas are counted once), or megatron-core's DistributedOptimizer
+over the DDP-wrapped parts with its own clipping."""
 
 from __future__ import annotations
 
@@ -10,20 +11,37 @@ import torch
 import torch.distributed as dist
 
 
-def build_optimizer(modules: list[torch.nn.Module], lr: float, weight_decay: float = 0.0):
+def _adam_config(
+    lr: float,
+    weight_decay: float = 0.0,
+    clip_grad: float = 0.0,
+    dtype: torch.dtype = torch.float32,
+    min_lr: float = 0.0,
+    distributed: bool = False,
+):
+    """megatron-core's OptimizerConfig for Adam in `dtype` (bf16: fp32 main parameters)."""
     from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        lr=lr,
+        min_lr=min_lr,
+        weight_decay=weight_decay,
+        clip_grad=clip_grad,
+        bf16=dtype == torch.bfloat16,
+        fp16=False,
+        params_dtype=dtype,
+        use_distributed_optimizer=distributed,
+    )
+
+
+def build_optimizer(modules: list[torch.nn.Module], lr: float, weight_decay: float = 0.0):
+    """megatron-core's FP32Optimizer (AdamW) over these modules' trainable parameters; clipping
+    is ours (`clip_by_global_norm`)."""
     from megatron.core.optimizer.optimizer import FP32Optimizer
 
     params = [p for m in modules if m is not None for p in m.parameters() if p.requires_grad]
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=lr,
-        weight_decay=weight_decay,
-        clip_grad=0.0,
-        bf16=False,
-        fp16=False,
-        params_dtype=torch.float32,
-    )
+    config = _adam_config(lr, weight_decay)
     inner = torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay)
     return FP32Optimizer(inner, config, init_state_fn=None)
 
@@ -119,20 +137,10 @@ def build_distributed_optimizer(
     part's DP group, gradients are clipped by the whole model's norm (summed over the world, as
     every part spans it) and the parameters all-gathered at the end of each step. With bf16
     parameters it keeps fp32 main parameters (megatron-core's mixed precision)."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    config = OptimizerConfig(
-        optimizer="adam",
-        lr=lr,
-        min_lr=min_lr,
-        weight_decay=weight_decay,
-        clip_grad=clip_grad,
-        bf16=dtype == torch.bfloat16,
-        fp16=False,
-        params_dtype=dtype,
-        use_distributed_optimizer=True,
-    )
+    config = _adam_config(lr, weight_decay, clip_grad, dtype, min_lr, distributed=True)
     chained = []
     for part in parts:
         built = get_megatron_optimizer(

@@ -317,11 +317,8 @@ def main(argv: list[str] | None = None) -> int:
     return _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted)
 
 
-def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
-    import torch.distributed as dist
-
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.executor_run import ExecutorRun
+def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
+    """The RuntimeJob that pretrain_mllm.py's arguments describe."""
     from megatron_mllm.runtime.job import (
         Collect,
         DataParts,
@@ -330,20 +327,9 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
         OptimizerSettings,
         PlanParts,
         RuntimeJob,
-        encoder_plan_of,
     )
-    from megatron_mllm.training import checkpointing
 
-    rank, world = args.rank, args.world_size
-    device = init_rank(rank, world, args.seed, args.distributed_timeout_minutes * 60)
-    from megatron_mllm.parallel.groups import build_colocated_groups
-
-    enc_plan, stage0 = encoder_plan_of(schedule, plan)
-    units = "layer" if stage0 else args.fill_granularity
-    probe = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
-    state = initial_weights(cfg, probe)
-    full_shapes = {k: tuple(v.shape) for k, v in state.items()}
-    job = RuntimeJob(
+    return RuntimeJob(
         ModelParts(cfg, state, frozen_encoder=args.freeze_ViT, bf16=args.bf16),
         PlanParts(
             plan, schedule=schedule, encoder_units=units, sequence_parallel=args.sequence_parallel
@@ -368,6 +354,26 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
         executor=ExecutorSettings(overlap_tp_fills=args.overlap_tp_fills),
         timeout_s=args.distributed_timeout_minutes * 60,
     )
+
+
+def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
+    import torch.distributed as dist
+
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.executor_run import ExecutorRun
+    from megatron_mllm.runtime.job import encoder_plan_of
+    from megatron_mllm.training import checkpointing
+
+    rank, world = args.rank, args.world_size
+    device = init_rank(rank, world, args.seed, args.distributed_timeout_minutes * 60)
+    from megatron_mllm.parallel.groups import build_colocated_groups
+
+    enc_plan, stage0 = encoder_plan_of(schedule, plan)
+    units = "layer" if stage0 else args.fill_granularity
+    probe = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
+    state = initial_weights(cfg, probe)
+    full_shapes = {k: tuple(v.shape) for k, v in state.items()}
+    job = runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units)
     run = ExecutorRun(rank, world, job, device)
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
