@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--use-distributed-optimizer",
         action="store_true",
         help="megatron-core's DistributedOptimizer: optimizer state sharded over each part's DP "
-        "group, gradients reduce-scattered (checkpoints not supported with it yet)",
+        "group, gradients reduce-scattered; its checkpoints load with or without it, at any DP size",
     )
     g.add_argument(
         "--ddp-bucket-size",
@@ -319,11 +319,6 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if args.bf16 and args.coreset_pool_ratio is not None:
         raise ConfigError("coreset selection runs in fp32 for now; drop --bf16 or the coreset")
-    if args.use_distributed_optimizer and (args.save or args.load):
-        raise ConfigError(
-            "--use-distributed-optimizer cannot be saved or resumed yet (its sharded state is not "
-            "in our torch_dist checkpoints); drop --save/--load or the distributed optimizer"
-        )
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ConfigError(f"--ddp-bucket-size {args.ddp_bucket_size}: give a positive count")
     dp = world // (tp * pp)

@@ -1,7 +1,9 @@
 """torch_dist checkpoints (megatron-core dist_checkpointing) keyed by canonical parameter names.
 
-Every parameter (and its Adam moments) is saved as a ShardedTensor of its full, unsharded shape
-with this rank's offsets, so a checkpoint written under one pair of plans loads under any other.
+Every parameter (its fp32 value: the optimizer's main parameter under bf16) and its Adam moments
+are saved as ShardedTensors of their full, unsharded shape with this rank's offsets, so a
+checkpoint written under one pair of plans loads under any other, with or without the
+distributed optimizer and under any DP size (optimizer_state.py assembles its shards).
 Layout: <save>/iter_0000100/ and <save>/latest_checkpointed_iteration.txt, which rank 0 writes
 only after every rank finished the save (an interrupted save is never taken as the latest).
 A "model only" checkpoint (common["model_only"], e.g. converted from Hugging Face) holds weights
@@ -16,6 +18,8 @@ from pathlib import Path
 import torch
 
 from megatron_mllm.errors import ConfigError
+from megatron_mllm.training import optimizer_state
+from megatron_mllm.training.optimizer_state import MOMENTS
 from megatron_mllm.models.weights import canonical_names, gated_names, gated_view, split_dim
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -76,24 +80,30 @@ def restore_rng_state(state: dict) -> None:
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
-def _sharded(module, tp_rank: int, tp: int, replica: int, full_shapes: dict, optimizer=None):
+def _value(p: torch.nn.Parameter, states: dict) -> torch.Tensor:
+    """The fp32 tensor a checkpoint holds for `p`: the optimizer's main value, the parameter
+    itself (fp32), or an fp32 copy (loaded into, then copied back by `load`)."""
+    main = states.get(p, {}).get("main")
+    if main is not None:
+        return main
+    return p.data if p.dtype == torch.float32 else p.data.float()
+
+
+def _sharded(module, tp_rank: int, tp: int, replica: int, full_shapes: dict, states: dict):
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-    out = {}
+    out, values = {}, {}
     names, gated = canonical_names(module), gated_names(module)
-    state = optimizer.optimizer.state if optimizer is not None else {}
     for local, p in module.named_parameters():
         name = names[local]
         shape = full_shapes[name]
         dim = split_dim(torch.Size(shape), p.shape, tp)
-        tensors = {"model": p.data}
+        values[p] = _value(p, states)
+        tensors = {"model": values[p]}
+        tensors.update({f"optimizer.{k}": v for k, v in states.get(p, {}).items() if k in MOMENTS})
         if name in gated:  # [gate_r; up_r] is the dim-1 piece r of the [2, n, ...] view
             dim = 1 if dim is not None else None
-            tensors = {"model": gated_view(p.data)}
-        st = state.get(p, {})
-        for k in ("exp_avg", "exp_avg_sq"):
-            if k in st:
-                tensors[f"optimizer.{k}"] = gated_view(st[k]) if name in gated else st[k]
+            tensors = {k: gated_view(t) for k, t in tensors.items()}
         for kind, t in tensors.items():
             key = f"{kind}.{name}"
             if dim is None:
@@ -103,16 +113,20 @@ def _sharded(module, tp_rank: int, tp: int, replica: int, full_shapes: dict, opt
                 out[key] = ShardedTensor.from_rank_offsets(
                     key, t, (dim, tp_rank, tp), replica_id=replica
                 )
-    return out
+    return out, values
 
 
-def sharded_state(parts, full_shapes: dict, optimizer=None) -> dict:
-    """`parts`: (module or None, TP rank, TP size, replica id) for everything this rank holds."""
-    out = {}
+def sharded_state(parts, full_shapes: dict, states: dict) -> tuple[dict, dict]:
+    """`parts`: (module or None, TP rank, TP size, replica id) for everything this rank holds;
+    `states`: optimizer_state.gather's. Returns the sharded tensors and, per parameter, the fp32
+    tensor that stands for its value."""
+    out, values = {}, {}
     for module, tp_rank, tp, replica in parts:
         if module is not None:
-            out.update(_sharded(module, tp_rank, tp, replica, full_shapes, optimizer))
-    return out
+            sharded, held = _sharded(module, tp_rank, tp, replica, full_shapes, states)
+            out.update(sharded)
+            values.update(held)
+    return out, values
 
 
 def rank_objects(objects: dict[str, tuple[object, int, int]]) -> dict:
@@ -142,7 +156,8 @@ def save(
     if dist.get_rank() == 0:
         path.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    state = sharded_state(parts, full_shapes, optimizer)
+    states = optimizer_state.gather(optimizer) if optimizer is not None else {}
+    state, _ = sharded_state(parts, full_shapes, states)
     state.update(rank_objects(objects or {}))
     state["common"] = common
     dist_checkpointing.save(state, str(path))
@@ -155,23 +170,16 @@ def save(
 
 
 def load(root: str, parts, full_shapes: dict, optimizer, objects: dict | None = None) -> dict:
-    """Load into the modules (and optimizer moments); returns the common state, with the
-    requested per-replica `objects` (name -> (None, index, count)) under "objects". A model-only
-    checkpoint loads the weights alone (no moments, no objects)."""
+    """Load into the modules (and optimizer state, whichever optimizer saved it); returns the
+    common state, with the requested per-replica `objects` (name -> (None, index, count)) under
+    "objects". A model-only checkpoint loads the weights alone (no moments, no objects)."""
     from megatron.core import dist_checkpointing
 
     iteration = latest_iteration(root)
     if read_common(root).get("model_only"):
         optimizer, objects = None, None
-    if optimizer is not None:  # create the Adam moments so they can be loaded into
-        for group in optimizer.optimizer.param_groups:
-            for p in group["params"]:
-                st = optimizer.optimizer.state[p]
-                if "exp_avg" not in st:
-                    st["step"] = torch.tensor(0.0)
-                    st["exp_avg"] = torch.zeros_like(p)
-                    st["exp_avg_sq"] = torch.zeros_like(p)
-    state = sharded_state(parts, full_shapes, optimizer)
+    states = optimizer_state.gather(optimizer) if optimizer is not None else {}
+    state, values = sharded_state(parts, full_shapes, states)
     wanted = rank_objects(objects or {})
     state.update(wanted)
     state["common"] = None
@@ -182,8 +190,9 @@ def load(root: str, parts, full_shapes: dict, optimizer, objects: dict | None = 
         for key, sharded in state.items():
             if key != "common" and key not in wanted:
                 sharded.data.copy_(loaded[key])
+        for p, value in values.items():
+            if value is not p.data:  # a lower-precision model takes the loaded fp32 value
+                p.data.copy_(value)
     if optimizer is not None:
-        for group in optimizer.optimizer.param_groups:
-            for p in group["params"]:
-                optimizer.optimizer.state[p]["step"] = torch.tensor(float(common["iteration"]))
+        optimizer_state.scatter(optimizer, states, common["iteration"])
     return common
