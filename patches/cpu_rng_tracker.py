@@ -2,11 +2,14 @@
 
 TARGET: megatron/core/tensor_parallel/random.py:235 (CudaRNGStatesTracker.add/fork use the CUDA
         generator), :378 model_parallel_cuda_manual_seed; forked in
-        transformer/dot_product_attention.py:217 and at weight initialisation.
+        transformer/dot_product_attention.py:217 and at weight initialisation; :41/:72
+        _get_cuda_rng_state/_set_cuda_rng_state, which recomputation (CheckpointFunction,
+        :444 _get_all_rng_states) calls to restore the forward's RNG states.
 CHECKED_ON: megatron-core 0.16.1, torch 2.13.0 (CPU build).
 WHY: the tracker saves and restores CUDA RNG states; on CPU we keep the same named streams
 (data-parallel seed, model-parallel seed + 2718 + tp_rank, expert seed) on torch's CPU generator,
-so dropout and initialisation follow megatron-core's seeding rules.
+so dropout and initialisation follow megatron-core's seeding rules. Recomputation saves and
+restores torch's CPU generator and the tracker already; there is no CUDA generator to keep.
 """
 
 from __future__ import annotations
@@ -72,10 +75,17 @@ def cpu_model_parallel_manual_seed(
     tracker.add(mc_random._EXPERT_PARALLEL_RNG_TRACKER_NAME, seed + 1024 + 100 * ep_rank + etp_rank)
 
 
+def _no_cuda_rng_state(*args, **kwargs) -> None:
+    """The CUDA generator's state on a machine without one: none."""
+    return None
+
+
 def apply() -> None:
     if torch.cuda.is_available():
         return
     mc_random.model_parallel_cuda_manual_seed = cpu_model_parallel_manual_seed
+    mc_random._get_cuda_rng_state = _no_cuda_rng_state
+    mc_random._set_cuda_rng_state = _no_cuda_rng_state
     if not isinstance(mc_random._CUDA_RNG_STATE_TRACKER, CPURNGStatesTracker):
         mc_random._CUDA_RNG_STATE_TRACKER = CPURNGStatesTracker()
         mc_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.models.config import CLIP_VIT, LLAMA, TINY, MLLMConfig
+from megatron_mllm.models.config import CLIP_VIT, LLAMA, TINY, MLLMConfig, Recompute
 from megatron_mllm.models.weights import assemble_grads
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.job import (
@@ -532,15 +532,15 @@ def test_overlapped_grad_reduce_agrees(layout, unit):
 )  # fmt: skip
 def test_distributed_optimizer_equals_the_replicated_one(layout):
     """megatron-core's DistributedOptimizer (state sharded over each part's DP group, gradients
-    reduce-scattered, parameters all-gathered) against our replicated FP32 optimizer, both on
-    megatron-core's DDP: the same losses over three clipped Adam steps and the same parameters
-    after them."""
+    reduce-scattered, parameters all-gathered at the step, or with --overlap-param-gather by
+    the next step's AG actions) against our replicated FP32 optimizer, all on megatron-core's
+    DDP: the same losses over three clipped Adam steps and the same parameters after them."""
     plan, forced, _ = {"dp2": (ParallelPlan(2, 1, 1), None, False), **LAYOUTS}[layout]
     state = spawn(make_full_state, 1, TINY, 0)[0]
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced)
     runs = []
-    for distributed in (False, True):
-        opt = replace(TRAIN["optimizer"], distributed=distributed)
+    for distributed, gather in ((False, False), (True, False), (True, True)):
+        opt = replace(TRAIN["optimizer"], distributed=distributed, overlap_param_gather=gather)
         job = RuntimeJob(
             ModelParts(TINY, state),
             PlanParts(plan, schedule),
@@ -553,18 +553,45 @@ def test_distributed_optimizer_equals_the_replicated_one(layout):
         kinds = {k for o in runs[-1] for k in o["optimizers"]}
         assert kinds == ({"DistributedOptimizer"} if distributed else {"FP32Optimizer"}), kinds
     for step in range(3):
-        a, b = ({k: v for o in run for k, v in o["history"][step].items()} for run in runs)
-        assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-5) for k in a)
+        a, *others = ({k: v for o in run for k, v in o["history"][step].items()} for run in runs)
+        for b in others:
+            assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], abs=1e-5) for k in a)
     shapes = {k: v.shape for k, v in state.items()}
     etp = encoder_plan_of(schedule, plan)[0].tp
     tp_of = {k: plan.tp if k.startswith("backbone") else etp for k in shapes}
     final = [assemble_grads([o["params"] for o in run], shapes, tp_of) for run in runs]
     for name in shapes:
         # Adam amplifies summation-order noise on near-zero gradients (qkv biases): ~2e-6 seen.
-        torch.testing.assert_close(final[1][name], final[0][name], rtol=1e-4, atol=1e-5, msg=name)
+        for other in final[1:]:
+            torch.testing.assert_close(other[name], final[0][name], rtol=1e-4, atol=1e-5, msg=name)
     assert not torch.equal(
         final[1]["backbone.output_layer.weight"], state["backbone.output_layer.weight"]
     )
+
+
+RECOMPUTE = {  # name: (recomputation, mode, schedule)
+    "full-uniform+vision": (Recompute("full", "uniform", 1, vision=True), "executor", "optimus"),
+    "full-block": (Recompute("full", "block", 1), "executor", "megatron"),
+    "selective": (Recompute("selective"), "megatron_core", None),
+}
+
+
+@pytest.mark.parametrize("name", list(RECOMPUTE))
+def test_recomputation_keeps_losses_and_gradients(reference, name):
+    """Activation recomputation (megatron-core's in the backbone's TransformerBlock, ours per
+    encoder layer unit) on PP=2: the reference's losses and gradients."""
+    recompute, mode, schedule_name = RECOMPUTE[name]
+    plan = ParallelPlan(1, 1, 2)
+    schedule = schedule_name and runtime_schedule(TINY, plan, 1, N, schedule_name)
+    job = RuntimeJob(
+        ModelParts(TINY, reference[0], recompute=recompute),
+        PlanParts(plan, schedule),
+        DataParts(1, N),
+        mode=mode,
+        **TRAIN,
+    )
+    outs = spawn(run_rank, plan.world_size, job)
+    check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
 
 
 @pytest.mark.parametrize("layout", ["pp2-encoder-dp2", pytest.param("tp2", marks=pytest.mark.slow)])

@@ -110,10 +110,11 @@ def test_distributed_optimizer_resumes_bit_exactly_and_reshards(tmp_path):
 
 
 def test_bf16_distributed_optimizer_resumes_bit_exactly(tmp_path):
-    """bf16 with the distributed optimizer on PP=2: the checkpoint holds the fp32 main
-    parameters and moments; a resumed run writes the same tensors bit for bit."""
+    """bf16 with the distributed optimizer and overlapped parameter gathering on PP=2: the
+    checkpoint holds the fp32 main parameters and moments (current, though the model's copies
+    await the next step's gather); a resumed run writes the same tensors bit for bit."""
     args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "4"]
-    args += ["--bf16", "--use-distributed-optimizer"]
+    args += ["--bf16", "--use-distributed-optimizer", "--overlap-param-gather"]
     straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "2")
     assert straight.returncode == 0, straight.stderr[-2000:]
     ref = losses(straight.stdout)
@@ -241,10 +242,14 @@ def test_resume_restores_rng_streams_under_dropout(tmp_path):
 
 
 def test_bf16_with_the_distributed_optimizer_trains():
-    """--bf16 --use-distributed-optimizer --overlap-grad-reduce on PP=2 Optimus: the loss falls
-    and no step is skipped."""
+    """A Megatron recipe's precision and memory flags on PP=2 Optimus (bf16, distributed
+    optimizer, overlapped reduce and gather, fp32 gradient reduction, full recomputation of
+    the backbone and the encoder): the loss falls and no step is skipped."""
     args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "8"]
     args += ["--bf16", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    args += ["--overlap-param-gather", "--accumulate-allreduce-grads-in-fp32"]
+    args += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
+    args += ["--recompute-num-layers", "1", "--recompute-vision"]
     out = torchrun(*args)
     assert out.returncode == 0, out.stderr[-2000:]
     got = losses(out.stdout)
@@ -276,6 +281,14 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--replan-after-iters", "0"], "--replan-after-iters N needs N >= 1"),
         (["--ddp-bucket-size", "0"], "--ddp-bucket-size 0: give a positive count"),
         (["--bf16"], "add --use-distributed-optimizer"),
+        (["--bf16", "--fp16"], "--bf16 and --fp16 both given"),
+        (["--fp16"], "--fp16 (loss scaling over two plans' optimizers) is not supported yet"),
+        (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
+        (["--use-distributed-optimizer", "--optimizer", "sgd"], "cannot be sharded"),
+        (["--recompute-method", "uniform"], "--recompute-method needs --recompute-granularity"),
+        (["--recompute-granularity", "full"], "needs --recompute-method uniform|block and"),
+        (["--recompute-vision", "--fill-granularity", "kernel"], "use --fill-granularity layer"),
+        (["--transformer-impl", "transformer_engine"], "Transformer Engine is not installed"),
         (["--extra-encoder", "num-layers=1,hidden-size=32"], "give num-attention-heads"),
         (["--extra-encoder", "layers=1"], "is not key=value with a key among num-layers"),
         (

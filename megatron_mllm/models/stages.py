@@ -38,6 +38,14 @@ def _layer(layer, x: torch.Tensor) -> torch.Tensor:
     return out[0] if isinstance(out, tuple) else out
 
 
+def _recomputed(layer, x: torch.Tensor) -> torch.Tensor:
+    """A layer whose activations are recomputed in backward (megatron-core's checkpoint: RNG
+    states restored, so dropout draws the same)."""
+    from megatron.core.tensor_parallel import checkpoint
+
+    return checkpoint(lambda h: _layer(layer, h), False, x)
+
+
 def _layer_kernels(layer) -> list[Callable]:
     """One megatron-core TransformerLayer (local spec, no mask, no rope) as its eight kernels,
     each a function of a state tuple."""
@@ -87,10 +95,14 @@ class EncoderStage(nn.Module):
         tp: int,
         kernel_units: bool = False,
         index: int = 0,
+        recompute_layers: bool = False,
         **config_overrides,
     ) -> None:
         super().__init__()
+        if recompute_layers and kernel_units:
+            raise ValueError("encoder recomputation works on layer units, not kernel units")
         self.kernel_units, self.index = kernel_units, index
+        self.recompute_layers = recompute_layers  # each layer unit keeps only its input
         cfg = cfg.encoder_config(index)
         from megatron.core.models.vision.multimodal_projector import MultimodalProjector
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -152,7 +164,9 @@ class EncoderStage(nn.Module):
             units.append(("embed", lambda st: (self.embed(st[0]),), own))
         for layer in self.block.layers:
             params = [*layer.parameters()]
-            if not self.kernel_units:
+            if self.recompute_layers:
+                units.append(("layer", lambda st, lay=layer: (_recomputed(lay, st[0]),), params))
+            elif not self.kernel_units:
                 units.append(("layer", lambda st, layer=layer: (_layer(layer, st[0]),), params))
             else:
                 kernels = _layer_kernels(layer)

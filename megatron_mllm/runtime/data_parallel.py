@@ -12,6 +12,11 @@ reduction:
   are learnt on the first step, whose reduction starts at step end), so an encoder's reduction
   overlaps the backbone's remaining backward work; RS marks where it must have started.
 
+Under the distributed optimizer RS is a reduce-scatter, and the step's update is all-gathered:
+at the optimizer step (megatron-core's default; the schedule's AG then has nothing to do) or,
+with `overlap_gather` (--overlap-param-gather), started by the part's AG action and waited for
+before its first forward, so an encoder's gather hides behind the backbone's warm-up.
+
 Every reduction is waited for at step end; gradients are then in each parameter's `main_grad`
 (megatron-core's buffer), exposed as `.grad` for clipping, the optimizer and result checks
 (not under the distributed optimizer, whose main_grad holds only this rank's reduced shard
@@ -67,7 +72,10 @@ class PartGradSync:
     overlap: bool
     pg: object  # the part's groups as megatron-core's DDP and optimizer read them
     distributed: bool = False  # the distributed optimizer: RS reduce-scatters, shards only
+    overlap_gather: bool = False  # AG starts the parameter all-gather; the first use waits
     in_flight_at_rs: list[int] = field(default_factory=list)  # per step: buckets already started
+    stale: bool = False  # overlap_gather: the optimizer stepped; other shards not yet gathered
+    gathering: bool = False
 
     @property
     def buckets(self) -> int:
@@ -89,6 +97,30 @@ class PartGradSync:
             for p in ddp.module.parameters():
                 if p.requires_grad:
                     p.grad = p.main_grad
+
+    def start_gather(self) -> None:
+        """The AG action under overlapped parameter gathering: dispatch every bucket's
+        all-gather of the parameters the last optimizer step updated (asynchronous)."""
+        if self.stale and not self.gathering:
+            for ddp in self.ddps:
+                ddp.start_param_sync()
+            self.gathering = True
+
+    def finish_gather(self) -> bool:
+        """Before the part's first forward of a step (and before its parameters are read):
+        wait for the all-gather, dispatching it now where no AG started it. True if the
+        parameters were stale."""
+        if not self.stale:
+            return False
+        for ddp in self.ddps:
+            for group in ddp.bucket_groups:
+                group.finish_param_sync(skip_next_bucket_dispatch=True)
+        self.stale = self.gathering = False
+        return True
+
+    def stepped(self) -> None:
+        """After an optimizer step: with overlapped gathering only this rank's shards are new."""
+        self.stale = self.overlap_gather
 
     def relearn(self) -> None:
         """After re-planning: the new program may run another number of backward passes per
@@ -115,6 +147,8 @@ def wrap_part(
     overlap: bool = False,
     bucket_size: int | None = None,
     distributed: bool = False,
+    overlap_gather: bool = False,
+    grad_reduce_in_fp32: bool = True,
 ) -> PartGradSync:
     """megatron-core DDP around each module of one part (their parameters stay the modules')."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -126,14 +160,18 @@ def wrap_part(
             overlap_grad_reduce=overlap,
             bucket_size=bucket_size if overlap else None,
             use_distributed_optimizer=distributed,
-            grad_reduce_in_fp32=True,  # Megatron's --accumulate-allreduce-grads-in-fp32
+            overlap_param_gather=overlap_gather,
+            grad_reduce_in_fp32=grad_reduce_in_fp32,  # --accumulate-allreduce-grads-in-fp32
         )
         ddp = DistributedDataParallel(_config_of(module), config, module, pg_collection=groups)
+        if overlap_gather:  # the schedule's AG and first use drive it, not forward pre-hooks
+            # (a kernel-sized unit or a parameter read outside a module call passes no hook)
+            ddp.disable_forward_pre_hook(param_sync=False)
         for buffer in ddp.buffers:
             for bucket in buffer.buckets:
                 bucket.gradient_scaling_factor = 1.0 / divide_by
         ddps.append(ddp)
-    return PartGradSync(ddps, overlap, groups, distributed)
+    return PartGradSync(ddps, overlap, groups, distributed, overlap_gather)
 
 
 def _config_of(module: torch.nn.Module):

@@ -32,7 +32,7 @@ from megatron_mllm.runtime.messages import RECV_LOOKAHEAD, Messages, PeerFailure
 from megatron_mllm.runtime.program import Op
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.dataflow import Dataflow
-from megatron_mllm.schedule.keys import TensorKey
+from megatron_mllm.schedule.keys import TensorKey, part_name
 from megatron_mllm.schedule.schedule import ScheduleMeta
 from megatron_mllm.schedule.simulator import Span
 
@@ -393,7 +393,20 @@ class Executor:
 
         self._later.append(read)
 
+    def _gathered(self, action: Action) -> None:
+        """Before a part's forward: its parameters gathered (overlapped AG); the wait, if
+        any, is a DP span (the gather's unhidden part)."""
+        part = "bb" if action.kind == "F" else part_name(action.enc)
+        sync = self.grad_sync.get(part)
+        if sync is None or not sync.stale:
+            return
+        start = self.clock.mark()
+        sync.finish_gather()
+        self._span_later("dp", Action("AG", key=part), "dp", start, self.clock.mark())
+
     def _run(self, action: Action) -> None:
+        if action.kind in ("F", "EF"):
+            self._gathered(action)
         start, first_fill = self.clock.mark(), len(self._fill_marks)
         backbone = action.kind in ("F", "B")
         if backbone:
@@ -543,7 +556,12 @@ class Executor:
 
     # -- data parallel ---------------------------------------------------------------------
     def _all_gather(self, a: Action) -> None:
-        """Parameters are replicated over DP (non-distributed optimizer): nothing to gather."""
+        """The part's DP parameter all-gather: with --overlap-param-gather started here (the
+        part's first forward waits for it); otherwise the optimizer step gathered already
+        (or, without the distributed optimizer, parameters are replicated)."""
+        sync = self.grad_sync.get(a.key)
+        if sync is not None:
+            sync.start_gather()
 
     def _reduce_scatter(self, a: Action) -> None:
         """The part's DP gradient reduction (megatron-core DDP, data_parallel.py): with overlap

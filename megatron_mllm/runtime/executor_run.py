@@ -50,6 +50,7 @@ class ExecutorRun:
             open_full_state(job.model.weights),
             job.model.frozen_encoder,
             job.model.dtype,
+            job.model.recompute,
         )
         self.chunks, self.encoders = self.rank_model.chunks, self.rank_model.encoders
         self.backbone = self.rank_model.backbone
@@ -115,7 +116,12 @@ class ExecutorRun:
             parts = list(self.grad_sync.values())
             dtype = self.job.model.dtype
             return build_distributed_optimizer(
-                parts, opt.lr, opt.clip_grad, dtype, min_lr=opt.min_lr
+                parts,
+                opt.lr,
+                opt.clip_grad,
+                dtype,
+                min_lr=opt.min_lr,
+                overlap_param_gather=opt.overlap_param_gather,
             )
         return build_optimizer(self.rank_model.modules, opt.lr)
 
@@ -131,6 +137,8 @@ class ExecutorRun:
             opt.overlap_grad_reduce,
             opt.ddp_bucket_size,
             opt.distributed,
+            opt.overlap_param_gather,
+            opt.grad_reduce_in_fp32,
         )
         bb_dp = dedicated_group(groups.backbone.dp)
         out = {"bb": wrap_part(self.chunks, groups.backbone, bb_dp, groups.solo, *knobs)}
@@ -226,6 +234,7 @@ class ExecutorRun:
         job, c, mb = self.job, self.groups.coords, self.job.micro_batch
         size = job.data.coreset.pool_size
         ids = [(step * job.backbone.dp + c.dp) * size + j for j in range(size)]
+        self.sync_params()  # the pool pass has no AG actions
         executor = self._executor(
             self.pool_program,
             job.data.pool_schedule.meta,
@@ -318,6 +327,8 @@ class ExecutorRun:
         if opt.distributed and self.optimizer is not None:  # its own clipping, on its shards
             applied, self.last_grad_norm = step_megatron_optimizer(self.optimizer)
             self.skipped_iterations += not applied
+            for sync in self.grad_sync.values():
+                sync.stepped()
             return
         clip = opt.clip_grad if self.optimizer is not None else 0.0
         self.last_grad_norm = clip_by_global_norm(self.parts, clip, self.device)
@@ -333,6 +344,12 @@ class ExecutorRun:
         from megatron_mllm.schedule.simulator import simulate
 
         return simulate(self.replanned[0], self.replanned[1]).step_time_s
+
+    def sync_params(self) -> None:
+        """Every parameter current (with overlapped gathering the last step's update is
+        gathered by the next step's AG; a reader outside a step waits for it here)."""
+        for key in sorted(self.grad_sync):  # one order on every rank
+            self.grad_sync[key].finish_gather()
 
     def result(self) -> dict:
         out = {
@@ -362,6 +379,7 @@ class ExecutorRun:
         if self.job.collect.params:
             from megatron_mllm.models.weights import param_shards
 
+            self.sync_params()
             c = self.groups.coords
             out["params"] = {k: v for m in self.chunks for k, v in param_shards(m, c.tp).items()}
             enc_tp = c.tp if self.stage0 else c.enc_tp

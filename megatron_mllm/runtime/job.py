@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.models.config import MLLMConfig, Recompute
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.schedule import Schedule
 
@@ -23,6 +23,7 @@ class ModelParts:
     weights: dict[str, torch.Tensor] | str
     frozen_encoder: bool = False
     bf16: bool = False  # parameters, activations and messages in bf16; fp32 main params
+    recompute: Recompute = Recompute()  # activation recomputation (Megatron's --recompute-*)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -63,6 +64,8 @@ class OptimizerSettings:
     overlap_grad_reduce: bool = False  # DDP buckets reduced as their last backward finishes
     distributed: bool = False  # megatron-core's DistributedOptimizer (state sharded over DP)
     ddp_bucket_size: int | None = None  # parameters per DDP bucket (megatron-core's default)
+    overlap_param_gather: bool = False  # the AG action starts the all-gather, first use waits
+    grad_reduce_in_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32 (else: param dtype)
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,11 @@ def check_job(job: RuntimeJob, world: int) -> None:
         raise ConfigError(
             "bf16 runs in our executor with the distributed optimizer for now (its fp32 main "
             "parameters); add --use-distributed-optimizer"
+        )
+    if job.optimizer.overlap_param_gather and not job.optimizer.distributed:
+        raise ConfigError(
+            "overlapped parameter all-gather needs the distributed optimizer (without it the "
+            "parameters are never sharded); add --use-distributed-optimizer"
         )
     if job.model.bf16 and job.data.coreset is not None:
         raise ConfigError("coreset selection runs in fp32 for now; drop bf16 or the coreset")

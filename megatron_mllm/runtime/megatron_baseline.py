@@ -106,6 +106,7 @@ class MegatronCoreRun:
             device,
             open_full_state(job.model.weights),
             job.model.frozen_encoder,
+            recompute=job.model.recompute,
         )
         self.chunks = self.rank_model.chunks
         self.backbone = self.rank_model.backbone  # the one holding the loss on the last stage

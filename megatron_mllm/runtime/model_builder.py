@@ -12,8 +12,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.models.config import MLLMConfig, Recompute
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
+
+
+NO_RECOMPUTE = Recompute()
 
 
 @dataclass(frozen=True)
@@ -74,10 +77,12 @@ def build_rank_model(
     full_state: dict[str, torch.Tensor] | None = None,
     frozen_encoder: bool = False,
     dtype: torch.dtype = torch.float32,
+    recompute: Recompute = NO_RECOMPUTE,
 ) -> RankModel:
     """Build, place and load this rank's modules (`encoder` None: the rank holds no encoder;
     `full_state` None: keep the seed's initial weights). `dtype` bfloat16: parameters and
-    activations in bf16 (megatron-core's bf16 configs; the canonical weights are cast)."""
+    activations in bf16 (megatron-core's bf16 configs; the canonical weights are cast);
+    `recompute`: activation recomputation (see models.config.Recompute)."""
     from megatron_mllm.models.weights import load_full_state
 
     precision = _precision(dtype)
@@ -85,11 +90,21 @@ def build_rank_model(
     if encoder is not None:  # built first: a model from the seed draws the encoder's weights first
         e = encoder
         encoders = [
-            EncoderStage(cfg, e.stage, e.stages, e.pg, e.tp, e.kernel_units, index=i, **precision)
+            EncoderStage(
+                cfg,
+                e.stage,
+                e.stages,
+                e.pg,
+                e.tp,
+                e.kernel_units,
+                index=i,
+                recompute_layers=recompute.vision,
+                **precision,
+            )
             for i in range(cfg.num_encoders)
         ]
     b = backbone
-    overrides = {**precision, **b.config_overrides}
+    overrides = {**precision, **recompute.backbone_overrides(), **b.config_overrides}
     if b.vpp > 1:  # megatron-core spreads the layers evenly over the virtual stages
         overrides["virtual_pipeline_model_parallel_size"] = b.vpp
     chunks = [

@@ -18,6 +18,7 @@ def _adam_config(
     dtype: torch.dtype = torch.float32,
     min_lr: float = 0.0,
     distributed: bool = False,
+    overlap_param_gather: bool = False,
 ):
     """megatron-core's OptimizerConfig for Adam in `dtype` (bf16: fp32 main parameters)."""
     from megatron.core.optimizer import OptimizerConfig
@@ -32,6 +33,7 @@ def _adam_config(
         fp16=False,
         params_dtype=dtype,
         use_distributed_optimizer=distributed,
+        overlap_param_gather=overlap_param_gather,
     )
 
 
@@ -131,16 +133,18 @@ def build_distributed_optimizer(
     dtype: torch.dtype = torch.float32,
     weight_decay: float = 0.0,
     min_lr: float = 0.0,
+    overlap_param_gather: bool = False,
 ):
     """megatron-core's DistributedOptimizer (Adam) over DDP-wrapped parts (data_parallel's
     PartGradSync), one per part's DP group, chained: the optimizer state is sharded over each
     part's DP group, gradients are clipped by the whole model's norm (summed over the world, as
-    every part spans it) and the parameters all-gathered at the end of each step. With bf16
+    every part spans it) and the parameters all-gathered at the end of each step (with
+    `overlap_param_gather` by the next step's AG actions instead). With bf16
     parameters it keeps fp32 main parameters (megatron-core's mixed precision)."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    config = _adam_config(lr, weight_decay, clip_grad, dtype, min_lr, distributed=True)
+    config = _adam_config(lr, weight_decay, clip_grad, dtype, min_lr, True, overlap_param_gather)
     chained = []
     for part in parts:
         built = get_megatron_optimizer(

@@ -159,7 +159,53 @@ def build_parser() -> argparse.ArgumentParser:
         "--use-distributed-optimizer",
         action="store_true",
         help="megatron-core's DistributedOptimizer: optimizer state sharded over each part's DP "
-        "group, gradients reduce-scattered; its checkpoints load with or without it, at any DP size",
+        "group, gradients reduce-scattered; its checkpoints load with or without it, any DP",
+    )
+    g.add_argument(
+        "--optimizer",
+        choices=["adam", "sgd"],
+        default="adam",
+        help="Adam (megatron-core's); sgd is refused for now (its momentum is not checkpointed)",
+    )
+    g.add_argument(
+        "--overlap-param-gather",
+        action="store_true",
+        help="distributed optimizer: each part's parameter all-gather starts at its AG action "
+        "in the schedule and is waited for before its first forward",
+    )
+    g.add_argument(
+        "--accumulate-allreduce-grads-in-fp32",
+        action="store_true",
+        help="DDP gradient buffers and their reduction in fp32 (else in the parameter dtype)",
+    )
+    g.add_argument(
+        "--fp16",
+        action="store_true",
+        help="fp16 with loss scaling: not supported yet (refused); use --bf16",
+    )
+    g.add_argument(
+        "--recompute-granularity",
+        choices=["full", "selective"],
+        default=None,
+        help="backbone activation recomputation (megatron-core's, in its TransformerBlock)",
+    )
+    g.add_argument("--recompute-method", choices=["uniform", "block"], default=None)
+    g.add_argument(
+        "--recompute-num-layers",
+        type=int,
+        default=None,
+        help="full recomputation: layers per recomputed chunk (uniform) or per stage (block)",
+    )
+    g.add_argument(
+        "--recompute-vision",
+        action="store_true",
+        help="recompute each encoder layer in backward (needs --fill-granularity layer)",
+    )
+    g.add_argument(
+        "--transformer-impl",
+        choices=["local", "transformer_engine"],
+        default="local",
+        help="megatron-core's local layers (default), or Transformer Engine's where it imports",
     )
     g.add_argument(
         "--ddp-bucket-size",
@@ -285,6 +331,59 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def _check_precision_and_recompute(args: argparse.Namespace) -> None:
+    """Precision, optimizer and recomputation flags that cannot go together (Megatron's
+    rules), one line each."""
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16 both given; choose one precision")
+    if args.fp16:
+        raise ConfigError(
+            "--fp16 (loss scaling over two plans' optimizers) is not supported yet; use --bf16"
+        )
+    if args.overlap_param_gather and not args.use_distributed_optimizer:
+        raise ConfigError(
+            "--overlap-param-gather needs --use-distributed-optimizer (without it parameters "
+            "are not sharded, so there is nothing to gather)"
+        )
+    if args.use_distributed_optimizer and args.optimizer != "adam":
+        raise ConfigError(
+            f"--use-distributed-optimizer shards Adam's state only; --optimizer {args.optimizer} "
+            "cannot be sharded: use --optimizer adam or drop --use-distributed-optimizer"
+        )
+    if args.optimizer != "adam":
+        raise ConfigError(
+            f"--optimizer {args.optimizer} is not supported yet (its state is not in our "
+            "checkpoints); use --optimizer adam"
+        )
+    full = args.recompute_granularity == "full"
+    if args.recompute_method is not None and not full:
+        raise ConfigError("--recompute-method needs --recompute-granularity full")
+    if args.recompute_num_layers is not None and not full:
+        raise ConfigError("--recompute-num-layers needs --recompute-granularity full")
+    if full and (args.recompute_method is None or (args.recompute_num_layers or 0) < 1):
+        raise ConfigError(
+            "--recompute-granularity full needs --recompute-method uniform|block and "
+            "--recompute-num-layers N >= 1"
+        )
+    if args.recompute_vision and args.fill_granularity == "kernel":
+        raise ConfigError(
+            "--recompute-vision recomputes whole encoder layers; kernel-sized units keep what "
+            "their backward needs: use --fill-granularity layer"
+        )
+    if args.transformer_impl == "transformer_engine":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ConfigError(
+                "--transformer-impl transformer_engine: Transformer Engine is not installed "
+                "here; install it or use --transformer-impl local"
+            )
+        raise ConfigError(
+            "--transformer-impl transformer_engine is not wired into our stages yet (their "
+            "kernel-sized units are cut from the local layers); use --transformer-impl local"
+        )
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Every combination that cannot work, as one line, before any group or file is touched."""
     tp, pp, world = (
@@ -312,6 +411,7 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     for spec in args.extra_encoder:
         parse_encoder_spec(spec)
+    _check_precision_and_recompute(args)
     if args.bf16 and not args.use_distributed_optimizer:
         raise ConfigError(
             "--bf16 keeps its fp32 main parameters in the distributed optimizer for now; add "

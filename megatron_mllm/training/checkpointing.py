@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 
 from megatron_mllm.errors import ConfigError
+from megatron_mllm.models.weights import canonical_names, gated_names, gated_view, split_dim
 from megatron_mllm.training import optimizer_state
 from megatron_mllm.training.optimizer_state import MOMENTS
-from megatron_mllm.models.weights import canonical_names, gated_names, gated_view, split_dim
 
 TRACKER = "latest_checkpointed_iteration.txt"
 

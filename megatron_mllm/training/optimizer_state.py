@@ -1,7 +1,8 @@
 """The optimizer's per-parameter state in the model's shape, as our checkpoints store it.
 
 A checkpoint keeps, per parameter, its fp32 value and its Adam moments as full tensors (this
-rank's TP piece; see checkpointing.py), whatever optimizer wrote them. With megatron-core's
+rank's TP piece; see checkpointing.py), whatever optimizer wrote them and whatever the
+parameters' own dtype. With megatron-core's
 FP32Optimizer the moments already have the parameter's shape. The DistributedOptimizer holds, on
 each DP rank, only a contiguous range of every parameter's flattened fp32 main value and moments;
 `gather` assembles the full tensors over the part's DP group (one all-reduce per sub-optimizer of
@@ -46,12 +47,6 @@ def _model_params(sub) -> list[torch.nn.Parameter]:
     return [p for buf in sub.buffers for p in buf.params]
 
 
-def _keys(p: torch.nn.Parameter) -> tuple[str, ...]:
-    """What the checkpoint needs of `p` from the optimizer: the fp32 main value when the model
-    keeps a lower precision, and the moments."""
-    return (("main",) if p.dtype != torch.float32 else ()) + MOMENTS
-
-
 def _gather_distributed(sub) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
     """Full main values and moments of a DistributedOptimizer's parameters (collective over its
     DP group)."""
@@ -74,13 +69,14 @@ def _gather_distributed(sub) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]
     out, offset = {}, 0
     for p in params:
         view = flat[:, offset : offset + p.numel()]
-        out[p] = {key: view[k].view(p.shape) for k, key in enumerate(keys) if key in _keys(p)}
+        out[p] = {key: view[k].view(p.shape) for k, key in enumerate(keys)}
         offset += p.numel()
     return out
 
 
 def gather(optimizer) -> dict[torch.nn.Parameter, dict[str, torch.Tensor]]:
-    """Per model parameter: its moments and (lower-precision models) fp32 main value, full size.
+    """Per model parameter: its moments and (distributed optimizer) fp32 main value, full size
+    (the main value is current even where the model's copy awaits an overlapped gather).
     Tensors of the FP32Optimizer are its own state (loading into them loads the optimizer);
     the distributed optimizer's are copies (`scatter` puts them back). Collective; every rank
     takes its sub-optimizers in one order."""
@@ -108,7 +104,7 @@ def scatter(optimizer, states: dict, iteration: int) -> None:
             continue
         for p in _model_params(sub):
             full = states[p]
-            value = full.get("main", p.data)
+            value = full["main"]
             if p not in sub.model_param_gbuf_map:
                 continue
             local = sub._get_model_param_range_map(p)["param"]

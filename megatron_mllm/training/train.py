@@ -12,7 +12,7 @@ import time
 import torch
 
 from megatron_mllm.errors import ConfigError, exit_on_config_error
-from megatron_mllm.models.config import CLIP_VIT, MLLMConfig
+from megatron_mllm.models.config import CLIP_VIT, MLLMConfig, Recompute
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
 
 
@@ -330,7 +330,18 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
     )
 
     return RuntimeJob(
-        ModelParts(cfg, state, frozen_encoder=args.freeze_ViT, bf16=args.bf16),
+        ModelParts(
+            cfg,
+            state,
+            frozen_encoder=args.freeze_ViT,
+            bf16=args.bf16,
+            recompute=Recompute(
+                args.recompute_granularity,
+                args.recompute_method,
+                args.recompute_num_layers,
+                args.recompute_vision,
+            ),
+        ),
         PlanParts(
             plan, schedule=schedule, encoder_units=units, sequence_parallel=args.sequence_parallel
         ),
@@ -349,6 +360,8 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
             overlap_grad_reduce=args.overlap_grad_reduce,
             distributed=args.use_distributed_optimizer,
             ddp_bucket_size=args.ddp_bucket_size,
+            overlap_param_gather=args.overlap_param_gather,
+            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
         ),
         collect=Collect(grads=False),
         executor=ExecutorSettings(overlap_tp_fills=args.overlap_tp_fills),
