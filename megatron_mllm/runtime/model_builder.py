@@ -15,7 +15,6 @@ from torch import nn
 from megatron_mllm.models.config import MLLMConfig, Recompute
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
 
-
 NO_RECOMPUTE = Recompute()
 
 
