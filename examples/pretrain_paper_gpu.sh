@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # The paper's MLLMs on H100 nodes (DESIGN section 5): ViT encoder + projector + GPT/Llama
-# backbone, Optimus schedule, bf16-sized plans. Megatron-script style: every setting is an
+# backbone, Optimus schedule, trained as Megatron recipes train: bf16 with the distributed
+# optimizer, overlapped gradient reduce-scatter and parameter all-gather, fp32 gradient
+# reduction, selective recomputation of the backbone (RECOMPUTE=full: full, uniform, 1 layer). Megatron-script style: every setting is an
 # environment variable with a default; launch this on every node with NODE_RANK set.
 #
 #   MODEL=vit22b-gpt175b NNODES=384 NODE_RANK=0 MASTER_ADDR=host0 examples/pretrain_paper_gpu.sh
 #   DRY_RUN=1 MODEL=vit11b-llama70b examples/pretrain_paper_gpu.sh   # check the job, start nothing
 #
-# Needs the CUDA/NCCL runtime path (issue 3); on CPU only DRY_RUN=1 is useful.
+# Needs GPUs with NCCL; on CPU only DRY_RUN=1 is useful.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -23,6 +25,7 @@ GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-1536}
 MICRO_BATCH_SIZE=${MICRO_BATCH_SIZE:-2}
 TRAIN_ITERS=${TRAIN_ITERS:-10000}
 SCHEDULE=${SCHEDULE:-optimus}
+RECOMPUTE=${RECOMPUTE:-selective}   # selective | full | none
 
 # ViTs: 48 layers, head dim 128; 448 px images in 14 px patches = 1024 image tokens, plus 1024
 # text tokens = the backbone's 2048.
@@ -61,6 +64,16 @@ PARALLEL_ARGS=(
 )
 DATA_ARGS=()
 if [[ -n "$DATA_PATH" ]]; then DATA_ARGS=(--data-path "$DATA_PATH"); fi
+PRECISION_ARGS=(
+    --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
+    --accumulate-allreduce-grads-in-fp32
+)
+case "$RECOMPUTE" in
+    selective) RECOMPUTE_ARGS=(--recompute-granularity selective) ;;
+    full) RECOMPUTE_ARGS=(--recompute-granularity full --recompute-method uniform --recompute-num-layers 1) ;;
+    none) RECOMPUTE_ARGS=() ;;
+    *) echo "error: RECOMPUTE=$RECOMPUTE is not one of selective full none" >&2; exit 2 ;;
+esac
 TRAINING_ARGS=(
     --micro-batch-size "$MICRO_BATCH_SIZE" --global-batch-size "$GLOBAL_BATCH_SIZE"
     --train-iters "$TRAIN_ITERS" --lr 1.5e-4 --min-lr 1.5e-5 --lr-decay-style cosine
@@ -71,7 +84,7 @@ OUTPUT_ARGS=(
     --log-interval 1 --save "$SAVE" --save-interval 500 --tensorboard-dir "$TENSORBOARD_DIR"
 )
 ARGS=("${ENCODER_ARGS[@]}" "${BACKBONE_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}"
-      "${TRAINING_ARGS[@]}" "${OUTPUT_ARGS[@]}")
+      "${TRAINING_ARGS[@]}" "${PRECISION_ARGS[@]}" "${RECOMPUTE_ARGS[@]}" "${OUTPUT_ARGS[@]}")
 
 if [[ -n "${DRY_RUN:-}" ]]; then
     WORLD_SIZE=$((NNODES * GPUS_PER_NODE)) exec "$PYTHON" pretrain_mllm.py "${ARGS[@]}" --dry-run

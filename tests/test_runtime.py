@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.models.config import CLIP_VIT, LLAMA, TINY, MLLMConfig, Recompute
+from megatron_mllm.models.config import CLIP_VIT, LLAMA, TINY, MLLMConfig
 from megatron_mllm.models.weights import assemble_grads
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.job import (
@@ -30,6 +30,7 @@ from megatron_mllm.runtime.reference import make_full_state
 from megatron_mllm.runtime.replan import predicted_with_measured
 from megatron_mllm.runtime.runs import run_rank
 from megatron_mllm.runtime.schedules import runtime_schedule
+from megatron_mllm.schedule.config import Recompute
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 N = 4  # micro-batches

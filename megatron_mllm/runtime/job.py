@@ -9,8 +9,9 @@ from dataclasses import dataclass
 import torch
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.models.config import MLLMConfig, Recompute
+from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.schedule.config import Recompute
 from megatron_mllm.schedule.schedule import Schedule
 
 

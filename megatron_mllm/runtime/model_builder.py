@@ -12,10 +12,9 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from megatron_mllm.models.config import MLLMConfig, Recompute
+from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
-
-NO_RECOMPUTE = Recompute()
+from megatron_mllm.schedule.config import NO_RECOMPUTE, Recompute
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.baselines import megatron_schedule
 from megatron_mllm.schedule.blocks import JobCosts
 from megatron_mllm.schedule.bubble_scheduler import OptimusOptions, optimus_schedule
-from megatron_mllm.schedule.config import MLLMJob
+from megatron_mllm.schedule.config import NO_RECOMPUTE, MLLMJob, Recompute
 from megatron_mllm.schedule.hardware import HardwareProfile
 from megatron_mllm.schedule.planner import plan_optimus
 from megatron_mllm.schedule.schedule import Schedule
@@ -37,6 +37,7 @@ def job_of(
     num_microbatches: int,
     frozen_encoder: bool = False,
     sequence_parallel: bool = False,
+    recompute: Recompute = NO_RECOMPUTE,
 ) -> MLLMJob:
     """The schedule core's job for the runtime's model (for planning and simulation)."""
     llm = cfg.transformer_specs()[1]
@@ -53,6 +54,7 @@ def job_of(
         hw=CPU,
         sequence_parallel=sequence_parallel and plan.tp > 1,
         frozen_encoders=frozen_encoder,
+        recompute=recompute,
     )
 
 
@@ -72,14 +74,18 @@ def runtime_plan(
     frozen_encoder: bool = False,
     unit: str = "layer",
     sequence_parallel: bool = False,
+    recompute: Recompute = NO_RECOMPUTE,
     **options,
 ) -> tuple[Schedule, Workload]:
     """A validated schedule and its costs for the runtime's model at layer (or, with
     unit="kernel", kernel) granularity:
     "megatron" (encoder on stage 0, 1F1B, even layer split), "balanced" (the same with the
     balancing first-stage split) or "optimus" (planned, or with `encoder_plan` forced).
-    `sequence_parallel`: the backbone's TP collectives are reduce-scatters and all-gathers."""
-    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder, sequence_parallel)
+    `sequence_parallel`: the backbone's TP collectives are reduce-scatters and all-gathers;
+    `recompute`: recomputed layers cost a second forward and keep only their input."""
+    job = job_of(
+        cfg, plan, micro_batch, num_microbatches, frozen_encoder, sequence_parallel, recompute
+    )
     costs = JobCosts(job, measured, unit=unit)
     if name not in ("megatron", "balanced", "optimus"):
         raise ConfigError(f"unknown schedule {name!r}; use megatron, balanced or optimus")

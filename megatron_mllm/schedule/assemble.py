@@ -135,4 +135,13 @@ def megatron_backbone(
         )
     layers = tuple(sizes)
     sizes[-1] += 1
+    rc = job.recompute
+    if rc.granularity == "full" and rc.method == "block":  # the first N of each chunk
+        again = costs.backbone_layer(plan.tp, recomputed=True)
+        blocks = [
+            b
+            for k in layers
+            for b in [again] * min(k, rc.num_layers) + [layer] * (k - rc.num_layers)
+        ]
+        return stages_from_sizes(plan.pp, [*blocks, head], sizes), layers
     return stages_from_sizes(plan.pp, [layer] * n + [head], sizes), layers

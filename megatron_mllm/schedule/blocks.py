@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_mllm.schedule.config import MLLMJob
 from megatron_mllm.schedule.cost_model import CostModel, Kernel, model_state_bytes_per_param
@@ -92,7 +92,20 @@ class JobCosts:
         block.bwd = one(block.bwd, "backward", name + "_b")
         return block
 
-    def backbone_layer(self, tp: int) -> Block:
+    def _recomputed(self, block: Block, spec, seq: int, tp: int) -> Block:
+        """A layer recomputed in backward: its backward first runs its forward again (with the
+        forward's TP collectives), and it keeps only its input for backward."""
+        again = [replace(k, name=k.name + "_r") for k in block.fwd]
+        return replace(
+            block,
+            bwd=again + block.bwd,
+            act_bytes=self.cm.layer_input_bytes(spec, seq, tp),
+            tags=block.tags | {"recomputed"},
+        )
+
+    def backbone_layer(self, tp: int, recomputed: bool | None = None) -> Block:
+        """One backbone layer; `recomputed` None: as the job's uniform full recomputation says
+        (block recomputation picks layers per stage: assemble.megatron_backbone)."""
         spec, s = self.job.backbone, self.job.seq_len
         block = Block(
             "layer",
@@ -102,7 +115,11 @@ class JobCosts:
             spec.params_per_layer / tp,
             {"backbone"},
         )
-        return self._as_unit(block, spec.name, "layer")
+        block = self._as_unit(block, spec.name, "layer")
+        rc = self.job.recompute
+        if recomputed is None:
+            recomputed = rc.granularity == "full" and rc.method == "uniform"
+        return self._recomputed(block, spec, s, tp) if recomputed else block
 
     def head(self, tp: int) -> Block:
         spec, s = self.job.backbone, self.job.seq_len
@@ -137,7 +154,7 @@ class JobCosts:
         spec = self.job.encoders[e]
         s = self.job.encoder_seq(spec)
         frozen = self.job.frozen_encoders
-        return self._as_unit(
+        block = self._as_unit(
             Block(
                 f"e{e}.layer",
                 self.cm.layer_kernels(spec, s, tp, backward=False),
@@ -149,6 +166,9 @@ class JobCosts:
             spec.name,
             "layer",
         )
+        if self.job.recompute.vision and not frozen:  # --recompute-vision: every layer
+            return self._recomputed(block, spec, s, tp)
+        return block
 
     def projector(self, e: int, tp: int) -> Block:
         spec, llm = self.job.encoders[e], self.job.backbone

@@ -11,6 +11,41 @@ from megatron_mllm.schedule.specs import TransformerSpec
 
 
 @dataclass(frozen=True)
+class Recompute:
+    """Activation recomputation, by Megatron's argument names. The backbone's runs inside
+    megatron-core's TransformerBlock (full: chunks of `num_layers` layers ("uniform") or the
+    first `num_layers` of each stage ("block") keep only their input; selective: the core
+    attention is recomputed); the encoder's (`vision`) recomputes each layer unit whole,
+    keeping its input."""
+
+    granularity: str | None = None  # None, "full" or "selective"
+    method: str | None = None  # full: "uniform" or "block"
+    num_layers: int | None = None  # full: layers per chunk (uniform) / per stage (block)
+    vision: bool = False  # --recompute-vision
+
+    def backbone_overrides(self) -> dict:
+        """megatron-core TransformerConfig fields for the backbone."""
+        if self.granularity is None:
+            return {}
+        if self.granularity == "selective":
+            return dict(recompute_granularity="selective")
+        return dict(
+            recompute_granularity="full",
+            recompute_method=self.method,
+            recompute_num_layers=self.num_layers,
+        )
+
+    def recomputed_layers(self, layers: int) -> int:
+        """How many of a stage's `layers` backbone layers full recomputation covers."""
+        if self.granularity != "full":
+            return 0
+        return min(layers, self.num_layers) if self.method == "block" else layers
+
+
+NO_RECOMPUTE = Recompute()
+
+
+@dataclass(frozen=True)
 class MLLMJob:
     """One training job: encoders + projector + backbone on `gpus` GPUs.
 
@@ -31,6 +66,7 @@ class MLLMJob:
     frozen_encoders: bool = False
     sequence_parallel: bool = True
     encoder_seq_len: int | None = None
+    recompute: Recompute = NO_RECOMPUTE
 
     def __post_init__(self) -> None:
         self.validate()

@@ -177,8 +177,15 @@ class CostModel:
         link = self.hw.internode_gbps * 1e9 * self.hw.efficiency
         return (dp - 1) / dp * nbytes / link + self.hw.latency_s
 
+    def layer_input_bytes(self, spec: TransformerSpec, seq: int, tp: int) -> float:
+        """What a fully recomputed layer keeps for backward: its bf16 input (split over TP with
+        sequence parallelism)."""
+        return seq * self.b * spec.hidden_size * BF16 / (tp if self.sp else 1)
+
     def layer_activation_bytes(self, spec: TransformerSpec, seq: int, tp: int) -> float:
-        """Activations one layer keeps for backward, per micro-batch (flash attention)."""
+        """Activations one layer keeps for backward, per micro-batch (Korthikanti et al.'s
+        count with flash attention: no s^2 term, so selective recomputation of the core
+        attention changes nothing here)."""
         sbh = seq * self.b * spec.hidden_size
         return 34 * sbh / tp if self.sp else (10 + 24 / tp) * sbh
 

@@ -12,8 +12,9 @@ import time
 import torch
 
 from megatron_mllm.errors import ConfigError, exit_on_config_error
-from megatron_mllm.models.config import CLIP_VIT, MLLMConfig, Recompute
+from megatron_mllm.models.config import CLIP_VIT, MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
+from megatron_mllm.schedule.config import Recompute
 
 
 def _encoder_fields(
@@ -198,6 +199,7 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p) -> str:
             f" > encoder plan:  {enc_plan} ({where})",
             f" > schedule: {args.bubble_schedule}; {n_mb} micro-batches of {args.micro_batch_size} "
             f"per step and DP replica",
+            " > " + training_summary(args),
             f" > predicted by the analytic CPU cost model (uncalibrated): step "
             f"{1000 * p.step_time_s:.1f} ms, bubble ratio "
             f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",
@@ -222,7 +224,30 @@ def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int
             f" > backbone: {cfg.llm_layers} layers x {cfg.llm_hidden} ({llm / 1e9:.2f}B "
             f"params), {cfg.seq_len} tokens per sample",
             f" > {n_mb} micro-batches of {args.micro_batch_size} per step and DP replica",
+            " > " + training_summary(args),
         ]
+    )
+
+
+def training_summary(args) -> str:
+    """Precision, optimizer, DP overlap and recomputation, one line."""
+    opt = "distributed optimizer" if args.use_distributed_optimizer else "replicated optimizer"
+    overlap = [
+        name
+        for name, on in (
+            ("grad reduce", args.overlap_grad_reduce),
+            ("param gather", args.overlap_param_gather),
+        )
+        if on
+    ]
+    rc = args.recompute_granularity or "no"
+    if args.recompute_granularity == "full":
+        rc += f" ({args.recompute_method}, {args.recompute_num_layers})"
+    return (
+        f"{'bf16' if args.bf16 else 'fp32'}, {opt}"
+        + (f", overlapped {' and '.join(overlap)}" if overlap else "")
+        + f"; {rc} backbone recomputation"
+        + ("; encoder recomputed" if args.recompute_vision else "")
     )
 
 
@@ -287,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         frozen_encoder=args.freeze_ViT,
         unit=args.fill_granularity if args.bubble_schedule == "optimus" else "layer",
         sequence_parallel=args.sequence_parallel,
+        recompute=recompute_of(args),
     )
     layers = schedule.meta.backbone_layers
     if plan.vpp > 1 and len(set(layers)) > 1:
@@ -317,6 +343,16 @@ def main(argv: list[str] | None = None) -> int:
     return _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted)
 
 
+def recompute_of(args) -> Recompute:
+    """The recomputation the --recompute-* arguments ask for."""
+    return Recompute(
+        args.recompute_granularity,
+        args.recompute_method,
+        args.recompute_num_layers,
+        args.recompute_vision,
+    )
+
+
 def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
     """The RuntimeJob that pretrain_mllm.py's arguments describe."""
     from megatron_mllm.runtime.job import (
@@ -335,12 +371,7 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
             state,
             frozen_encoder=args.freeze_ViT,
             bf16=args.bf16,
-            recompute=Recompute(
-                args.recompute_granularity,
-                args.recompute_method,
-                args.recompute_num_layers,
-                args.recompute_vision,
-            ),
+            recompute=recompute_of(args),
         ),
         PlanParts(
             plan, schedule=schedule, encoder_units=units, sequence_parallel=args.sequence_parallel
