@@ -118,6 +118,7 @@ def test_the_planner_charges_recomputation():
         fwd = sum(k.total_s for k in a.fwd)
         bwd_a, bwd_b = (sum(k.total_s for k in x.bwd) for x in (a, b))
         assert bwd_b == pytest.approx(bwd_a + fwd) and b.act_bytes < a.act_bytes / 10
+        assert len(b.bwd) == len(a.bwd)  # the runtime's units: one backward per forward
     from megatron_mllm.schedule.assemble import megatron_backbone
 
     block = JobCosts(job_of(TINY, plan, B, 4, recompute=Recompute("full", "block", 1)))

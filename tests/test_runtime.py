@@ -580,10 +580,12 @@ RECOMPUTE = {  # name: (recomputation, mode, schedule)
 @pytest.mark.parametrize("name", list(RECOMPUTE))
 def test_recomputation_keeps_losses_and_gradients(reference, name):
     """Activation recomputation (megatron-core's in the backbone's TransformerBlock, ours per
-    encoder layer unit) on PP=2: the reference's losses and gradients."""
+    encoder layer unit) on PP=2, planned with it: the reference's losses and gradients."""
     recompute, mode, schedule_name = RECOMPUTE[name]
     plan = ParallelPlan(1, 1, 2)
-    schedule = schedule_name and runtime_schedule(TINY, plan, 1, N, schedule_name)
+    schedule = schedule_name and runtime_schedule(
+        TINY, plan, 1, N, schedule_name, recompute=recompute
+    )
     job = RuntimeJob(
         ModelParts(TINY, reference[0], recompute=recompute),
         PlanParts(plan, schedule),

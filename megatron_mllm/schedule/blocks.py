@@ -93,12 +93,18 @@ class JobCosts:
         return block
 
     def _recomputed(self, block: Block, spec, seq: int, tp: int) -> Block:
-        """A layer recomputed in backward: its backward first runs its forward again (with the
-        forward's TP collectives), and it keeps only its input for backward."""
-        again = [replace(k, name=k.name + "_r") for k in block.fwd]
+        """A layer recomputed in backward: its backward starts by running its forward again
+        (with the forward's TP collectives; folded into the first backward kernel, so the
+        schedule's unit counts stay the runtime's), and it keeps only its input."""
+        first, *rest = block.bwd
+        again = replace(
+            first,
+            compute_s=first.compute_s + sum(k.compute_s for k in block.fwd),
+            comm_s=first.comm_s + sum(k.comm_s for k in block.fwd),
+        )
         return replace(
             block,
-            bwd=again + block.bwd,
+            bwd=[again, *rest],
             act_bytes=self.cm.layer_input_bytes(spec, seq, tp),
             tags=block.tags | {"recomputed"},
         )
