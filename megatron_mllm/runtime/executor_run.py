@@ -113,10 +113,10 @@ class ExecutorRun:
         if opt.lr <= 0:
             return None
         if opt.distributed:
-            parts = list(self.grad_sync.values())
             dtype = self.job.model.dtype
             return build_distributed_optimizer(
-                parts,
+                self.grad_sync,
+                self.part_names,
                 opt.lr,
                 opt.clip_grad,
                 dtype,
@@ -143,11 +143,13 @@ class ExecutorRun:
         bb_dp = dedicated_group(groups.backbone.dp)
         out = {"bb": wrap_part(self.chunks, groups.backbone, bb_dp, groups.solo, *knobs)}
         pg = groups.stage0_encoder() if self.stage0 else groups.encoder
+        self.part_names = ["bb"]  # every trained part of the job, held here or not
         for e, encoder in enumerate(self.encoders):
             held = encoder is not None and any(p.requires_grad for p in encoder.parameters())
             dp = dedicated_group(self.enc_dp_group if encoder is not None else groups.backbone.dp)
             if held:
                 out[part_name(e)] = wrap_part([encoder], pg, dp, groups.solo, *knobs)
+            self.part_names.append(part_name(e))  # its projector trains, even when frozen
         return out
 
     def _ordered_p2p(self, plan: ParallelPlan, enc_plan: ParallelPlan) -> None:

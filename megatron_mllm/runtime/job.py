@@ -190,10 +190,10 @@ def check_job(job: RuntimeJob, world: int) -> None:
         raise ConfigError(
             f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
         )
-    if job.model.bf16 and (job.mode != "executor" or not job.optimizer.distributed):
+    if job.model.bf16 and (job.mode == "reference" or not job.optimizer.distributed):
         raise ConfigError(
-            "bf16 runs in our executor with the distributed optimizer for now (its fp32 main "
-            "parameters); add --use-distributed-optimizer"
+            "bf16 runs with the distributed optimizer for now (its fp32 main parameters; not in "
+            "the one-process reference); add --use-distributed-optimizer"
         )
     if job.optimizer.overlap_param_gather and not job.optimizer.distributed:
         raise ConfigError(

@@ -106,7 +106,8 @@ class MegatronCoreRun:
             device,
             open_full_state(job.model.weights),
             job.model.frozen_encoder,
-            recompute=job.model.recompute,
+            job.model.dtype,
+            job.model.recompute,
         )
         self.chunks = self.rank_model.chunks
         self.backbone = self.rank_model.backbone  # the one holding the loss on the last stage
@@ -115,8 +116,10 @@ class MegatronCoreRun:
             _Stage0Model(self.encoder if v == 0 else None, c) for v, c in enumerate(self.chunks)
         ]
         self.model = torch.nn.ModuleList(self.models)
-        self.ddps = _wrap_in_ddp(self.models)  # megatron-core's DDP, as Megatron trains
+        self.ddps = _wrap_in_ddp(self.models, job.optimizer)  # as Megatron trains
+        self.optimizer = _megatron_optimizer(self.ddps, job)
         self.dp_rank = ps.get_data_parallel_rank()
+        self.last_grad_norm, self.skipped_iterations = float("nan"), 0
         self.fb = get_forward_backward_func()
         self.seconds, self.history, self.grads = [], [], None
 
@@ -135,7 +138,8 @@ class MegatronCoreRun:
 
         def microbatches():  # built inside the timed step, as the executor builds its own
             for m in range(job.num_microbatches):
-                yield tuple(t.to(device) for t in data(m, self.dp_rank))
+                images, text = data(m, self.dp_rank)
+                yield images.to(device, job.model.dtype), text.to(device)
 
         def forward_step(data_iterator, model):
             images, text = next(data_iterator)
@@ -144,6 +148,8 @@ class MegatronCoreRun:
         self.rank_model.zero_grad()
         for ddp in self.ddps:
             ddp.zero_grad_buffer()
+        if self.optimizer is not None:
+            self.optimizer.zero_grad()
         clock = StepClock(device)
         iterators = [microbatches() for _ in self.models]  # every chunk reads its own copy
         reduced = self.fb(
@@ -155,43 +161,98 @@ class MegatronCoreRun:
             micro_batch_size=job.micro_batch,
             forward_only=False,
         )
-        for p in self.model.parameters():  # reduced by finalize_model_grads, in the schedule
-            if p.requires_grad:
-                p.grad = p.main_grad
+        if not self.job.optimizer.distributed:  # main_grad: reduced by finalize_model_grads
+            for p in self.model.parameters():
+                if p.requires_grad:
+                    p.grad = p.main_grad
         end = clock.mark()
         clock.finish()
         self.seconds.append(clock.since_start(end))
         losses = torch.stack([r["lm loss"] for r in reduced]).tolist() if reduced else []
         self.history.append({(self.dp_rank, m): v for m, v in enumerate(losses)})
-        if step == 0:
+        if step == 0 and not self.job.optimizer.distributed:  # (shards only under the DO)
             self.grads = {}
             for module in self.rank_model.modules:
                 self.grads.update(grad_shards(module, self.tp_rank))
+        if self.optimizer is not None:  # upstream's step: clipping, update, gather
+            applied, norm, _ = self.optimizer.step()
+            self.last_grad_norm, self.skipped_iterations = (
+                norm,
+                self.skipped_iterations + (not applied),
+            )
 
     def replan(self) -> bool:
         return False
 
     def result(self) -> dict:
-        return {
+        out = {
             "losses": self.history[0],
             "history": self.history,
             "grads": self.grads,
             "seconds": self.seconds,
             "spans": [],
+            "skipped_iterations": self.skipped_iterations,
         }
+        if self.job.collect.params:
+            from megatron_mllm.models.weights import param_shards
+
+            if self.job.optimizer.overlap_param_gather:  # the next forward would gather
+                for ddp in self.ddps:
+                    ddp.start_param_sync(force_sync=True)
+            out["params"] = {}
+            for module in self.rank_model.modules:
+                out["params"].update(param_shards(module, self.tp_rank))
+        return out
 
 
-def _wrap_in_ddp(models: list[nn.Module]) -> list:
+def _wrap_in_ddp(models: list[nn.Module], opt) -> list:
     """Each model chunk in megatron-core's DistributedDataParallel on parallel_state's groups,
     with megatron-core's finalize_model_grads (DP reduction, sequence-parallel norm gradients)
-    run by the schedule at the end of its backward, as Megatron's training loop sets it up."""
+    run by the schedule at the end of its backward and, with overlapped reduction, the no-sync
+    and grad-sync hooks, as Megatron's training loop sets them up (`opt`: OptimizerSettings)."""
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
         finalize_model_grads,
     )
 
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=opt.grad_reduce_in_fp32,
+        overlap_grad_reduce=opt.overlap_grad_reduce,
+        bucket_size=opt.ddp_bucket_size if opt.overlap_grad_reduce else None,
+        use_distributed_optimizer=opt.distributed,
+        overlap_param_gather=opt.overlap_param_gather,
+    )
     ddps = [DistributedDataParallel(m.config, ddp_config, m) for m in models]
-    ddps[0].config.finalize_model_grads_func = finalize_model_grads
+    config = ddps[0].config
+    config.finalize_model_grads_func = finalize_model_grads
+    if opt.overlap_grad_reduce:
+        one = len(ddps) == 1
+        config.no_sync_func = ddps[0].no_sync if one else [d.no_sync for d in ddps]
+        config.grad_sync_func = (
+            ddps[0].start_grad_sync if one else [d.start_grad_sync for d in ddps]
+        )
     return ddps
+
+
+def _megatron_optimizer(ddps: list, job):
+    """megatron-core's optimizer over the chunks (get_megatron_optimizer on parallel_state's
+    groups: its own clipping and, with the distributed optimizer, sharding); None without a
+    learning rate."""
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    from megatron_mllm.runtime.optimizer import _adam_config
+
+    opt = job.optimizer
+    if opt.lr <= 0:
+        return None
+    config = _adam_config(
+        opt.lr,
+        0.0,
+        opt.clip_grad,
+        job.model.dtype,
+        opt.min_lr,
+        opt.distributed,
+        opt.overlap_param_gather,
+    )
+    return get_megatron_optimizer(config, ddps, use_gloo_process_groups=False)

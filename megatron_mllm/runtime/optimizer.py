@@ -127,7 +127,8 @@ def step_megatron_optimizer(optimizer) -> tuple[bool, float]:
 
 
 def build_distributed_optimizer(
-    parts: list,
+    parts: dict,
+    names: list[str],
     lr: float,
     clip_grad: float,
     dtype: torch.dtype = torch.float32,
@@ -136,19 +137,46 @@ def build_distributed_optimizer(
     overlap_param_gather: bool = False,
 ):
     """megatron-core's DistributedOptimizer (Adam) over DDP-wrapped parts (data_parallel's
-    PartGradSync), one per part's DP group, chained: the optimizer state is sharded over each
-    part's DP group, gradients are clipped by the whole model's norm (summed over the world, as
-    every part spans it) and the parameters all-gathered at the end of each step (with
-    `overlap_param_gather` by the next step's AG actions instead). With bf16
-    parameters it keeps fp32 main parameters (megatron-core's mixed precision)."""
+    PartGradSync by name), one per part's DP group, chained: the optimizer state is sharded over
+    each part's DP group, gradients are clipped by the whole model's norm (summed over the world,
+    as every part spans it) and the parameters all-gathered at the end of each step (with
+    `overlap_param_gather` by the next step's AG actions instead). With bf16 parameters it keeps
+    fp32 main parameters (megatron-core's mixed precision). `names`: every part of the job in
+    one order, also those this rank does not hold (see `_join_param_group_alignment`)."""
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
     config = _adam_config(lr, weight_decay, clip_grad, dtype, min_lr, True, overlap_param_gather)
     chained = []
-    for part in parts:
+    for name in names:
+        part = parts.get(name)
+        if part is None:
+            _join_param_group_alignment()
+            continue
         built = get_megatron_optimizer(
             config, part.ddps, use_gloo_process_groups=False, pg_collection=part.pg
         )
         chained += built.chained_optimizers
     return ChainedOptimizer(chained)
+
+
+# get_megatron_optimizer aligns its param-group keys over the whole world: one
+# all_gather_object for the dense and one for the expert param groups (megatron-core 0.16.1,
+# optimizer/__init__.py:181, reached from :257 and :647). Checked on these versions only.
+_ALIGNMENT_GATHERS = {"0.16.1": 2}
+
+
+def _join_param_group_alignment() -> None:
+    """Those world-wide collectives for a part this rank does not hold (the encoder on stage 0
+    only, or a frozen encoder's stages before its projector), so every rank runs them as
+    often; contributes no keys."""
+    import megatron.core
+
+    count = _ALIGNMENT_GATHERS.get(megatron.core.__version__)
+    if count is None:
+        raise RuntimeError(
+            f"megatron-core {megatron.core.__version__}: how many collectives "
+            "get_megatron_optimizer runs is checked for 0.16.1 only"
+        )
+    for _ in range(count):
+        dist.all_gather_object([None] * dist.get_world_size(), [])
