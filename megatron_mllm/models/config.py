@@ -121,6 +121,7 @@ class MLLMConfig:
                 self.vit_heads,
                 causal=False,
                 seq_len=self.num_patches,
+                patch_dim=self.patch_dim,
             ),
             TransformerSpec(
                 "llm",

@@ -4,6 +4,7 @@ re-planning, and the run's result."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 from dataclasses import replace
@@ -80,6 +81,11 @@ class ExecutorRun:
         self.skipped_iterations = 0  # steps whose gradient norm was NaN or Inf (not applied)
         self.unit_times: dict[tuple[str, str, str], list[float]] = {}
         self.replanned = None  # (schedule, workload, measured times) once re-planned
+        self.saved = None
+        if job.collect.memory:
+            from megatron_mllm.runtime.memory import SavedActivations
+
+            self.saved = SavedActivations(self.rank_model.modules)
         self.selector = None
         if job.data.coreset is not None:
             from megatron_mllm.data.coreset import CoresetSelector
@@ -301,7 +307,8 @@ class ExecutorRun:
         if job.faults.fail_rank == self.rank:
             executor.run_step()
             os._exit(3)  # die mid-step, as a crashed rank would
-        result = executor.run_step()
+        with self.saved.tracking() if self.saved is not None else contextlib.nullcontext():
+            result = executor.run_step()
         allreduce_sequence_parallel_grads(self.chunks, self.groups.backbone.tp)
         for key, values in result.unit_times.items():
             self.unit_times.setdefault(key, []).extend(values)
@@ -378,6 +385,12 @@ class ExecutorRun:
         }
         if self.job.collect.grads:
             out["grads"] = self.grads
+        if self.saved is not None:
+            from megatron_mllm.runtime.memory import model_state_bytes
+
+            ddps = [d for sync in self.grad_sync.values() for d in sync.ddps]
+            out["memory"] = model_state_bytes(self.rank_model.modules, ddps, self.optimizer)
+            out["memory"]["activations"] = self.saved.peak
         if self.job.collect.params:
             from megatron_mllm.models.weights import param_shards
 

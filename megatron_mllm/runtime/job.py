@@ -84,10 +84,11 @@ class ExecutorSettings:
 @dataclass(frozen=True)
 class Collect:
     """What the result carries beyond losses and times (step 0's gradient shards, the final
-    parameter shards)."""
+    parameter shards, measured memory: runtime/memory.py)."""
 
     grads: bool = True
     params: bool = False
+    memory: bool = False
 
 
 @dataclass(frozen=True)

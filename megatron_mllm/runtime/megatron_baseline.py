@@ -9,6 +9,7 @@ megatron-core's schedules read their groups from `parallel_state`, so this mode 
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 
 import torch
@@ -120,6 +121,11 @@ class MegatronCoreRun:
         self.optimizer = _megatron_optimizer(self.ddps, job)
         self.dp_rank = ps.get_data_parallel_rank()
         self.last_grad_norm, self.skipped_iterations = float("nan"), 0
+        self.saved = None
+        if job.collect.memory:
+            from megatron_mllm.runtime.memory import SavedActivations
+
+            self.saved = SavedActivations(self.rank_model.modules)
         self.fb = get_forward_backward_func()
         self.seconds, self.history, self.grads = [], [], None
 
@@ -152,15 +158,17 @@ class MegatronCoreRun:
             self.optimizer.zero_grad()
         clock = StepClock(device)
         iterators = [microbatches() for _ in self.models]  # every chunk reads its own copy
-        reduced = self.fb(
-            forward_step_func=forward_step,
-            data_iterator=iterators if len(self.models) > 1 else iterators[0],
-            model=self.ddps,
-            num_microbatches=job.num_microbatches,
-            seq_length=job.cfg.seq_len,
-            micro_batch_size=job.micro_batch,
-            forward_only=False,
-        )
+        tracking = self.saved.tracking() if self.saved is not None else contextlib.nullcontext()
+        with tracking:
+            reduced = self.fb(
+                forward_step_func=forward_step,
+                data_iterator=iterators if len(self.models) > 1 else iterators[0],
+                model=self.ddps,
+                num_microbatches=job.num_microbatches,
+                seq_length=job.cfg.seq_len,
+                micro_batch_size=job.micro_batch,
+                forward_only=False,
+            )
         if not self.job.optimizer.distributed:  # main_grad: reduced by finalize_model_grads
             for p in self.model.parameters():
                 if p.requires_grad:
@@ -193,6 +201,11 @@ class MegatronCoreRun:
             "spans": [],
             "skipped_iterations": self.skipped_iterations,
         }
+        if self.saved is not None:
+            from megatron_mllm.runtime.memory import model_state_bytes
+
+            out["memory"] = model_state_bytes(self.rank_model.modules, self.ddps, self.optimizer)
+            out["memory"]["activations"] = self.saved.peak
         if self.job.collect.params:
             from megatron_mllm.models.weights import param_shards
 

@@ -76,6 +76,8 @@ def assemble(
     state = [0.0] * plan.pp
     for s in range(plan.pp):
         blocks = [backbone[(s, v)] for v in range(plan.vpp)]
+        if s == 0 and job.backbone.vocab_size:
+            blocks.append(costs.embedding(plan.tp))
         wl.dp_s[(s, "AG", "bb")] = cm.dp_gather_s(sum(b.params for b in blocks), plan.dp)
         wl.dp_s[(s, "RS", "bb")] = cm.dp_reduce_scatter_s(
             sum(b.trainable_params for b in blocks), plan.dp

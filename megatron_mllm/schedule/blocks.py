@@ -135,7 +135,7 @@ class JobCosts:
             self.cm.head_kernels(spec, s, tp, False),
             self.cm.head_kernels(spec, s, tp, True),
             act,
-            2 * spec.vocab_size * spec.hidden_size / tp,
+            spec.vocab_size * spec.hidden_size / tp + 2 * spec.hidden_size,  # output, final norm
             {"backbone"},
         )
         return self._as_unit(block, spec.name, "head")
@@ -144,14 +144,14 @@ class JobCosts:
         """Patches -> encoder width (a replicated linear layer) on the first encoder stage."""
         spec = self.job.encoders[e]
         s, h = self.job.encoder_seq(spec), spec.hidden_size
-        patch_dim = 3 * 14 * 14
+        patch_dim = spec.patch_dim
         flops = 2 * self.job.micro_batch * s * patch_dim * h
         block = Block(
             f"e{e}.embed",
             [Kernel("embed", self.cm._flops_s(flops))],
             [] if self.job.frozen_encoders else [Kernel("embed_b", self.cm._flops_s(2 * flops))],
             0.0,
-            patch_dim * h + s * h,
+            patch_dim * h + h + s * h,  # weight, bias, position embeddings
             {"encoder", "frozen"} if self.job.frozen_encoders else {"encoder"},
         )
         return self._as_unit(block, spec.name, "embed")
@@ -185,7 +185,8 @@ class JobCosts:
                 self.cm.projector_kernels(spec, llm, s, tp, False),
                 self.cm.projector_kernels(spec, llm, s, tp, True),
                 2 * self.job.micro_batch * s * llm.hidden_size * 2 / tp,
-                (spec.hidden_size * llm.hidden_size + llm.hidden_size**2) / tp,
+                (spec.hidden_size * llm.hidden_size + llm.hidden_size**2 + llm.hidden_size) / tp
+                + llm.hidden_size,  # fc1 (column-parallel, bias split), fc2 (row, bias whole)
                 {"encoder"},
             ),
             spec.name,
@@ -202,6 +203,14 @@ class JobCosts:
         return [self.backbone_layer(tp) for _ in range(self.job.backbone.num_layers)] + [
             self.head(tp)
         ]
+
+    def embedding(self, tp: int) -> Block:
+        """The backbone's word embeddings on its first stage (vocabulary-parallel): memory and
+        DP traffic only; their time rides with the first layer."""
+        spec = self.job.backbone
+        return Block(
+            "embedding", [], [], 0.0, spec.vocab_size * spec.hidden_size / tp, {"backbone"}
+        )
 
     @staticmethod
     def fwd_bwd_seconds(block: Block) -> float:

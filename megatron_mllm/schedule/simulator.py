@@ -52,6 +52,7 @@ class SimResult:
     bubbles_s: dict[str, float]  # mean idle seconds per GPU group, by cause
     peak_memory_bytes: float
     bubbles_by_rank_s: list[dict[str, float]] = field(default_factory=list)  # mean over slots
+    activation_peaks: list[float] = field(default_factory=list)  # per rank: saved-activation peak
     spans: list[Span] = field(default_factory=list)
     action_times: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
     first_backbone_start: list[float] = field(default_factory=list)
@@ -242,7 +243,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
                 by_rank[r][cause] += seconds / slots
     groups = n * slots
     idle_total = sum(causes.values())
-    peak = 0.0
+    peak, activation_peaks = 0.0, []
     for r in range(n):
         level = [0.0] * slots
         top = 0.0
@@ -252,6 +253,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
             top = max(top, max(level))
         state = workload.state_bytes[r] if workload.state_bytes else 0.0
         peak = max(peak, state + top)
+        activation_peaks.append(top)
     f_start, b_end = {}, {}
     for (r, step), (a, b) in times.items():
         act = schedule.ranks[r][step]
@@ -266,6 +268,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
         bubbles_s={k: v / groups for k, v in causes.items()},
         bubbles_by_rank_s=by_rank,
         peak_memory_bytes=peak,
+        activation_peaks=activation_peaks,
         spans=spans,
         action_times=times,
         first_backbone_start=first_bb,

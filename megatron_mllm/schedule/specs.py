@@ -22,6 +22,7 @@ class TransformerSpec:
     causal: bool
     vocab_size: int = 0
     seq_len: int | None = None  # None: the run's --seq-len
+    patch_dim: int = 3 * 14 * 14  # encoders: values per image patch (channels x patch^2)
 
     @property
     def params_per_layer(self) -> int:
