@@ -40,6 +40,14 @@ def main() -> int:
     ap.add_argument(
         "--ddp-bucket-size", type=int, default=2_000_000, help="parameters per DDP bucket"
     )
+    ap.add_argument(
+        "--precision",
+        choices=["bf16", "fp32"],
+        default="bf16",
+        help="bf16: every run with bf16 parameters, megatron-core's distributed optimizer, "
+        "overlapped gradient reduce-scatter and parameter all-gather, fp32 gradient reduction "
+        "(as Megatron recipes run); fp32: replicated fp32 Adam, overlapped all-reduce",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--trace",
@@ -83,7 +91,10 @@ def main() -> int:
     cfg, plan, n, mb = BENCH, ParallelPlan(1, 1, 2), args.microbatches, args.micro_batch
     state = spawn(make_full_state, 1, cfg, 0)[0]
     # Both ranks profile at once: the unit times then carry the two-process contention.
-    measured = spawn(profile_units, plan.world_size, cfg, mb)[0]
+    import torch
+
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype)[0]
     costs = JobCosts(job_of(cfg, plan, mb, n), measured, unit="layer")
     even = megatron_schedule(costs, even_split=True)
     balanced = megatron_schedule(costs)
@@ -97,39 +108,48 @@ def main() -> int:
         "optimus_replanned": float("nan"),  # filled in from the run's own re-plan below
     }
     steps = args.steps + 1
-    # Our executor's DP reductions are megatron-core's DDP, overlapped as Megatron jobs run them
-    # (megatron-core's own schedule reduces after its backward, as its baseline here always has).
-    optim = OptimizerSettings(overlap_grad_reduce=True, ddp_bucket_size=args.ddp_bucket_size)
+    # Every run: megatron-core's DDP (overlapped, as Megatron jobs run it) and optimizer, the
+    # same settings for megatron-core's own 1F1B and for our executor.
+    bf16 = args.precision == "bf16"
+    optim = OptimizerSettings(
+        lr=1e-4,
+        clip_grad=1.0,
+        overlap_grad_reduce=True,
+        ddp_bucket_size=args.ddp_bucket_size,
+        distributed=bf16,
+        overlap_param_gather=bf16,
+        grad_reduce_in_fp32=True,
+    )
     common = dict(steps=steps, collect=Collect(grads=False), optimizer=optim)
     jobs = {
         "megatron_core_1f1b": RuntimeJob(
-            ModelParts(cfg, state),
+            ModelParts(cfg, state, bf16=bf16),
             PlanParts(plan),
             DataParts(mb, n),
             mode="megatron_core",
             **common,
         ),
         "balanced": RuntimeJob(
-            ModelParts(cfg, state),
+            ModelParts(cfg, state, bf16=bf16),
             PlanParts(plan, backbone_first_stage_layers=balanced[0].meta.backbone_layers[0]),
             DataParts(mb, n),
             mode="megatron_core",
             **common,
         ),
         "executor_megatron": RuntimeJob(
-            ModelParts(cfg, state),
+            ModelParts(cfg, state, bf16=bf16),
             PlanParts(plan, schedule=balanced[0]),
             DataParts(mb, n),
             **common,
         ),
         "optimus": RuntimeJob(
-            ModelParts(cfg, state),
+            ModelParts(cfg, state, bf16=bf16),
             PlanParts(plan, schedule=best.schedule),
             DataParts(mb, n),
             **common,
         ),
         "optimus_dynamic": RuntimeJob(
-            ModelParts(cfg, state),
+            ModelParts(cfg, state, bf16=bf16),
             PlanParts(plan, schedule=best.schedule),
             DataParts(mb, n),
             executor=ExecutorSettings(dynamic=True),
@@ -138,7 +158,7 @@ def main() -> int:
         # Re-planned after the warm-up step from this run's own measured unit times (both
         # ranks, under the contention they really see): balances the ranks on what they cost.
         "optimus_replanned": RuntimeJob(
-            ModelParts(cfg, state),
+            ModelParts(cfg, state, bf16=bf16),
             PlanParts(plan, schedule=best.schedule),
             DataParts(mb, n),
             executor=ExecutorSettings(replan_after=1),
@@ -146,7 +166,7 @@ def main() -> int:
         ),
     }
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
-    measured_s, spread, losses, outs = {}, {}, {}, {}
+    measured_s, spread, losses, outs, dp_share = {}, {}, {}, {}, {}
     for i, name in enumerate(jobs):
         out = [rank_results[i] for rank_results in per_rank]
         outs[name] = out
@@ -154,6 +174,19 @@ def main() -> int:
         measured_s[name] = statistics.median(per_step)
         spread[name] = (min(per_step), max(per_step))
         losses[name] = {k: v for o in out for k, v in o["losses"].items()}
+        dp_share[name] = statistics.median(  # the rank that waited longest, per step
+            max(o["dp_seconds"][s] / o["seconds"][s] for o in out) for s in range(1, steps)
+        )
+    memory = measure_memory(
+        jobs,
+        plan,
+        {
+            "megatron_core_1f1b": even,
+            "balanced": balanced,
+            "executor_megatron": balanced,
+            "optimus": (best.schedule, best.workload),
+        },
+    )
     if outs["optimus_replanned"][0]["replan_predicted_s"] is not None:
         predicted["optimus_replanned"] = outs["optimus_replanned"][0]["replan_predicted_s"]
     # The limit from the same measured steps as the medians: each step's compute on every rank.
@@ -188,6 +221,9 @@ def main() -> int:
         "predicted_error_optimus": (predicted["optimus"] - measured_s["optimus"])
         / measured_s["optimus"],
         "max_abs_loss_diff": diff,
+        "dp_unhidden_share": dp_share,
+        "memory": memory,
+        "precision": args.precision,
         "predicted_s": predicted,
         "step_range_s": spread,
         "encoder_plan": str(best.options.encoder_plan),
@@ -217,6 +253,22 @@ def main() -> int:
         )
     print(f"{'zero-bubble limit':<20}{limit:>9.3f}{'':>14}{base / limit:>9.2f}x")
     print(
+        "DP communication not hidden (share of the step, slowest rank): "
+        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in dp_share.items())
+    )
+    print(
+        f"{'memory per rank (MB)':<28}{'params':>8}{'grads':>8}{'optim':>8}{'acts':>8}"
+        f"{'total':>8}{'planned':>9}{'ratio':>7}"
+    )
+    for name, ranks in memory.items():
+        for r, m in enumerate(ranks):
+            print(
+                f"{name + ' r' + str(r):<28}"
+                + "".join(f"{m[k] / 1e6:>8.2f}" for k in ("params", "grads", "optimizer"))
+                + f"{m['activations'] / 1e6:>8.2f}{m['total'] / 1e6:>8.2f}"
+                f"{m['planned_total'] / 1e6:>9.2f}{m['total'] / m['planned_total']:>7.2f}"
+            )
+    print(
         f"like for like (same executor, same split): optimus vs executor_megatron "
         f"{result['optimus_vs_executor_megatron']:.2f}x; vs megatron-core 1F1B "
         f"{result['optimus_vs_megatron_core']:.2f}x; vs balanced "
@@ -224,6 +276,33 @@ def main() -> int:
         f"{result['optimus_over_limit']:.3f}; max |loss diff| {diff:.2e}"
     )
     return 0
+
+
+def measure_memory(jobs: dict, plan, planned: dict) -> dict:
+    """One more step of each run with memory measured (saved-tensor hooks slow a step, so not
+    in the timed ones), next to the planner's estimate for its schedule: per rank, bytes."""
+    from dataclasses import replace
+
+    from megatron_mllm.runtime.job import Collect
+    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.memory import planned_memory
+    from megatron_mllm.runtime.runs import run_interleaved
+
+    names = list(planned)
+    probes = [replace(jobs[n], steps=1, collect=Collect(grads=False, memory=True)) for n in names]
+    per_rank = spawn(run_interleaved, plan.world_size, probes, 1)
+    out = {}
+    for i, name in enumerate(names):
+        estimate = planned_memory(*planned[name])
+        out[name] = []
+        for r, ranks in enumerate(per_rank):
+            m = dict(ranks[i]["memory"])
+            m["total"] = sum(m[k] for k in ("params", "grads", "optimizer", "activations"))
+            m["planned_state"] = estimate[r]["state"]
+            m["planned_activations"] = estimate[r]["activations"]
+            m["planned_total"] = m["planned_state"] + m["planned_activations"]
+            out[name].append(m)
+    return out
 
 
 if __name__ == "__main__":

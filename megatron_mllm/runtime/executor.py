@@ -157,7 +157,9 @@ class Executor:
                 hook.remove()
         self.messages.drain()
         for key in sorted(self.grad_sync):  # one order on every rank (see data_parallel.py)
-            self.grad_sync[key].finish()
+            start = self.clock.mark()
+            self.grad_sync[key].finish()  # what of the reduction is not hidden: a DP span
+            self._span_later("dp", Action("RS", key=key), "dp", start, self.clock.mark())
         self._finish_step()
         return self.result
 

@@ -78,6 +78,7 @@ class ExecutorRun:
         ]
         self.history, self.seconds, self.grads, self.spans = [], [], None, []
         self.compute_seconds: list[float] = []  # per step: time this rank computed
+        self.dp_seconds: list[float] = []  # per step: time this rank waited for DP collectives
         self.skipped_iterations = 0  # steps whose gradient norm was NaN or Inf (not applied)
         self.unit_times: dict[tuple[str, str, str], list[float]] = {}
         self.replanned = None  # (schedule, workload, measured times) once re-planned
@@ -314,6 +315,7 @@ class ExecutorRun:
             self.unit_times.setdefault(key, []).extend(values)
         self.seconds.append(result.seconds)
         self.compute_seconds.append(busy_seconds(result.spans, "compute"))
+        self.dp_seconds.append(busy_seconds(result.spans, "dp"))  # DP waits not hidden
         self.spans = result.spans
         self.moved = result.moved
         self.overlapped, self.overlapped_in = result.overlapped, result.overlapped_in
@@ -373,6 +375,7 @@ class ExecutorRun:
             "spans": self.spans,
             "seconds": self.seconds,
             "compute_seconds": self.compute_seconds,
+            "dp_seconds": self.dp_seconds,
             "optimizers": [
                 type(o).__name__
                 for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])

@@ -118,6 +118,7 @@ class MegatronCoreRun:
         ]
         self.model = torch.nn.ModuleList(self.models)
         self.ddps = _wrap_in_ddp(self.models, job.optimizer)  # as Megatron trains
+        self._time_finalize()
         self.optimizer = _megatron_optimizer(self.ddps, job)
         self.dp_rank = ps.get_data_parallel_rank()
         self.last_grad_norm, self.skipped_iterations = float("nan"), 0
@@ -156,7 +157,8 @@ class MegatronCoreRun:
             ddp.zero_grad_buffer()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
-        clock = StepClock(device)
+        clock = self.clock = StepClock(device)
+        self._dp_marks: list = []
         iterators = [microbatches() for _ in self.models]  # every chunk reads its own copy
         tracking = self.saved.tracking() if self.saved is not None else contextlib.nullcontext()
         with tracking:
@@ -176,6 +178,7 @@ class MegatronCoreRun:
         end = clock.mark()
         clock.finish()
         self.seconds.append(clock.since_start(end))
+        self.dp_seconds.append(sum(clock.between(a, b) for a, b in self._dp_marks))
         losses = torch.stack([r["lm loss"] for r in reduced]).tolist() if reduced else []
         self.history.append({(self.dp_rank, m): v for m, v in enumerate(losses)})
         if step == 0 and not self.job.optimizer.distributed:  # (shards only under the DO)
@@ -189,6 +192,21 @@ class MegatronCoreRun:
                 self.skipped_iterations + (not applied),
             )
 
+    def _time_finalize(self) -> None:
+        """Mark megatron-core's finalize_model_grads (the DP reduction's wait at the end of
+        its schedule) so that its seconds are the step's unhidden DP time."""
+        config = self.ddps[0].config
+        finalize = config.finalize_model_grads_func
+
+        def timed(*args, **kwargs):
+            start = self.clock.mark()
+            out = finalize(*args, **kwargs)
+            self._dp_marks.append((start, self.clock.mark()))
+            return out
+
+        config.finalize_model_grads_func = timed
+        self.dp_seconds: list[float] = []
+
     def replan(self) -> bool:
         return False
 
@@ -198,6 +216,7 @@ class MegatronCoreRun:
             "history": self.history,
             "grads": self.grads,
             "seconds": self.seconds,
+            "dp_seconds": self.dp_seconds,  # per step: finalize_model_grads (unhidden DP)
             "spans": [],
             "skipped_iterations": self.skipped_iterations,
         }

@@ -42,10 +42,16 @@ def _fwd_bwd(unit, make_input, repeats: int, device: torch.device) -> tuple[floa
 
 
 def profile_units(
-    rank: int, world: int, cfg: MLLMConfig, micro_batch: int, repeats: int = 5
+    rank: int,
+    world: int,
+    cfg: MLLMConfig,
+    micro_batch: int,
+    repeats: int = 5,
+    dtype: torch.dtype = torch.float32,
 ) -> dict:
     """Run in fresh processes (see `launch.spawn`). With several ranks they all profile at once,
-    so the times include the contention a real multi-rank step sees on a shared machine."""
+    so the times include the contention a real multi-rank step sees on a shared machine.
+    `dtype`: the parameters' and activations' (bf16 runs profile in bf16)."""
     from megatron_mllm.data.synthetic import microbatch
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
@@ -60,13 +66,18 @@ def profile_units(
     plan = ParallelPlan(world, 1, 1)
     groups = build_colocated_groups(plan, plan, world, rank)
     model = build_rank_model(
-        cfg, BackbonePlacement(groups.backbone), EncoderPlacement(groups.encoder), device
+        cfg,
+        BackbonePlacement(groups.backbone),
+        EncoderPlacement(groups.encoder),
+        device,
+        dtype=dtype,
     )
     enc, bb = model.encoders[0], model.backbone
-    images, text = (t.to(device) for t in microbatch(cfg, 0, micro_batch))
+    images, text = microbatch(cfg, 0, micro_batch)[:2]
+    images, text = images.to(device, dtype), text.to(device)
     b = micro_batch
-    vit_h = torch.randn(cfg.encoder_seq_len, b, cfg.vit_hidden, device=device)
-    llm_h = torch.randn(cfg.seq_len, b, cfg.llm_hidden, device=device)
+    vit_h = torch.randn(cfg.encoder_seq_len, b, cfg.vit_hidden, device=device, dtype=dtype)
+    llm_h = torch.randn(cfg.seq_len, b, cfg.llm_hidden, device=device, dtype=dtype)
 
     def leaf(t):
         return lambda: t.detach().requires_grad_()
