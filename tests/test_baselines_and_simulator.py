@@ -101,3 +101,27 @@ def test_megatron_split_uses_first_and_last_knobs_only(layers, pp, first_extra):
     assert len(set(sizes[1:-1])) <= 1  # the middle stages are even
     if first_extra > 0:
         assert sizes[0] <= sizes[-1] or pp == 2
+
+
+def test_bucketed_reduce_scatter_overlaps_the_last_backward():
+    """A part's RS in K buckets starts when the first 1/K of its last backward is done and
+    ends 1/K of its time after that backward (when the DP stream keeps up); one bucket waits
+    for the whole backward."""
+    meta = ScheduleMeta(pp=1, vpp=1, num_microbatches=2)
+    acts = [AG("bb"), *backbone_actions(0, backbone_orders(meta)[0]), RS("bb")]
+    sched = add_transfers(meta, [acts])
+    validate(sched)
+
+    def run(buckets: int, rs: float) -> float:
+        wl = Workload(
+            backbone_fwd={(0, 0): [Kernel("f", 1.0)]},
+            backbone_bwd={(0, 0): [Kernel("b", 2.0)]},
+            dp_s={(0, "RS", "bb"): rs},
+            dp_buckets={(0, "bb"): buckets},
+        )
+        return simulate(sched, wl).step_time_s
+
+    compute = 2 * (1.0 + 2.0)
+    assert run(1, 0.4) == pytest.approx(compute + 0.4)
+    assert run(4, 0.4) == pytest.approx(compute + 0.1)  # 0.1 s per bucket, each in time
+    assert run(4, 8.0) == pytest.approx(compute - 2.0 + 0.5 + 8.0)  # the DP stream limits

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from megatron_mllm.parallel.plans import ParallelPlan
@@ -82,6 +83,7 @@ def assemble(
         wl.dp_s[(s, "RS", "bb")] = cm.dp_reduce_scatter_s(
             sum(b.trainable_params for b in blocks), plan.dp
         )
+        wl.dp_buckets[(s, "bb")] = buckets(sum(b.trainable_params for b in blocks), plan.dp, job)
         state[s] += sum(state_bytes(b, plan.dp) for b in blocks)
     for e, lay in enumerate(encoders):
         seq = job.encoder_seq(job.encoders[e])
@@ -95,11 +97,19 @@ def assemble(
                 wl.dp_s[(r, "RS", part_name(e))] = cm.dp_reduce_scatter_s(
                     block.trainable_params, lay.plan.dp
                 )
+                wl.dp_buckets[(r, part_name(e))] = buckets(block.trainable_params, lay.plan.dp, job)
                 state[r] += state_bytes(block, lay.plan.dp)
     for r, extra in (state_blocks or {}).items():
         state[r] += sum(state_bytes(b, dp) for b, dp in extra)
     wl.state_bytes = state
     return meta, wl
+
+
+def buckets(params: float, dp: int, job) -> int:
+    """megatron-core DDP's gradient buckets for `params` on one GPU: its bucket size, by
+    default max(40M, 1M x DP) parameters (DistributedDataParallel.__init__, 0.16.1)."""
+    size = job.ddp_bucket_size or max(40_000_000, 1_000_000 * dp)
+    return max(1, math.ceil(params / size))
 
 
 def stages_from_sizes(

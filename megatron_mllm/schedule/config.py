@@ -67,6 +67,7 @@ class MLLMJob:
     sequence_parallel: bool = True
     encoder_seq_len: int | None = None
     recompute: Recompute = NO_RECOMPUTE
+    ddp_bucket_size: int | None = None  # parameters per DDP bucket; None: megatron-core's
 
     def __post_init__(self) -> None:
         self.validate()

@@ -19,6 +19,7 @@ import numpy as np
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.dataflow import Dataflow
+from megatron_mllm.schedule.keys import part_encoder
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.validator import backbone_groups
 from megatron_mllm.schedule.workload import Workload
@@ -100,6 +101,34 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
 
     def ready(r: int, keys: list[str]) -> float:
         return max((avail[r][k] for k in keys), default=0.0)
+
+    def dp_times(r: int, step: int, a: Action, needs: list[str]) -> tuple[float, float]:
+        """Start and end of a DP action. A reduce-scatter in K buckets: bucket k is ready
+        when the part's last backward on this rank is k/K done; the buckets go one after
+        another on the DP stream, each taking 1/K of the time."""
+        seconds = workload.dp_s.get((r, a.kind, a.key), 0.0)
+        done = ready(r, needs)
+        k = workload.dp_buckets.get((r, a.key), 1) if a.kind == "RS" else 1
+        last = last_backward(r, step, a.key) if k > 1 else None
+        if last is None:
+            t0 = max(cursor[r], dpfree[r], done)
+            return t0, t0 + seconds
+        begin, end = last
+        t = start = max(dpfree[r], begin + (end - begin) / k)
+        for j in range(1, k + 1):
+            t = max(t, begin + j * (end - begin) / k) + seconds / k
+        return start, t
+
+    def last_backward(r: int, step: int, part: str) -> tuple[float, float] | None:
+        """(start, end) of the latest-ending backward of `part` before `step` on rank r."""
+        e = part_encoder(part)
+        spans_of = [
+            times[(r, i)]
+            for i, b in enumerate(schedule.ranks[r][:step])
+            if (r, i) in times
+            and ((e is None and b.kind == "B") or (b.kind == "EB" and b.enc == e))
+        ]
+        return max(spans_of, key=lambda t: t[1], default=None)
 
     def run_encoder(r: int, step: int, a: Action, not_before: float) -> float:
         """Run one encoder chunk; return when its compute stream part ends."""
@@ -205,8 +234,8 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
                     times[(r, group[-1])] = (arrival[a.key], arrival[a.key])
                 else:  # AG / RS on the rank's data-parallel stream
                     needs = flow.rs_needs(r, acts, a.key) if a.kind == "RS" else []
-                    t0 = max(cursor[r], dpfree[r], ready(r, needs))
-                    t1 = dpfree[r] = t0 + workload.dp_s.get((r, a.kind, a.key), 0.0)
+                    t0, t1 = dp_times(r, group[-1], a, needs)
+                    dpfree[r] = t1
                     for key in flow.makes(a):
                         avail[r][key] = t1
                     span(r, None, "dp", a, "", t0, t1, "dp")

@@ -23,6 +23,9 @@ class Workload:
     encoder_bwd: list[list[list[Kernel]]] = field(default_factory=list)
     transfer_s: dict[str, float] = field(default_factory=dict)  # by TensorKey.cost_name
     dp_s: dict[tuple[int, str, str], float] = field(default_factory=dict)  # (rank, AG|RS, part)
+    # (rank, part) -> DDP gradient buckets: each is reduced once the part's last backward has
+    # produced its share (megatron-core's overlapped reduction); absent: one bucket
+    dp_buckets: dict[tuple[int, str], int] = field(default_factory=dict)
     backbone_act_bytes: dict[tuple[int, int], float] = field(default_factory=dict)
     encoder_act_bytes: list[list[float]] = field(default_factory=list)  # [enc][stage]
     state_bytes: list[float] = field(default_factory=list)  # model states per GPU, per rank
