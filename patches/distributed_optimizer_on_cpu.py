@@ -37,8 +37,8 @@ _ORIGINAL_TYPE = torch.Tensor.type
 
 def _cuda_name_type(tensor, dtype=None, non_blocking=False, **kwargs):
     if dtype is None and not kwargs and tensor.device.type == "cpu":
-        name = _ORIGINAL_TYPE(tensor)
-        return "torch.cuda." + name[len("torch.") :]
+        name = _ORIGINAL_TYPE(tensor)  # under a TorchFunctionMode this comes back through us
+        return name if name.startswith("torch.cuda.") else "torch.cuda." + name[len("torch.") :]
     if dtype is None and not kwargs:
         return _ORIGINAL_TYPE(tensor)
     return _ORIGINAL_TYPE(tensor, dtype, non_blocking, **kwargs)

@@ -297,7 +297,7 @@ def test_ordered_p2p_without_tags_agrees(reference, layout, tmp_path):
     [
         pytest.param("megatron", None, "layer", marks=pytest.mark.slow),
         ("optimus", None, "layer"),
-        ("optimus", None, "kernel"),  # the projector's two halves train as units of their own
+        ("optimus", ParallelPlan(2, 1, 1), "kernel"),  # the projector halves: units of their own
         pytest.param("optimus", ParallelPlan(1, 1, 2), "layer", marks=pytest.mark.slow),
     ],
 )
