@@ -4,7 +4,8 @@ no CUDA.
 TARGET: megatron/core/pipeline_parallel/schedules.py:596, 983, 2138 (the token counter of every
         forward_backward_* function); megatron/core/optimizer/optimizer.py:473, 481, 485, 907
         (loss-scale and overflow buffers, FP32Optimizer._scale); optimizer/clip_grads.py:90, 103,
-        115, 174, 207 (norm and zero-count buffers).
+        115, 174, 207 (norm and zero-count buffers); optimizer/grad_scaler.py:15, 88, 91, 94
+        (the fp16 loss scaler's scale, minimum, growth and backoff factors).
 CHECKED_ON: megatron-core 0.16.1, torch 2.13.0 (CPU build).
 WHY: these are plain scalars and buffers; "cuda" is hard-coded. Each target module gets a `torch`
 whose tensor factories map device="cuda" to the CPU; everything else is torch itself.
@@ -22,6 +23,7 @@ MODULES = (
     "megatron.core.pipeline_parallel.schedules",
     "megatron.core.optimizer.optimizer",
     "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.grad_scaler",
 )
 
 

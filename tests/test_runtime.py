@@ -570,12 +570,13 @@ def test_distributed_optimizer_equals_the_replicated_one(layout):
     )
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 def test_megatron_core_baseline_trains_as_our_executor(precision):
     """megatron-core's 1F1B with its own DDP (overlapped reduction), distributed optimizer and
     optimizer step (upstream's clipping and gather) against our executor on the Megatron
     schedule with the same settings, in the same processes: the same losses over three steps
-    and the same parameters after them (also in bf16: the same operations in the same order)."""
+    and the same parameters after them (also in bf16 and fp16 with its dynamic loss scale: the
+    same operations in the same order)."""
     plan = ParallelPlan(1, 1, 2)
     state = spawn(make_full_state, 1, TINY, 0)[0]
     schedule = runtime_schedule(TINY, plan, 1, N, "megatron")
@@ -585,10 +586,11 @@ def test_megatron_core_baseline_trains_as_our_executor(precision):
         overlap_grad_reduce=True,
         ddp_bucket_size=20_000,
         grad_reduce_in_fp32=True,
+        initial_loss_scale=2.0**12,  # fp16: one loss scale, megatron-core's and ours
     )
     jobs = [
         RuntimeJob(
-            ModelParts(TINY, state, bf16=precision == "bf16"),
+            ModelParts(TINY, state, precision=precision),
             PlanParts(plan, schedule if mode == "executor" else None),
             DataParts(1, N),
             mode=mode,
@@ -629,7 +631,7 @@ def test_measured_memory_against_the_planner():
     state = spawn(make_full_state, 1, TINY, 0)[0]
     schedule, workload = runtime_plan(TINY, plan, 1, N, "optimus")
     job = RuntimeJob(
-        ModelParts(TINY, state, bf16=True),
+        ModelParts(TINY, state, precision="bf16"),
         PlanParts(plan, schedule),
         DataParts(1, N),
         steps=1,
@@ -681,7 +683,7 @@ def test_bf16_trains_close_to_fp32(layout):
     state, ref = reference_of(TINY, **train)
     schedule = runtime_schedule(TINY, plan, 1, N, "optimus", encoder_plan=forced)
     job = RuntimeJob(
-        ModelParts(TINY, state, bf16=True),
+        ModelParts(TINY, state, precision="bf16"),
         PlanParts(plan, schedule),
         DataParts(1, N),
         steps=3,

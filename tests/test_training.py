@@ -109,12 +109,15 @@ def test_distributed_optimizer_resumes_bit_exactly_and_reshards(tmp_path):
         )
 
 
-def test_bf16_distributed_optimizer_resumes_bit_exactly(tmp_path):
-    """bf16 with the distributed optimizer and overlapped parameter gathering on PP=2: the
-    checkpoint holds the fp32 main parameters and moments (current, though the model's copies
-    await the next step's gather); a resumed run writes the same tensors bit for bit."""
+@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+def test_low_precision_distributed_optimizer_resumes_bit_exactly(tmp_path, precision):
+    """bf16 (fp16, with its loss scale) with the distributed optimizer and overlapped parameter
+    gathering on PP=2: the checkpoint holds the fp32 main parameters, moments and the loss
+    scaler (current, though the model's copies await the next step's gather); a resumed run
+    writes the same tensors bit for bit."""
     args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "4"]
-    args += ["--bf16", "--use-distributed-optimizer", "--overlap-param-gather"]
+    args += [precision, "--use-distributed-optimizer", "--overlap-param-gather"]
+    args += ["--initial-loss-scale", "4096"]
     straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "2")
     assert straight.returncode == 0, straight.stderr[-2000:]
     ref = losses(straight.stdout)
@@ -123,6 +126,17 @@ def test_bf16_distributed_optimizer_resumes_bit_exactly(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert losses(resumed.stdout) == {i: ref[i] for i in (3, 4)}
     assert_same_checkpoint(tmp_path / "a" / "iter_0000004", tmp_path / "b" / "iter_0000004")
+    if precision == "--fp16":
+        assert "loss scale: 4096.0 |" in straight.stdout and "loss scale" in resumed.stdout
+        assert got_scales(straight.stdout)[4] == got_scales(resumed.stdout)[4]
+
+
+def got_scales(stdout: str) -> dict[int, float]:
+    """Iteration -> loss scale, from Megatron's log lines (fp16)."""
+    return {
+        int(m[1]): float(m[2])
+        for m in re.finditer(r"iteration\s+(\d+)/\s*\d+ \|.*?loss scale: ([0-9.]+) \|", stdout)
+    }
 
 
 def test_resume_is_bit_identical_and_reshards(tmp_path):
@@ -282,7 +296,8 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--ddp-bucket-size", "0"], "--ddp-bucket-size 0: give a positive count"),
         (["--bf16"], "add --use-distributed-optimizer"),
         (["--bf16", "--fp16"], "--bf16 and --fp16 both given"),
-        (["--fp16"], "--fp16 (loss scaling over two plans' optimizers) is not supported yet"),
+        (["--fp16"], "--fp16 keeps its fp32 main parameters in the distributed optimizer"),
+        (["--initial-loss-scale", "0"], "--initial-loss-scale 0.0: give a positive"),
         (["--overlap-param-gather"], "--overlap-param-gather needs --use-distributed-optimizer"),
         (["--use-distributed-optimizer", "--optimizer", "sgd"], "cannot be sharded"),
         (["--recompute-method", "uniform"], "--recompute-method needs --recompute-granularity"),

@@ -123,33 +123,33 @@ def main() -> int:
     common = dict(steps=steps, collect=Collect(grads=False), optimizer=optim)
     jobs = {
         "megatron_core_1f1b": RuntimeJob(
-            ModelParts(cfg, state, bf16=bf16),
+            ModelParts(cfg, state, precision=args.precision),
             PlanParts(plan),
             DataParts(mb, n),
             mode="megatron_core",
             **common,
         ),
         "balanced": RuntimeJob(
-            ModelParts(cfg, state, bf16=bf16),
+            ModelParts(cfg, state, precision=args.precision),
             PlanParts(plan, backbone_first_stage_layers=balanced[0].meta.backbone_layers[0]),
             DataParts(mb, n),
             mode="megatron_core",
             **common,
         ),
         "executor_megatron": RuntimeJob(
-            ModelParts(cfg, state, bf16=bf16),
+            ModelParts(cfg, state, precision=args.precision),
             PlanParts(plan, schedule=balanced[0]),
             DataParts(mb, n),
             **common,
         ),
         "optimus": RuntimeJob(
-            ModelParts(cfg, state, bf16=bf16),
+            ModelParts(cfg, state, precision=args.precision),
             PlanParts(plan, schedule=best.schedule),
             DataParts(mb, n),
             **common,
         ),
         "optimus_dynamic": RuntimeJob(
-            ModelParts(cfg, state, bf16=bf16),
+            ModelParts(cfg, state, precision=args.precision),
             PlanParts(plan, schedule=best.schedule),
             DataParts(mb, n),
             executor=ExecutorSettings(dynamic=True),
@@ -158,7 +158,7 @@ def main() -> int:
         # Re-planned after the warm-up step from this run's own measured unit times (both
         # ranks, under the contention they really see): balances the ranks on what they cost.
         "optimus_replanned": RuntimeJob(
-            ModelParts(cfg, state, bf16=bf16),
+            ModelParts(cfg, state, precision=args.precision),
             PlanParts(plan, schedule=best.schedule),
             DataParts(mb, n),
             executor=ExecutorSettings(replan_after=1),

@@ -87,6 +87,7 @@ class Executor:
         recv_lookahead: int = RECV_LOOKAHEAD,
         max_encoder_ahead: int = MAX_ENCODER_AHEAD,
         grad_sync: dict | None = None,
+        loss_scale: torch.Tensor | None = None,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
@@ -123,6 +124,7 @@ class Executor:
         self.overlap_fills = overlap_fills
         # Each part's DP gradient reduction (data_parallel.PartGradSync by part: "bb", "e0", ...).
         self.grad_sync = grad_sync or {}
+        self.loss_scale = loss_scale  # fp16: the loss is scaled before its backward (a tensor)
         self.flow = Dataflow(meta, [])  # what each action reads (needs use no assignment)
         self._planned = planned_bubbles(program)
         self._collectives: dict[tuple[str, int, int], int] = {}  # counted TP waits per action
@@ -476,7 +478,8 @@ class Executor:
         v = meta.virtual_index(a.stage, a.chunk)
         inputs, out = self.bb_ctx.pop((a.stage, a.chunk, a.mb))
         if v == meta.num_virtual_stages - 1:
-            (out / meta.num_microbatches).backward()
+            loss = out / meta.num_microbatches
+            (loss * self.loss_scale if self.loss_scale is not None else loss).backward()
         else:
             out.backward(self._take(self._needs(a)[0]))
         if v > 0:

@@ -129,6 +129,7 @@ class ExecutorRun:
                 dtype,
                 min_lr=opt.min_lr,
                 overlap_param_gather=opt.overlap_param_gather,
+                initial_loss_scale=opt.initial_loss_scale,
             )
         return build_optimizer(self.rank_model.modules, opt.lr)
 
@@ -304,6 +305,7 @@ class ExecutorRun:
             overlap_fills=job.executor.overlap_tp_fills and self.enc_tp == 1,
             max_encoder_ahead=job.executor.max_encoder_ahead,
             grad_sync=self.grad_sync,
+            loss_scale=self._loss_scale_tensor(),
         )
         if job.faults.fail_rank == self.rank:
             executor.run_step()
@@ -355,6 +357,25 @@ class ExecutorRun:
         from megatron_mllm.schedule.simulator import simulate
 
         return simulate(self.replanned[0], self.replanned[1]).step_time_s
+
+    def _loss_scale_tensor(self) -> torch.Tensor | None:
+        """fp16: megatron-core's current loss scale (on the device; not read here)."""
+        if self.optimizer is None or self.job.model.precision != "fp16":
+            return None
+        return self.optimizer.get_loss_scale()
+
+    @property
+    def grad_scaler(self):
+        """fp16: megatron-core's dynamic loss scaler (one for every part), else None."""
+        if self.optimizer is None or self.job.model.precision != "fp16":
+            return None
+        return self.optimizer.chained_optimizers[0].grad_scaler
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale for the log line (fp16 only; reads the device)."""
+        scale = self._loss_scale_tensor()
+        return None if scale is None else float(scale)
 
     def sync_params(self) -> None:
         """Every parameter current (with overlapped gathering the last step's update is

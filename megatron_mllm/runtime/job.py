@@ -14,6 +14,8 @@ from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.config import Recompute
 from megatron_mllm.schedule.schedule import Schedule
 
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass(frozen=True)
 class ModelParts:
@@ -23,12 +25,13 @@ class ModelParts:
     cfg: MLLMConfig
     weights: dict[str, torch.Tensor] | str
     frozen_encoder: bool = False
-    bf16: bool = False  # parameters, activations and messages in bf16; fp32 main params
+    precision: str = "fp32"  # fp32, bf16 or fp16 (parameters, activations, messages; fp32 main
+    # parameters in the distributed optimizer; fp16 with megatron-core's dynamic loss scaling)
     recompute: Recompute = Recompute()  # activation recomputation (Megatron's --recompute-*)
 
     @property
     def dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.bf16 else torch.float32
+        return PRECISIONS[self.precision]
 
 
 @dataclass(frozen=True)
@@ -67,6 +70,7 @@ class OptimizerSettings:
     ddp_bucket_size: int | None = None  # parameters per DDP bucket (megatron-core's default)
     overlap_param_gather: bool = False  # the AG action starts the all-gather, first use waits
     grad_reduce_in_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32 (else: param dtype)
+    initial_loss_scale: float = 2.0**32  # fp16: the dynamic loss scale's start (Megatron's)
 
 
 @dataclass(frozen=True)
@@ -191,18 +195,23 @@ def check_job(job: RuntimeJob, world: int) -> None:
         raise ConfigError(
             f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
         )
-    if job.model.bf16 and (job.mode == "reference" or not job.optimizer.distributed):
+    low = job.model.precision != "fp32"
+    if job.model.precision not in PRECISIONS:
+        raise ConfigError(f"precision {job.model.precision!r}: use one of {', '.join(PRECISIONS)}")
+    if low and (job.mode == "reference" or not job.optimizer.distributed):
         raise ConfigError(
-            "bf16 runs with the distributed optimizer for now (its fp32 main parameters; not in "
-            "the one-process reference); add --use-distributed-optimizer"
+            f"{job.model.precision} runs with the distributed optimizer for now (its fp32 main "
+            "parameters; not in the one-process reference); add --use-distributed-optimizer"
         )
     if job.optimizer.overlap_param_gather and not job.optimizer.distributed:
         raise ConfigError(
             "overlapped parameter all-gather needs the distributed optimizer (without it the "
             "parameters are never sharded); add --use-distributed-optimizer"
         )
-    if job.model.bf16 and job.data.coreset is not None:
-        raise ConfigError("coreset selection runs in fp32 for now; drop bf16 or the coreset")
+    if low and job.data.coreset is not None:
+        raise ConfigError(
+            f"coreset selection runs in fp32 for now; drop {job.model.precision} or the coreset"
+        )
     if job.mode == "megatron_core" and job.cfg.num_encoders > 1:
         raise ConfigError("the megatron-core baseline runs one encoder; use the executor")
     if job.mode != "executor":

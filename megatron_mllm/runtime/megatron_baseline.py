@@ -286,5 +286,9 @@ def _megatron_optimizer(ddps: list, job):
         opt.min_lr,
         opt.distributed,
         opt.overlap_param_gather,
+        opt.initial_loss_scale,
     )
-    return get_megatron_optimizer(config, ddps, use_gloo_process_groups=False)
+    optimizer = get_megatron_optimizer(config, ddps, use_gloo_process_groups=False)
+    if config.fp16:  # the schedule scales each loss before its backward, as Megatron's loop
+        ddps[0].config.grad_scale_func = optimizer.scale_loss
+    return optimizer

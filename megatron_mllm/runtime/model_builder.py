@@ -139,9 +139,10 @@ def _precision(dtype: torch.dtype) -> dict:
     """TransformerConfig fields for the parameter and pipeline dtype."""
     if dtype == torch.float32:
         return {}
-    if dtype != torch.bfloat16:
-        raise ValueError(f"dtype {dtype}: use torch.float32 or torch.bfloat16")
-    return dict(bf16=True, params_dtype=dtype, pipeline_dtype=dtype)
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype {dtype}: use torch.float32, torch.bfloat16 or torch.float16")
+    half = "bf16" if dtype == torch.bfloat16 else "fp16"
+    return {half: True, "params_dtype": dtype, "pipeline_dtype": dtype}
 
 
 def solo_groups(group=None):

@@ -19,8 +19,10 @@ def _adam_config(
     min_lr: float = 0.0,
     distributed: bool = False,
     overlap_param_gather: bool = False,
+    initial_loss_scale: float = 2.0**32,
 ):
-    """megatron-core's OptimizerConfig for Adam in `dtype` (bf16: fp32 main parameters)."""
+    """megatron-core's OptimizerConfig for Adam in `dtype` (bf16 and fp16: fp32 main
+    parameters; fp16: a dynamic loss scale starting at `initial_loss_scale`)."""
     from megatron.core.optimizer import OptimizerConfig
 
     return OptimizerConfig(
@@ -30,7 +32,8 @@ def _adam_config(
         weight_decay=weight_decay,
         clip_grad=clip_grad,
         bf16=dtype == torch.bfloat16,
-        fp16=False,
+        fp16=dtype == torch.float16,  # megatron-core's dynamic loss scaler
+        initial_loss_scale=initial_loss_scale,
         params_dtype=dtype,
         use_distributed_optimizer=distributed,
         overlap_param_gather=overlap_param_gather,
@@ -114,7 +117,9 @@ def step_megatron_optimizer(optimizer) -> tuple[bool, float]:
     (prepare the main grads, the norm, clipping by it, the update and parameter all-gather)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
-    if optimizer.prepare_grads():  # an overflow found by a loss scaler
+    scaler = optimizer.chained_optimizers[0].grad_scaler if optimizer.chained_optimizers else None
+    overflow = _prepare_fp16(optimizer, scaler) if scaler else optimizer.prepare_grads()
+    if overflow:  # an fp16 overflow: the loss scale backs off, the step is skipped
         return False, float("nan")
     norm = float(optimizer.get_grad_norm())
     if not math.isfinite(norm):
@@ -126,6 +131,36 @@ def step_megatron_optimizer(optimizer) -> tuple[bool, float]:
     return bool(optimizer.step_with_ready_grads()), norm
 
 
+def grad_scaler_state(scaler) -> dict:
+    """A dynamic loss scaler's state for a checkpoint (tensors on the CPU)."""
+    return {k: v.cpu() if torch.is_tensor(v) else v for k, v in scaler.state_dict().items()}
+
+
+def load_grad_scaler_state(scaler, state: dict) -> None:
+    """What megatron-core's DynamicGradScaler.load_state_dict sets, on the scaler's own device
+    (upstream moves the scale with `.cuda()`, which a CPU rank cannot)."""
+    scaler._scale = state["scale"].to(scaler.scale.device)
+    scaler._growth_tracker = state["growth_tracker"]
+    scaler._hysteresis_tracker = state["hysteresis_tracker"]
+
+
+def _prepare_fp16(optimizer, scaler) -> bool:
+    """fp16: every sub-optimizer's main gradients unscaled by the one shared loss scale, one
+    overflow check over the whole world (every rank, whatever parts it holds, runs it once) and
+    one update of the scale (megatron-core's MixedPrecisionOptimizer.prepare_grads, per
+    sub-optimizer, would update a shared scaler once per part and check per part)."""
+    found = torch.zeros(1, dtype=torch.float32, device=scaler.scale.device)
+    for sub in optimizer.chained_optimizers:
+        sub._copy_model_grads_to_main_grads()
+        grads = sub._collect_main_grad_data_for_unscaling()
+        if grads:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, scaler.inv_scale)
+    dist.all_reduce(found, op=dist.ReduceOp.MAX)
+    overflow = bool(found.item() > 0)
+    scaler.update(overflow)
+    return overflow
+
+
 def build_distributed_optimizer(
     parts: dict,
     names: list[str],
@@ -135,6 +170,7 @@ def build_distributed_optimizer(
     weight_decay: float = 0.0,
     min_lr: float = 0.0,
     overlap_param_gather: bool = False,
+    initial_loss_scale: float = 2.0**32,
 ):
     """megatron-core's DistributedOptimizer (Adam) over DDP-wrapped parts (data_parallel's
     PartGradSync by name), one per part's DP group, chained: the optimizer state is sharded over
@@ -146,7 +182,9 @@ def build_distributed_optimizer(
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer.optimizer import ChainedOptimizer
 
-    config = _adam_config(lr, weight_decay, clip_grad, dtype, min_lr, True, overlap_param_gather)
+    config = _adam_config(
+        lr, weight_decay, clip_grad, dtype, min_lr, True, overlap_param_gather, initial_loss_scale
+    )
     chained = []
     for name in names:
         part = parts.get(name)
@@ -157,6 +195,8 @@ def build_distributed_optimizer(
             config, part.ddps, use_gloo_process_groups=False, pg_collection=part.pg
         )
         chained += built.chained_optimizers
+    for sub in chained[1:]:  # fp16: one loss scale for the whole model (see `_prepare_fp16`)
+        sub.grad_scaler = chained[0].grad_scaler
     return ChainedOptimizer(chained)
 
 

@@ -181,7 +181,14 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--fp16",
         action="store_true",
-        help="fp16 with loss scaling: not supported yet (refused); use --bf16",
+        help="fp16 parameters and activations with megatron-core's dynamic loss scaling (one "
+        "scale for both plans' optimizers); needs --use-distributed-optimizer",
+    )
+    g.add_argument(
+        "--initial-loss-scale",
+        type=float,
+        default=2.0**32,
+        help="fp16: the dynamic loss scale's first value (Megatron's default 2^32)",
     )
     g.add_argument(
         "--recompute-granularity",
@@ -336,9 +343,19 @@ def _check_precision_and_recompute(args: argparse.Namespace) -> None:
     rules), one line each."""
     if args.bf16 and args.fp16:
         raise ConfigError("--bf16 and --fp16 both given; choose one precision")
-    if args.fp16:
+    if (args.bf16 or args.fp16) and not args.use_distributed_optimizer:
+        half = "--bf16" if args.bf16 else "--fp16"
         raise ConfigError(
-            "--fp16 (loss scaling over two plans' optimizers) is not supported yet; use --bf16"
+            f"{half} keeps its fp32 main parameters in the distributed optimizer for now; add "
+            "--use-distributed-optimizer"
+        )
+    if (args.bf16 or args.fp16) and args.coreset_pool_ratio is not None:
+        raise ConfigError(
+            "coreset selection runs in fp32 for now; drop --bf16/--fp16 or the coreset"
+        )
+    if not args.initial_loss_scale > 0 or args.initial_loss_scale == float("inf"):
+        raise ConfigError(
+            f"--initial-loss-scale {args.initial_loss_scale}: give a positive finite number"
         )
     if args.overlap_param_gather and not args.use_distributed_optimizer:
         raise ConfigError(
@@ -412,13 +429,6 @@ def validate_args(args: argparse.Namespace) -> None:
     for spec in args.extra_encoder:
         parse_encoder_spec(spec)
     _check_precision_and_recompute(args)
-    if args.bf16 and not args.use_distributed_optimizer:
-        raise ConfigError(
-            "--bf16 keeps its fp32 main parameters in the distributed optimizer for now; add "
-            "--use-distributed-optimizer"
-        )
-    if args.bf16 and args.coreset_pool_ratio is not None:
-        raise ConfigError("coreset selection runs in fp32 for now; drop --bf16 or the coreset")
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ConfigError(f"--ddp-bucket-size {args.ddp_bucket_size}: give a positive count")
     dp = world // (tp * pp)

@@ -244,7 +244,7 @@ def training_summary(args) -> str:
     if args.recompute_granularity == "full":
         rc += f" ({args.recompute_method}, {args.recompute_num_layers})"
     return (
-        f"{'bf16' if args.bf16 else 'fp32'}, {opt}"
+        f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, {opt}"
         + (f", overlapped {' and '.join(overlap)}" if overlap else "")
         + f"; {rc} backbone recomputation"
         + ("; encoder recomputed" if args.recompute_vision else "")
@@ -267,14 +267,18 @@ def log_line(
     grad_norm: float,
     skipped: int = 0,
     nan: int = 0,
+    loss_scale: float | None = None,
 ) -> str:
     """Megatron's iteration line; `skipped` / `nan`: iterations since the last line whose step
-    was not applied (non-finite gradient norm) / whose loss was NaN or Inf."""
+    was not applied (non-finite gradient norm, fp16 overflow) / whose loss was NaN or Inf;
+    `loss_scale`: fp16's current loss scale."""
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    scale = f"loss scale: {loss_scale:.1f} | " if loss_scale is not None else ""
     return (
         f" [{now}] iteration {it:8d}/{total:8d} | consumed samples: {consumed:12d} | "
         f"elapsed time per iteration (ms): {ms:.1f} | learning rate: {lr:.6E} | "
-        f"global batch size: {gbs:5d} | lm loss: {loss:.6E} | grad norm: {grad_norm:.3f} | "
+        f"global batch size: {gbs:5d} | lm loss: {loss:.6E} | {scale}"
+        f"grad norm: {grad_norm:.3f} | "
         f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} |"
     )
 
@@ -370,7 +374,7 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
             cfg,
             state,
             frozen_encoder=args.freeze_ViT,
-            bf16=args.bf16,
+            precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             recompute=recompute_of(args),
         ),
         PlanParts(
@@ -393,6 +397,7 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
             ddp_bucket_size=args.ddp_bucket_size,
             overlap_param_gather=args.overlap_param_gather,
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
+            initial_loss_scale=args.initial_loss_scale,
         ),
         collect=Collect(grads=False),
         executor=ExecutorSettings(overlap_tp_fills=args.overlap_tp_fills),
@@ -435,6 +440,9 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
         decay,
         "constant",
     )
+    from megatron_mllm.runtime.optimizer import grad_scaler_state, load_grad_scaler_state
+
+    grad_scaler = run.grad_scaler
     c = run.groups.coords
     enc_tp = c.tp if run.stage0 else c.enc_tp
     enc_replica = (
@@ -455,6 +463,7 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
         common = {
             "iteration": iteration,
             "scheduler": scheduler.state_dict(),
+            "grad_scaler": grad_scaler_state(grad_scaler) if grad_scaler is not None else None,
             "consumed_samples": iteration * args.global_batch_size,
             "args": _saved_args(args),
         }
@@ -489,6 +498,8 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
                 checkpointing.restore_rng_state(common["objects"]["rng_state"])
             start = common["iteration"]
             scheduler.load_state_dict(common["scheduler"])
+            if grad_scaler is not None and common.get("grad_scaler") is not None:
+                load_grad_scaler_state(grad_scaler, common["grad_scaler"])  # fp16: the loss scale
             what = "iteration " + str(start) + ("" if same_layout else ", resharded; fresh RNG")
         if rank == 0:
             print(f" loaded checkpoint from {args.load}: {what}", flush=True)
@@ -526,6 +537,7 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
                     run.last_grad_norm,
                     skipped,
                     nan,
+                    run.loss_scale,
                 ),
                 flush=True,
             )
