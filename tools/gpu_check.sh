@@ -92,7 +92,7 @@ if ((${#todo[@]})); then
 fi
 ln -sfn "$REPO/patches" "$SCRATCH/megatron_mllm_patches"
 export PYTHONPATH="$REPO:$SCRATCH${PYTHONPATH:+:$PYTHONPATH}"
-export PYTHONUNBUFFERED=1 MEGATRON_MLLM_GPU_CHECK=1
+export PYTHONUNBUFFERED=1 MEGATRON_MLLM_GPU_CHECK=1 GPU_CHECK_OUT="$OUT"
 if [[ -z "${GPU_CHECK_ALL:-}" ]]; then
 	export MEGATRON_MLLM_DESELECT_OVER_GPUS=1
 fi

@@ -415,6 +415,8 @@ class ExecutorRun:
             ddps = [d for sync in self.grad_sync.values() for d in sync.ddps]
             out["memory"] = model_state_bytes(self.rank_model.modules, ddps, self.optimizer)
             out["memory"]["activations"] = self.saved.peak
+            if self.device.type == "cuda":  # what the allocator really held at its peak
+                out["memory"]["device_peak"] = torch.cuda.max_memory_allocated(self.device)
         if self.job.collect.params:
             from megatron_mllm.models.weights import param_shards
 
