@@ -646,6 +646,23 @@ def test_measured_memory_against_the_planner():
         assert planned["activations"] < got["activations"] < 1.6 * planned["activations"]
 
 
+def test_transformer_engine_layers_are_refused_where_te_does_not_import():
+    """The thin Transformer Engine path (megatron-core's TE layer specs) needs TE: without it,
+    one clear line before anything is built."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformer_engine") is not None:
+        pytest.skip("Transformer Engine is installed here")
+    plan = ParallelPlan(1, 1, 2)
+    job = RuntimeJob(
+        ModelParts(TINY, {}, transformer_impl="transformer_engine"),
+        PlanParts(plan, runtime_schedule(TINY, plan, 1, N, "megatron")),
+        DataParts(1, N),
+    )
+    with pytest.raises(ConfigError, match="need Transformer Engine, which is not installed"):
+        check_job(job, plan.world_size)
+
+
 RECOMPUTE = {  # name: (recomputation, mode, schedule)
     "full-uniform+vision": (Recompute("full", "uniform", 1, vision=True), "executor", "optimus"),
     "full-block": (Recompute("full", "block", 1), "executor", "megatron"),

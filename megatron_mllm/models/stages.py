@@ -24,11 +24,15 @@ from megatron_mllm.models.loss import vocab_parallel_cross_entropy
 from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 
 
-def _vit_layer_spec():
-    from megatron.core.models.vision.vit_layer_specs import get_vit_layer_with_local_spec
+def _vit_layer_spec(impl: str = "local"):
+    """megatron-core's ViT layer spec (local, or Transformer Engine's), bidirectional."""
+    from megatron.core.models.vision import vit_layer_specs
     from megatron.core.transformer.enums import AttnMaskType
 
-    spec = copy.deepcopy(get_vit_layer_with_local_spec())
+    if impl == "transformer_engine":
+        spec = copy.deepcopy(vit_layer_specs.get_vit_layer_with_transformer_engine_spec())
+    else:
+        spec = copy.deepcopy(vit_layer_specs.get_vit_layer_with_local_spec())
     spec.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.no_mask
     return spec
 
@@ -96,9 +100,12 @@ class EncoderStage(nn.Module):
         kernel_units: bool = False,
         index: int = 0,
         recompute_layers: bool = False,
+        transformer_impl: str = "local",
         **config_overrides,
     ) -> None:
         super().__init__()
+        if transformer_impl != "local" and kernel_units:  # TE fuses ln1 into the QKV GEMM
+            raise ValueError("kernel-sized encoder units are cut from megatron-core's local layers")
         if recompute_layers and kernel_units:
             raise ValueError("encoder recomputation works on layer units, not kernel units")
         self.kernel_units, self.index = kernel_units, index
@@ -123,7 +130,7 @@ class EncoderStage(nn.Module):
                 self.pre_layernorm = nn.LayerNorm(cfg.vit_hidden, eps=cfg.vit_norm_eps)
         self.block = TransformerBlock(
             config,
-            _vit_layer_spec(),
+            _vit_layer_spec(transformer_impl),
             post_layer_norm=self.last and cfg.vit_final_norm,
             pre_process=self.first,
             post_process=self.last,
@@ -263,10 +270,11 @@ class BackboneStage(nn.Module):
         pp: int,
         vp_stage: int | None = None,
         sequence_parallel: bool = False,
+        transformer_impl: str = "local",
         **config_overrides,
     ) -> None:
         super().__init__()
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+        from megatron.core.models.gpt import gpt_layer_specs
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         assert cfg.llm_normalization in ("LayerNorm", "RMSNorm")
@@ -278,7 +286,11 @@ class BackboneStage(nn.Module):
         config = transformer_config(cfg, "llm", tp, pp, **config_overrides)
         self.gpt = GPTModel(
             config,
-            get_gpt_layer_local_spec(normalization=cfg.llm_normalization),
+            gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+                normalization=cfg.llm_normalization
+            )
+            if transformer_impl == "transformer_engine"
+            else gpt_layer_specs.get_gpt_layer_local_spec(normalization=cfg.llm_normalization),
             cfg.vocab_size,
             cfg.seq_len,
             pre_process=pre_process,

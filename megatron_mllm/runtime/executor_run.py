@@ -52,6 +52,7 @@ class ExecutorRun:
             job.model.frozen_encoder,
             job.model.dtype,
             job.model.recompute,
+            job.model.transformer_impl,
         )
         self.chunks, self.encoders = self.rank_model.chunks, self.rank_model.encoders
         self.backbone = self.rank_model.backbone

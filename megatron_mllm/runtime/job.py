@@ -28,6 +28,7 @@ class ModelParts:
     precision: str = "fp32"  # fp32, bf16 or fp16 (parameters, activations, messages; fp32 main
     # parameters in the distributed optimizer; fp16 with megatron-core's dynamic loss scaling)
     recompute: Recompute = Recompute()  # activation recomputation (Megatron's --recompute-*)
+    transformer_impl: str = "local"  # megatron-core's layer specs: local, or transformer_engine
 
     @property
     def dtype(self) -> torch.dtype:
@@ -195,6 +196,19 @@ def check_job(job: RuntimeJob, world: int) -> None:
         raise ConfigError(
             f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
         )
+    if job.model.transformer_impl == "transformer_engine":
+        import importlib.util
+
+        if importlib.util.find_spec("transformer_engine") is None:
+            raise ConfigError(
+                "transformer_engine layers need Transformer Engine, which is not installed "
+                "here; use the local layers"
+            )
+        if job.plans.encoder_units == "kernel":
+            raise ConfigError(
+                "kernel-sized encoder units are cut from megatron-core's local layers; use layer "
+                "units with transformer_engine"
+            )
     low = job.model.precision != "fp32"
     if job.model.precision not in PRECISIONS:
         raise ConfigError(f"precision {job.model.precision!r}: use one of {', '.join(PRECISIONS)}")

@@ -109,6 +109,7 @@ class MegatronCoreRun:
             job.model.frozen_encoder,
             job.model.dtype,
             job.model.recompute,
+            job.model.transformer_impl,
         )
         self.chunks = self.rank_model.chunks
         self.backbone = self.rank_model.backbone  # the one holding the loss on the last stage

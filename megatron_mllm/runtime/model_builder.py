@@ -76,11 +76,14 @@ def build_rank_model(
     frozen_encoder: bool = False,
     dtype: torch.dtype = torch.float32,
     recompute: Recompute = NO_RECOMPUTE,
+    transformer_impl: str = "local",
 ) -> RankModel:
     """Build, place and load this rank's modules (`encoder` None: the rank holds no encoder;
     `full_state` None: keep the seed's initial weights). `dtype` bfloat16: parameters and
     activations in bf16 (megatron-core's bf16 configs; the canonical weights are cast);
-    `recompute`: activation recomputation (see models.config.Recompute)."""
+    `recompute`: activation recomputation (see schedule.config.Recompute); `transformer_impl`:
+    megatron-core's local layer specs, or Transformer Engine's (where it imports; thin, untested
+    here: TE is on neither machine)."""
     from megatron_mllm.models.weights import load_full_state
 
     precision = _precision(dtype)
@@ -97,6 +100,7 @@ def build_rank_model(
                 e.kernel_units,
                 index=i,
                 recompute_layers=recompute.vision,
+                transformer_impl=transformer_impl,
                 **precision,
             )
             for i in range(cfg.num_encoders)
@@ -115,6 +119,7 @@ def build_rank_model(
             b.pp,
             vp_stage=v if b.vpp > 1 else None,
             sequence_parallel=b.sequence_parallel,
+            transformer_impl=transformer_impl,
             **overrides,
         )
         for v in range(b.vpp)

@@ -395,10 +395,11 @@ def _check_precision_and_recompute(args: argparse.Namespace) -> None:
                 "--transformer-impl transformer_engine: Transformer Engine is not installed "
                 "here; install it or use --transformer-impl local"
             )
-        raise ConfigError(
-            "--transformer-impl transformer_engine is not wired into our stages yet (their "
-            "kernel-sized units are cut from the local layers); use --transformer-impl local"
-        )
+        if args.fill_granularity == "kernel":
+            raise ConfigError(
+                "--transformer-impl transformer_engine fuses the norm into the QKV GEMM; kernel "
+                "units are cut from the local layers: use --fill-granularity layer"
+            )
 
 
 def validate_args(args: argparse.Namespace) -> None:

@@ -376,6 +376,7 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
             frozen_encoder=args.freeze_ViT,
             precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
             recompute=recompute_of(args),
+            transformer_impl=args.transformer_impl,
         ),
         PlanParts(
             plan, schedule=schedule, encoder_units=units, sequence_parallel=args.sequence_parallel
