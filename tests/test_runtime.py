@@ -570,7 +570,9 @@ def test_distributed_optimizer_equals_the_replicated_one(layout):
     )
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    "precision", [pytest.param("fp32", marks=pytest.mark.slow), "bf16", "fp16"]
+)
 def test_megatron_core_baseline_trains_as_our_executor(precision):
     """megatron-core's 1F1B with its own DDP (overlapped reduction), distributed optimizer and
     optimizer step (upstream's clipping and gather) against our executor on the Megatron
@@ -670,7 +672,9 @@ RECOMPUTE = {  # name: (recomputation, mode, schedule)
 }
 
 
-@pytest.mark.parametrize("name", list(RECOMPUTE))
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=pytest.mark.slow) if n == "full-block" else n for n in RECOMPUTE]
+)
 def test_recomputation_keeps_losses_and_gradients(reference, name):
     """Activation recomputation (megatron-core's in the backbone's TransformerBlock, ours per
     encoder layer unit) on PP=2, planned with it: the reference's losses and gradients."""

@@ -80,6 +80,7 @@ def assert_close_checkpoint(a, b, atol: float) -> None:
             assert torch.allclose(tensor, y[name], atol=atol, rtol=0), name
 
 
+@pytest.mark.slow  # four torchrun jobs; the bit-exact bf16 resume below runs in make test
 def test_distributed_optimizer_resumes_bit_exactly_and_reshards(tmp_path):
     """--use-distributed-optimizer at DP=2 saves its sharded state; a resume at DP=2 writes the
     same tensors bit for bit; the checkpoint loads at DP=1 (distributed optimizer) and on a PP=2
@@ -109,7 +110,7 @@ def test_distributed_optimizer_resumes_bit_exactly_and_reshards(tmp_path):
         )
 
 
-@pytest.mark.parametrize("precision", ["--bf16", "--fp16"])
+@pytest.mark.parametrize("precision", ["--bf16", pytest.param("--fp16", marks=pytest.mark.slow)])
 def test_low_precision_distributed_optimizer_resumes_bit_exactly(tmp_path, precision):
     """bf16 (fp16, with its loss scale) with the distributed optimizer and overlapped parameter
     gathering on PP=2: the checkpoint holds the fp32 main parameters, moments and the loss
