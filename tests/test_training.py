@@ -80,12 +80,9 @@ def assert_close_checkpoint(a, b, atol: float) -> None:
             assert torch.allclose(tensor, y[name], atol=atol, rtol=0), name
 
 
-@pytest.mark.slow  # four torchrun jobs; the bit-exact bf16 resume below runs in make test
-def test_distributed_optimizer_resumes_bit_exactly_and_reshards(tmp_path):
-    """--use-distributed-optimizer at DP=2 saves its sharded state; a resume at DP=2 writes the
-    same tensors bit for bit; the checkpoint loads at DP=1 (distributed optimizer) and on a PP=2
-    backbone without it, and both write the same iteration-4 tensors within rounding."""
-    args = [*COMMON, "--train-iters", "4", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+def resumed_at_2_is_bit_exact(tmp_path, args: list[str]):
+    """Four iterations saved at 2 and 4 in `a`; resumed from 2 into `b`: the same losses and
+    the same iteration-4 tensors. Returns (straight run, resumed run, straight losses)."""
     straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "2")
     assert straight.returncode == 0, straight.stderr[-2000:]
     ref = losses(straight.stdout)
@@ -94,6 +91,16 @@ def test_distributed_optimizer_resumes_bit_exactly_and_reshards(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert losses(resumed.stdout) == {i: ref[i] for i in (3, 4)}
     assert_same_checkpoint(tmp_path / "a" / "iter_0000004", tmp_path / "b" / "iter_0000004")
+    return straight, resumed, ref
+
+
+@pytest.mark.slow  # four torchrun jobs; the bit-exact bf16 resume below runs in make test
+def test_distributed_optimizer_resumes_bit_exactly_and_reshards(tmp_path):
+    """--use-distributed-optimizer at DP=2 saves its sharded state; a resume at DP=2 writes the
+    same tensors bit for bit; the checkpoint loads at DP=1 (distributed optimizer) and on a PP=2
+    backbone without it, and both write the same iteration-4 tensors within rounding."""
+    args = [*COMMON, "--train-iters", "4", "--use-distributed-optimizer", "--overlap-grad-reduce"]
+    straight, resumed, ref = resumed_at_2_is_bit_exact(tmp_path, args)
     for name, extra, nproc in (
         ("dp1", ["--use-distributed-optimizer"], 1),
         ("pp2", ["--pipeline-model-parallel-size", "2"], 2),
@@ -119,14 +126,7 @@ def test_low_precision_distributed_optimizer_resumes_bit_exactly(tmp_path, preci
     args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "4"]
     args += [precision, "--use-distributed-optimizer", "--overlap-param-gather"]
     args += ["--initial-loss-scale", "4096"]
-    straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "2")
-    assert straight.returncode == 0, straight.stderr[-2000:]
-    ref = losses(straight.stdout)
-    (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = torchrun(*args, "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))
-    assert resumed.returncode == 0, resumed.stderr[-2000:]
-    assert losses(resumed.stdout) == {i: ref[i] for i in (3, 4)}
-    assert_same_checkpoint(tmp_path / "a" / "iter_0000004", tmp_path / "b" / "iter_0000004")
+    straight, resumed, ref = resumed_at_2_is_bit_exact(tmp_path, args)
     if precision == "--fp16":
         assert "loss scale: 4096.0 |" in straight.stdout and "loss scale" in resumed.stdout
         assert got_scales(straight.stdout)[4] == got_scales(resumed.stdout)[4]
