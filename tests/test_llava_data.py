@@ -1,0 +1,87 @@
+"""LLaVA-format records (data/llava.py): the placeholder rule, multi-image and text-only
+samples, and one clear line for each kind of bad record, image or file."""
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from megatron_mllm.data.llava import IMAGE, parse_record, read_records
+from megatron_mllm.errors import ConfigError
+
+
+def turns(*values, roles=("human", "gpt")):
+    return [{"from": r, "value": v} for r, v in zip(roles, values, strict=True)]
+
+
+def test_fewer_placeholders_go_before_the_first_human_turn():
+    raw = {"id": "a", "image": ["x.png", "y.jpg"], "conversations": turns("Which is larger?", "7")}
+    rec = parse_record(raw, 0)
+    assert rec.images == ("x.png", "y.jpg")
+    assert rec.turns[0] == ("human", f"{IMAGE}\n{IMAGE}\nWhich is larger?")
+    system_first = [{"from": "system", "value": "Be brief."}, *turns("What digit?", "3")]
+    rec = parse_record({"id": "b", "image": "x.png", "conversations": system_first}, 1)
+    assert rec.turns[0] == ("system", "Be brief.") and rec.turns[1][1].startswith(IMAGE)
+
+
+def test_equal_placeholders_stay_where_the_text_puts_them():
+    raw = {"id": "c", "image": ["x.png", "y.png"],
+           "conversations": turns(f"Left {IMAGE} right {IMAGE}: which?", "left")}  # fmt: skip
+    assert parse_record(raw, 0).turns[0][1] == f"Left {IMAGE} right {IMAGE}: which?"
+
+
+def test_text_only_records_have_no_images():
+    rec = parse_record({"conversations": turns("2 + 3?", "5")}, 4)
+    assert rec.id == "#4" and rec.images == () and IMAGE not in rec.turns[0][1]
+
+
+@pytest.mark.parametrize(
+    "raw, message",
+    [
+        ({"id": "m", "image": "x.png", "conversations": turns(f"{IMAGE}{IMAGE}", "?")},
+         "record m: 2 <image> placeholders but 1 image(s)"),
+        ({"id": "n"}, "record n: no 'conversations'"),
+        ({"id": "r", "conversations": [{"from": "bot", "value": "hi"}]},
+         "record r: a turn from 'bot'"),
+        ({"id": "i", "image": 3, "conversations": turns("a", "b")},
+         "record i: 'image' must be a file name"),
+        ({"id": "h", "image": "x.png", "conversations": turns("a", roles=("gpt",))},
+         "record h: images without a human turn"),
+    ],
+)  # fmt: skip
+def test_bad_records_fail_in_one_line(raw, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parse_record(raw, 0)
+
+
+def test_files_and_images_are_checked_and_named(tmp_path):
+    folder = tmp_path / "images"
+    folder.mkdir()
+    Image.fromarray(np.zeros((37, 53, 3), np.uint8)).save(folder / "ok.png")
+    Image.fromarray(np.full((8, 300, 3), 255, np.uint8)).save(folder / "wide.jpg")
+    (folder / "broken.jpg").write_bytes(b"\xff\xd8 not a jpeg")
+    records = [{"id": "1", "image": ["ok.png", "wide.jpg"], "conversations": turns("?", "1")},
+               {"id": "2", "conversations": turns("1 + 1?", "2")}]  # fmt: skip
+    good = tmp_path / "data.json"
+    good.write_text(json.dumps(records))
+    assert [r.id for r in read_records(good, folder)] == ["1", "2"]
+    lines = tmp_path / "data.jsonl"
+    lines.write_text("\n".join(json.dumps(r) for r in records) + "\n")
+    assert len(read_records(lines)) == 2
+    for image, why in (("gone.png", "does not exist"), ("broken.jpg", "does not decode")):
+        bad = tmp_path / f"bad_{why[:4]}.json"
+        bad.write_text(json.dumps([{"id": "z", "image": image, "conversations": turns("?", "!")}]))
+        with pytest.raises(ConfigError, match=f"record z: image .*{image} {why}"):
+            read_records(bad, folder)
+    for content, why in (("{}", "expected a list of records"), ("[1, 2]", "expected a list"),
+                         ("[{", "not JSON")):  # fmt: skip
+        path = tmp_path / "x.json"
+        path.write_text(content)
+        with pytest.raises(ConfigError, match=why):
+            read_records(path)
+    (tmp_path / "bin.json").write_bytes(b"\x89PNG\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8 text"):
+        read_records(tmp_path / "bin.json")
+    with pytest.raises(ConfigError, match="is a directory"):
+        read_records(folder)
