@@ -85,3 +85,28 @@ def test_files_and_images_are_checked_and_named(tmp_path):
         read_records(tmp_path / "bin.json")
     with pytest.raises(ConfigError, match="is a directory"):
         read_records(folder)
+
+
+def test_the_tiny_llava_digits_set(tmp_path):
+    """tools/make_llava_digits.py's data: every source, zero to two images a record, PNG and
+    JPEG of several sizes, answers that match the pictures, and no overwriting."""
+    from megatron_mllm.data.llava_digits import SOURCES, write_llava_digits
+
+    path = write_llava_digits(tmp_path / "d", n=40, seed=1)
+    raw = json.loads(path.read_text())
+    records = read_records(path, tmp_path / "d" / "images")
+    assert {r["source"] for r in raw} == set(SOURCES)
+    assert {len(r.images) for r in records} == {0, 1, 2}
+    files = list((tmp_path / "d" / "images").iterdir())
+    assert {f.suffix for f in files} == {".png", ".jpg"}
+    assert len({Image.open(f).size for f in files}) > 3
+    for r, rec in zip(raw, records, strict=True):
+        answer = rec.turns[1][1]
+        if r["source"] == "count":
+            (strip,) = rec.images
+            width, height = Image.open(tmp_path / "d" / "images" / strip).size
+            assert 1 <= int(answer) <= 4 and width >= int(answer) * 16
+        if r["source"] == "compare":
+            assert answer in ("first", "second")
+    with pytest.raises(ConfigError, match="is not an empty folder"):
+        write_llava_digits(tmp_path / "d", n=4)
