@@ -1,0 +1,73 @@
+"""Hugging Face tokenizers from a local directory (Megatron's `--tokenizer-type
+HuggingFaceTokenizer --tokenizer-model DIR`; nothing is downloaded), and the tiny one trained
+offline on the digits data set: byte-level BPE with an image token and a chat template.
+
+The plain template (for a tokenizer without one): each turn as "<role>: text</s>", the roles
+"system", "user" (LLaVA's human) and "assistant" (gpt).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from megatron_mllm.errors import ConfigError
+
+IMAGE_TOKEN = "<image>"
+SPECIALS = ("<pad>", "<s>", "</s>", IMAGE_TOKEN)
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def train_tiny_tokenizer(texts: list[str], out: str | Path, vocab_size: int = 512):
+    """Train byte-level BPE on `texts`, save it with the image token and the plain chat
+    template as a Hugging Face tokenizer directory; returns the loaded tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE(unk_token=None))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIALS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    bpe.train_from_iterator(texts, trainer)
+    tok = PreTrainedTokenizerFast(
+        tokenizer_object=bpe,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        additional_special_tokens=[IMAGE_TOKEN],
+    )
+    tok.chat_template = PLAIN_TEMPLATE
+    tok.save_pretrained(str(out))
+    return load_tokenizer(out)
+
+
+def load_tokenizer(path: str | Path, image_token: str | None = None):
+    """The tokenizer in a local directory, checked to have an image token (`image_token`, or
+    `<image>`); one line naming what is missing otherwise."""
+    from transformers import AutoTokenizer
+
+    p = Path(path)
+    if not p.is_dir():
+        raise ConfigError(f"--tokenizer-model {p}: not a directory (a Hugging Face tokenizer)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    except (OSError, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise ConfigError(f"--tokenizer-model {p}: no tokenizer there ({first})") from None
+    token = image_token or IMAGE_TOKEN
+    if token not in tok.get_vocab():
+        raise ConfigError(
+            f"--tokenizer-model {p}: no image token {token!r} in its vocabulary; give "
+            "--image-token with one it has"
+        )
+    if tok.chat_template is None:
+        tok.chat_template = PLAIN_TEMPLATE
+    tok.image_token = token
+    tok.image_token_id = tok.convert_tokens_to_ids(token)
+    return tok
