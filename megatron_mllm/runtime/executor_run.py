@@ -20,6 +20,7 @@ from megatron_mllm.runtime.model_builder import (
     EncoderPlacement,
     build_rank_model,
 )
+from megatron_mllm.runtime.optimizer import sub_optimizers
 
 
 class ExecutorRun:
@@ -361,9 +362,7 @@ class ExecutorRun:
 
     def _loss_scale_tensor(self) -> torch.Tensor | None:
         """fp16: megatron-core's current loss scale (on the device; not read here)."""
-        if self.optimizer is None or self.job.model.precision != "fp16":
-            return None
-        return self.optimizer.get_loss_scale()
+        return None if self.grad_scaler is None else self.grad_scaler.scale
 
     @property
     def grad_scaler(self):
@@ -398,10 +397,7 @@ class ExecutorRun:
             "seconds": self.seconds,
             "compute_seconds": self.compute_seconds,
             "dp_seconds": self.dp_seconds,
-            "optimizers": [
-                type(o).__name__
-                for o in getattr(self.optimizer, "chained_optimizers", [self.optimizer])
-            ],
+            "optimizers": [type(o).__name__ for o in sub_optimizers(self.optimizer)],
             # part -> (DDP buckets, per step: buckets already reducing when its RS action ran)
             "ddp": {k: (s.buckets, s.in_flight_at_rs) for k, s in self.grad_sync.items()},
             "skipped_iterations": self.skipped_iterations,

@@ -11,6 +11,11 @@ import torch
 import torch.distributed as dist
 
 
+def sub_optimizers(optimizer) -> list:
+    """A megatron-core optimizer's parts (a ChainedOptimizer's, or itself)."""
+    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
 def _adam_config(
     lr: float,
     weight_decay: float = 0.0,

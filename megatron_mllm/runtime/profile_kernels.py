@@ -12,11 +12,11 @@ unfused attention costs the same with the causal one).
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 
 import torch
 
+from megatron_mllm.runtime.profile_units import median_seconds
 from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 from megatron_mllm.schedule.specs import TransformerSpec
 
@@ -43,20 +43,6 @@ def shard_layer(spec: TransformerSpec, tp: int, dtype: torch.dtype, device, pg):
     return block.layers[0].to(device, dtype)
 
 
-def _median_seconds(fn, repeats: int, device) -> float:
-    from megatron_mllm.runtime.clock import StepClock
-
-    fn()  # warm-up
-    samples = []
-    for _ in range(repeats):
-        clock = StepClock(device)
-        fn()
-        end = clock.mark()
-        clock.finish()
-        samples.append(clock.since_start(end))
-    return statistics.median(samples)
-
-
 def kernel_times(
     spec: TransformerSpec,
     tp: int,
@@ -79,13 +65,13 @@ def kernel_times(
     for name, kernel in zip(FORWARD_KERNELS, kernels, strict=True):
         leaves = tuple(t.detach().requires_grad_() for t in state)
         with torch.no_grad():
-            out["forward"][name] = _median_seconds(lambda k=kernel, x=leaves: k(x), repeats, device)
+            out["forward"][name] = median_seconds(lambda k=kernel, x=leaves: k(x), repeats, device)
 
         def backward(k=kernel, x=leaves):
             ys = [y for y in k(x) if y.requires_grad]
             torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
 
-        total = _median_seconds(backward, repeats, device)
+        total = median_seconds(backward, repeats, device)
         out["backward"][name + "_b"] = max(total - out["forward"][name], 0.0)
         with torch.no_grad():
             state = kernel(leaves)

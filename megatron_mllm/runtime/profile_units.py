@@ -15,7 +15,8 @@ import torch
 from megatron_mllm.models.config import MLLMConfig
 
 
-def _time(fn, repeats: int, device: torch.device) -> float:
+def median_seconds(fn, repeats: int, device: torch.device) -> float:
+    """The median device time of `fn` over `repeats` runs after one warm-up (StepClock)."""
     from megatron_mllm.runtime.clock import StepClock
 
     fn()
@@ -37,8 +38,8 @@ def _fwd_bwd(unit, make_input, repeats: int, device: torch.device) -> tuple[floa
         y = unit(make_input())
         y.backward(torch.ones_like(y))
 
-    fwd = _time(forward, repeats, device)
-    return fwd, max(_time(both, repeats, device) - fwd, 0.0)
+    fwd = median_seconds(forward, repeats, device)
+    return fwd, max(median_seconds(both, repeats, device) - fwd, 0.0)
 
 
 def profile_units(

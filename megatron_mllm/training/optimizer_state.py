@@ -16,12 +16,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from megatron_mllm.runtime.optimizer import sub_optimizers
+
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def sub_optimizers(optimizer) -> list:
-    """A megatron-core optimizer's parts (a ChainedOptimizer's, or itself)."""
-    return list(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
 def _is_distributed(sub) -> bool:
