@@ -38,14 +38,15 @@ def _groups(rank: int, world: int, broken_dp: bool):
 
 
 def _batch(rank: int, world: int, step: int):
+    from megatron_mllm.data.batch import image_then_text
     from megatron_mllm.data.synthetic import microbatch
     from megatron_mllm.models.config import TINY
 
     index = step * world + rank  # a different micro-batch on each DP rank
-    _, text = microbatch(TINY, index, 1)
+    images, text = microbatch(TINY, index, 1)
     g = torch.Generator().manual_seed(1000 + index)  # fixed stand-in for the encoder's output
     image_embeds = torch.randn(TINY.image_tokens, 1, TINY.llm_hidden, generator=g)
-    return image_embeds, text
+    return image_embeds, image_then_text(images, text, TINY.image_tokens)
 
 
 def _train(
@@ -78,9 +79,9 @@ def _train(
 
         opt = build_optimizer([bb], LR)
         for step in range(STEPS):
-            image_embeds, text = _batch(rank, world, step)
+            image_embeds, batch = _batch(rank, world, step)
             opt.zero_grad()
-            loss = bb.loss(bb(None, bb.decoder_input([image_embeds], text)), text)
+            loss = bb.loss(bb(None, bb.decoder_input([image_embeds], batch)), batch)
             loss.backward()
             for p in bb.parameters():
                 dist.all_reduce(p.grad, group=pg.dp)
@@ -118,11 +119,11 @@ def _train(
             "DistributedOptimizer" if mode == "distributed" else "Float16OptimizerWithFloat16Params"
         }, kinds
         for step in range(STEPS):
-            image_embeds, text = _batch(rank, world, step)
+            image_embeds, batch = _batch(rank, world, step)
             model.zero_grad_buffer()
             opt.zero_grad()
-            decoder_input = bb.decoder_input([image_embeds.to(dtype)], text)
-            loss = bb.loss(model(None, decoder_input), text)
+            decoder_input = bb.decoder_input([image_embeds.to(dtype)], batch)
+            loss = bb.loss(model(None, decoder_input), batch)
             loss.backward()
             model.finish_grad_sync()
             ok, norm, _ = opt.step()

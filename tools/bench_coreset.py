@@ -124,6 +124,7 @@ def run_mllm(rank: int, world: int, args) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from megatron_mllm.data.batch import image_then_text
     from megatron_mllm.data.coreset import CoresetSelector
     from megatron_mllm.data.sampler import caption_replay_loss
     from megatron_mllm.data.webdataset import ImageCaptionShards, write_digit_shards
@@ -162,7 +163,8 @@ def run_mllm(rank: int, world: int, args) -> dict:
 
         def forward(self, idx):
             bb = self.backbone
-            return bb(None, bb.decoder_input([self.encoder(images[idx])], text[idx]))
+            batch = image_then_text(images[idx], text[idx], n)
+            return bb(None, bb.decoder_input([self.encoder(batch.images)], batch))
 
     def new_model(seed):
         torch.manual_seed(seed)

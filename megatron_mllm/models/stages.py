@@ -4,8 +4,8 @@
   TransformerLayers with bidirectional attention, final norm and megatron-core's
   MultimodalProjector (last stage). Its work is a list of *units* (patch embedding, each layer,
   norm + projector) that can run one at a time: the schedule's encoder "kernels" at layer size.
-* `BackboneStage`: a megatron-core GPTModel stage; stage 0 takes the image embeddings followed by
-  the text embeddings as its decoder input.
+* `BackboneStage`: a megatron-core GPTModel stage; stage 0's decoder input is the text
+  embeddings with the image embeddings where the micro-batch's image mask puts them.
 
 Tensors are sequence-first ([s, b, h]) like megatron-core. The same code builds a one-process
 model (TP = PP = 1) and any shard of it.
@@ -19,6 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from megatron_mllm.data.batch import IGNORE_INDEX, MicroBatch
 from megatron_mllm.models.config import MLLMConfig, transformer_config
 from megatron_mllm.models.loss import vocab_parallel_cross_entropy
 from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
@@ -257,7 +258,7 @@ class BackboneStage(nn.Module):
 
     With `sequence_parallel` (TP > 1) the stage's activations are [s/tp, b, h]: megatron-core's
     linear layers all-gather and reduce-scatter them, and stage 0 scatters its decoder input
-    after putting the image tokens in front of the (full, unscattered) text embeddings.
+    after putting the image tokens into the (full, unscattered) text embeddings.
     """
 
     def __init__(
@@ -312,17 +313,28 @@ class BackboneStage(nn.Module):
     def set_input_tensor(self, tensor) -> None:
         self.gpt.set_input_tensor(tensor)
 
-    def decoder_input(self, image_embeds: list[torch.Tensor], text: torch.Tensor) -> torch.Tensor:
-        """Stage 0: [image tokens of every encoder; text tokens] as [s, b, h] (this TP rank's
-        [s/tp, b, h] slice with sequence parallelism)."""
-        positions = torch.arange(text.shape[1], device=text.device).unsqueeze(0).expand_as(text)
-        words = self.gpt.embedding(input_ids=text, position_ids=positions)
-        tokens = torch.cat([*image_embeds, words], dim=0)
+    def decoder_input(self, image_embeds: list[torch.Tensor], batch: MicroBatch) -> torch.Tensor:
+        """Stage 0: the text embeddings with each image's tokens (every encoder's, in encoder
+        order) where `batch.image_mask` puts them, as [s, b, h] (this TP rank's [s/tp, b, h]
+        slice with sequence parallelism)."""
+        tokens = batch.tokens
+        positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+        words = self.gpt.embedding(input_ids=tokens, position_ids=positions)  # [s, b, h]
+        images = torch.cat(image_embeds, dim=0)  # [image tokens, n, h]
+        mask = batch.image_mask.t().unsqueeze(-1)
+        if images.shape[1] * images.shape[0] != int(batch.image_mask.sum()):
+            raise ValueError(
+                f"{images.shape[1]} images of {images.shape[0]} tokens for "
+                f"{int(batch.image_mask.sum())} image positions"
+            )
+        # Sample-major order: image k's tokens fill the k-th run of masked positions.
+        feats = images.transpose(0, 1).reshape(-1, images.shape[-1]).to(words.dtype)
+        x = words.transpose(0, 1).masked_scatter(mask.transpose(0, 1), feats).transpose(0, 1)
         if not self.sequence_parallel:
-            return tokens
+            return x
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
-        return scatter_to_sequence_parallel_region(tokens, group=self.pg.tp)
+        return scatter_to_sequence_parallel_region(x, group=self.pg.tp)
 
     def forward(self, hidden: torch.Tensor | None, decoder_input: torch.Tensor | None = None):
         """Non-first stages pass `hidden`; stage 0 passes `decoder_input`."""
@@ -332,8 +344,9 @@ class BackboneStage(nn.Module):
             input_ids=None, position_ids=None, attention_mask=self.mask, decoder_input=decoder_input
         )
 
-    def loss(self, logits: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss over the text tokens; `logits` is [b, s, vocab/tp]."""
-        n = self.cfg.image_tokens
-        pred = logits[:, n - 1 : n - 1 + text.shape[1]].float()  # the loss in fp32 under bf16
-        return vocab_parallel_cross_entropy(pred, text, self.pg.tp).mean()
+    def loss(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        """Mean next-token loss over the labelled positions; `logits` is [b, s, vocab/tp]."""
+        labelled = batch.labels != IGNORE_INDEX
+        pred = logits[labelled].float()  # the loss in fp32 under bf16
+        per_token = vocab_parallel_cross_entropy(pred, batch.labels[labelled], self.pg.tp)
+        return per_token.sum() / labelled.sum().clamp(min=1)

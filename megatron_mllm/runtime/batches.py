@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
+from megatron_mllm.data.batch import MicroBatch, image_then_text
 
 _DATASETS: dict[str, object] = {}
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # images [b, c, H, W], text tokens [b, t]
 
 
-def batches(job, step: int) -> Callable[..., Batch]:
+def batches(job, step: int) -> Callable[..., MicroBatch]:
     """`get(mb, dp=0)`: micro-batch `mb` of step `step` for DP replica `dp`, from
     `job.data.data_path` shards if given (read once per process), else synthetic. Tensors are on the
     CPU; each run mode moves them to its device."""
@@ -20,8 +19,10 @@ def batches(job, step: int) -> Callable[..., Batch]:
     b, n_mb, dp_size = job.micro_batch, job.num_microbatches, job.backbone.dp
     if not job.data.data_path:
 
-        def synthetic(mb: int, dp: int = 0) -> Batch:
-            return microbatch(job.cfg, (step * dp_size + dp) * n_mb + mb, b, job.data.seed)
+        def synthetic(mb: int, dp: int = 0) -> MicroBatch:
+            index = (step * dp_size + dp) * n_mb + mb
+            images, text = microbatch(job.cfg, index, b, job.data.seed)
+            return image_then_text(images, text, job.cfg.image_tokens)
 
         return synthetic
     from megatron_mllm.data.webdataset import ImageCaptionShards
@@ -30,9 +31,10 @@ def batches(job, step: int) -> Callable[..., Batch]:
         _DATASETS[job.data.data_path] = ImageCaptionShards(job.data.data_path)
     shards, cfg = _DATASETS[job.data.data_path], job.cfg
 
-    def from_disk(mb: int, dp: int = 0) -> Batch:
+    def from_disk(mb: int, dp: int = 0) -> MicroBatch:
         first = ((step * dp_size + dp) * n_mb + mb) * b
         ids = list(range(first, first + b))
-        return shards.batch(ids, cfg.image_size, cfg.channels, cfg.text_len, cfg.vocab_size)
+        images, text = shards.batch(ids, cfg.image_size, cfg.channels, cfg.text_len, cfg.vocab_size)
+        return image_then_text(images, text, cfg.image_tokens)
 
     return from_disk

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_mllm.data.batch import MicroBatch
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
 from megatron_mllm.runtime.clock import StepClock
@@ -77,7 +78,7 @@ class Executor:
         rank: int,
         backbone: list[BackboneStage],
         encoder: EncoderStage | None,
-        data: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+        data: Callable[[int], MicroBatch],
         micro_batch: int,
         timeout_s: float = 60.0,
         forward_only: bool = False,
@@ -438,14 +439,14 @@ class Executor:
             split = config.tensor_model_parallel_size if config.sequence_parallel else 1
             return (cfg.seq_len // split, b, cfg.llm_hidden)
         enc = cfg.encoder_config(k.enc)
+        images = self._batch(k.mb).num_images  # encoder messages carry the micro-batch's images
         if k.kind in ("eout", "egrad"):
-            return (enc.num_patches, b, cfg.llm_hidden)
-        return (enc.encoder_seq_len, b, enc.vit_hidden)
+            return (enc.num_patches, images, cfg.llm_hidden)
+        return (enc.encoder_seq_len, images, enc.vit_hidden)
 
-    def _batch(self, mb: int):
+    def _batch(self, mb: int) -> MicroBatch:
         if mb not in self._batches:
-            images, text = self.data(mb)
-            self._batches[mb] = (images.to(self.device, self.dtype), text.to(self.device))
+            self._batches[mb] = self.data(mb).to(self.device, self.dtype)
         return self._batches[mb]
 
     # -- backbone --------------------------------------------------------------------------
@@ -456,16 +457,14 @@ class Executor:
         # The encoders' outputs (first virtual stage) or the previous stage's activation.
         inputs = [self._take(k).detach().requires_grad_() for k in self._needs(a)]
         if v == 0:
-            _, text = self._batch(a.mb)
             first = self.chunks[a.chunk]
-            out = first(None, first.decoder_input(inputs, text))
+            out = first(None, first.decoder_input(inputs, self._batch(a.mb)))
         else:
             out = self.chunks[a.chunk](inputs[0])
         if last and self.forward_only:
             self.last_layer_inputs[a.mb] = self._captured.pop()
         elif last:
-            _, text = self._batch(a.mb)
-            out = self.backbone.loss(out, text)
+            out = self.backbone.loss(out, self._batch(a.mb))
             self._losses[a.mb] = out.detach()  # read at step end, after the one synchronize
         else:
             s, c = meta.stage_chunk(v + 1)
@@ -500,7 +499,7 @@ class Executor:
         self.result.max_encoder_live = live
         if a.k0 == 0:
             needs = self._needs(a)
-            state = (self._take(needs[0]) if needs else self._batch(a.mb)[0],)
+            state = (self._take(needs[0]) if needs else self._batch(a.mb).images,)
         else:
             state = units[-1][1]
         encoder, model = self.encoders[a.enc], self.cfg.encoder_name(a.enc)

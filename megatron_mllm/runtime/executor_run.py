@@ -239,6 +239,7 @@ class ExecutorRun:
         pipeline gets the chosen sample ids."""
         import torch.distributed as dist
 
+        from megatron_mllm.data.batch import image_then_text
         from megatron_mllm.data.sampler import broadcast_selection
         from megatron_mllm.data.synthetic import samples
         from megatron_mllm.parallel.groups import backbone_rank
@@ -250,7 +251,10 @@ class ExecutorRun:
         executor = self._executor(
             self.pool_program,
             job.data.pool_schedule.meta,
-            lambda m: samples(job.cfg, ids[m * mb : (m + 1) * mb], job.data.seed)[:2],
+            lambda m: image_then_text(
+                *samples(job.cfg, ids[m * mb : (m + 1) * mb], job.data.seed)[:2],
+                job.cfg.image_tokens,
+            ),
             forward_only=True,
             ordered=self.pool_ordered,
         )
@@ -291,12 +295,14 @@ class ExecutorRun:
             self.optimizer.zero_grad()
         data = batches(job, step)
         if self.selector is not None:
+            from megatron_mllm.data.batch import image_then_text
             from megatron_mllm.data.synthetic import samples
 
             chosen, mb = self.select(step), job.micro_batch
 
             def data(m, dp, chosen=chosen):  # noqa: ARG001 - every replica has its own pool
-                return samples(job.cfg, chosen[m * mb : (m + 1) * mb], job.data.seed)[:2]
+                images, text = samples(job.cfg, chosen[m * mb : (m + 1) * mb], job.data.seed)[:2]
+                return image_then_text(images, text, job.cfg.image_tokens)
 
         executor = self._executor(
             self.program,

@@ -38,10 +38,10 @@ class _Stage0Model(nn.Module):
         if not self.backbone.pre_process:
             self.backbone.set_input_tensor(tensor)
 
-    def forward(self, images, text):
+    def forward(self, batch):
         if self.backbone.pre_process:
-            embeds = self.encoder(images)
-            return self.backbone(None, self.backbone.decoder_input([embeds], text))
+            embeds = self.encoder(batch.images)
+            return self.backbone(None, self.backbone.decoder_input([embeds], batch))
         return self.backbone(self._input)
 
 
@@ -138,20 +138,19 @@ class MegatronCoreRun:
 
         job, backbone, device = self.job, self.backbone, self.device
 
-        def loss_func(text, logits):
-            loss = backbone.loss(logits, text)
+        def loss_func(batch, logits):
+            loss = backbone.loss(logits, batch)
             return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
 
         data = batches(job, step)
 
         def microbatches():  # built inside the timed step, as the executor builds its own
             for m in range(job.num_microbatches):
-                images, text = data(m, self.dp_rank)
-                yield images.to(device, job.model.dtype), text.to(device)
+                yield data(m, self.dp_rank).to(device, job.model.dtype)
 
         def forward_step(data_iterator, model):
-            images, text = next(data_iterator)
-            return model(images, text), partial(loss_func, text)
+            batch = next(data_iterator)
+            return model(batch), partial(loss_func, batch)
 
         self.rank_model.zero_grad()
         for ddp in self.ddps:

@@ -53,6 +53,7 @@ def profile_units(
     """Run in fresh processes (see `launch.spawn`). With several ranks they all profile at once,
     so the times include the contention a real multi-rank step sees on a shared machine.
     `dtype`: the parameters' and activations' (bf16 runs profile in bf16)."""
+    from megatron_mllm.data.batch import image_then_text
     from megatron_mllm.data.synthetic import microbatch
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
@@ -74,8 +75,9 @@ def profile_units(
         dtype=dtype,
     )
     enc, bb = model.encoders[0], model.backbone
-    images, text = microbatch(cfg, 0, micro_batch)[:2]
-    images, text = images.to(device, dtype), text.to(device)
+    batch = image_then_text(*microbatch(cfg, 0, micro_batch)[:2], cfg.image_tokens)
+    batch = batch.to(device, dtype)
+    images = batch.images
     b = micro_batch
     vit_h = torch.randn(cfg.encoder_seq_len, b, cfg.vit_hidden, device=device, dtype=dtype)
     llm_h = torch.randn(cfg.seq_len, b, cfg.llm_hidden, device=device, dtype=dtype)
@@ -94,7 +96,7 @@ def profile_units(
         ),
         ("llm", "head"): (
             lambda x: bb.loss(
-                bb.gpt.output_layer(bb.gpt.decoder.final_layernorm(x))[0].transpose(0, 1), text
+                bb.gpt.output_layer(bb.gpt.decoder.final_layernorm(x))[0].transpose(0, 1), batch
             ).reshape(1),
             leaf(llm_h),
         ),

@@ -48,10 +48,10 @@ class ReferenceRun:
         data, losses = batches(job, step), {}
         for dp in range(job.backbone.dp):
             for m in range(job.num_microbatches):
-                images, text = (t.to(self.device) for t in data(m, dp))
-                embeds = [encoder(images) for encoder in model.encoders]
-                out = model.backbone(None, model.backbone.decoder_input(embeds, text))
-                loss = model.backbone.loss(out, text)
+                batch = data(m, dp).to(self.device, torch.float32)
+                embeds = [encoder(batch.images) for encoder in model.encoders]
+                out = model.backbone(None, model.backbone.decoder_input(embeds, batch))
+                loss = model.backbone.loss(out, batch)
                 (loss / n).backward()
                 losses[(dp, m)] = loss.detach()
         self.history.append({k: float(v) for k, v in losses.items()})  # one read per step

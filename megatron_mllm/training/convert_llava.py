@@ -140,6 +140,7 @@ def checkpoint_logits(
     `load_dir` on [image tokens; `text`]; rank 0 returns the full [b, s, vocab] logits."""
     import torch.distributed as dist
 
+    from megatron_mllm.data.batch import image_then_text
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.bootstrap import init_rank
@@ -164,12 +165,13 @@ def checkpoint_logits(
         device,
     )
     encoder, backbone = model.encoders[0], model.backbone
-    images, text = images.to(device), text.to(device)
+    batch = image_then_text(images, text, cfg.image_tokens).to(device, torch.float32)
     checkpointing.load(
         load_dir, [(backbone, c.tp, tp, c.dp), (encoder, c.tp, tp, c.dp)], shapes, None
     )
     with torch.no_grad():
-        logits = backbone(None, backbone.decoder_input([encoder(images)], text)).contiguous()
+        decoder_input = backbone.decoder_input([encoder(batch.images)], batch)
+        logits = backbone(None, decoder_input).contiguous()
     pieces = [torch.empty_like(logits) for _ in range(tp)]
     dist.all_gather(pieces, logits, group=groups.backbone.tp)
     dist.barrier()

@@ -1,0 +1,85 @@
+"""What one micro-batch carries to the model, for every data source (synthetic, shards, LLaVA
+conversations): the images of its samples however many (zero, one or several per sample), the
+token ids with the image positions marked, and the labels.
+
+`labels[i, j]` is the target of the prediction at position j (the next token), `IGNORE_INDEX`
+where there is none (prompt turns, image tokens, padding). The encoders' output for image k of
+the micro-batch replaces the k-th run of `image_tokens` marked positions, in sample order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+import torch
+
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    images: torch.Tensor  # [n, c, H, W]: every image of the micro-batch, sample by sample
+    tokens: torch.Tensor  # [b, s] token ids (the image positions hold the image token)
+    labels: torch.Tensor  # [b, s] next-token targets, IGNORE_INDEX where no loss
+    image_mask: torch.Tensor  # [b, s] bool: where image embeddings go
+    ids: tuple[str, ...] = field(default=())  # sample ids (real data)
+    truncated: int = 0  # samples cut to the sequence length
+
+    @property
+    def num_images(self) -> int:
+        return self.images.shape[0]
+
+    @property
+    def num_samples(self) -> int:
+        return self.tokens.shape[0]
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> MicroBatch:
+        """On `device`, images in the pipeline dtype."""
+        return replace(
+            self,
+            images=self.images.to(device, dtype),
+            tokens=self.tokens.to(device),
+            labels=self.labels.to(device),
+            image_mask=self.image_mask.to(device),
+        )
+
+    def select(self, rows: list[int], image_tokens: int) -> MicroBatch:
+        """The samples `rows` (and their images) as a micro-batch."""
+        per_sample = (self.image_mask.sum(1) // image_tokens).tolist()
+        starts = [sum(per_sample[:r]) for r in range(len(per_sample))]
+        picked = [i for r in rows for i in range(starts[r], starts[r] + per_sample[r])]
+        index = torch.tensor(rows, dtype=torch.long)
+        return replace(
+            self,
+            images=self.images[torch.tensor(picked, dtype=torch.long)],
+            tokens=self.tokens[index],
+            labels=self.labels[index],
+            image_mask=self.image_mask[index],
+            ids=tuple(self.ids[r] for r in rows) if self.ids else (),
+            truncated=0,
+        )
+
+
+def image_then_text(images: torch.Tensor, text: torch.Tensor, image_tokens: int) -> MicroBatch:
+    """One image per sample, its tokens first, then the text; the loss on every text token
+    (the synthetic and image-caption layout)."""
+    b, t = text.shape
+    filler = torch.zeros(b, image_tokens, dtype=text.dtype, device=text.device)
+    tokens = torch.cat([filler, text], dim=1)
+    labels = torch.full_like(tokens, IGNORE_INDEX)
+    labels[:, image_tokens - 1 : image_tokens - 1 + t] = text
+    mask = torch.zeros(b, image_tokens + t, dtype=torch.bool, device=text.device)
+    mask[:, :image_tokens] = True
+    return MicroBatch(images, tokens, labels, mask)
+
+
+def collate(samples: list[MicroBatch]) -> MicroBatch:
+    """One micro-batch from one-sample micro-batches of equal sequence length."""
+    return MicroBatch(
+        images=torch.cat([s.images for s in samples]),
+        tokens=torch.cat([s.tokens for s in samples]),
+        labels=torch.cat([s.labels for s in samples]),
+        image_mask=torch.cat([s.image_mask for s in samples]),
+        ids=tuple(i for s in samples for i in s.ids),
+        truncated=sum(s.truncated for s in samples),
+    )
