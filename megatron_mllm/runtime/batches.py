@@ -9,7 +9,6 @@ from megatron_mllm.data.batch import MicroBatch, image_then_text
 _DATASETS: dict[str, object] = {}
 
 
-
 def batches(job, step: int) -> Callable[..., MicroBatch]:
     """`get(mb, dp=0)`: micro-batch `mb` of step `step` for DP replica `dp`, from
     `job.data.data_path` shards if given (read once per process), else synthetic. Tensors are on the

@@ -1,0 +1,396 @@
+"""LLaVA-format conversations as a megatron-energon dataset, and the savable loader over it.
+
+`convert_llava` checks every record and image of a LLaVA JSON/JSONL file first (see
+`megatron_mllm.data.llava`), then writes WebDataset tar shards to a new folder OUT: each sample
+is `<key>.json` (the record: {"id", "images", "turns", "source"}) plus `<key>.img<j>.<ext>` per
+image, holding the file's original encoded bytes. Train and validation records go to separate
+shards (`train-000000.tar`, ..., `val-000000.tar`, ...); energon's own preparation indexes them and
+writes `.nv-meta/split.yaml` assigning them by name pattern to the splits "train" and "val", and
+`.nv-meta/dataset.yaml` (`DATASET_YAML`) declares a crude dataset, which energon hands over
+undecoded for a task encoder's cooker (`cook_llava`) to turn into `LlavaRawSample`s.
+
+A task encoder attaches the cooker and turns energon's image decoding off, so the image members
+reach the cooker as the bytes that were written (`IdsTaskEncoder` is the smallest such encoder)::
+
+    from megatron.energon import Cooker, DefaultTaskEncoder, stateless
+
+    class MyTaskEncoder(DefaultTaskEncoder):
+        cookers = [Cooker(cook_llava)]
+        decoder = None  # raw bytes: no decoding of .png/.jpg/.json members by energon
+
+        @stateless
+        def encode_sample(self, sample: LlavaRawSample): ...  # decode, tokenize, ...
+
+        @stateless
+        def batch(self, samples): ...
+
+`open_loader` builds energon's savable loader for one data-parallel rank; `loader_state` and
+`restore_loader` are what a checkpoint stores and reloads per DP rank; `close_loader` ends its
+worker processes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import re
+import shutil
+import tarfile
+from pathlib import Path
+from typing import Any
+
+from megatron.energon import Cooker, Sample, TaskEncoder, basic_sample_keys, edataclass, stateless
+
+from megatron_mllm.data.llava import LlavaRecord, check_images, load_raw, parse_record
+from megatron_mllm.errors import ConfigError
+
+#: energon's description of the dataset: crude samples (a dict of the raw tar members per key),
+#: tagged with the subflavor below so a cooker can be matched to them.
+DATASET_YAML = """\
+__module__: megatron.energon
+__class__: CrudeWebdataset
+subflavors:
+  format: megatron_mllm.llava
+"""
+SUBFLAVORS = {"format": "megatron_mllm.llava"}
+SPLITS = ("train", "val")
+TOOL = "tools/llava_to_energon.py"
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
+_IMAGE_PART = re.compile(r"^img(\d+)\.[^.]+$")
+
+
+# --- conversion -------------------------------------------------------------------------------
+
+
+def sample_key(record_id: str, taken: set[str]) -> str:
+    """A WebDataset key for `record_id`: letters, digits, `_` and `-` only (no dots: energon
+    splits a member name at its first dot), at most 100 characters, not in `taken` (a numbered
+    suffix tells apart ids that look alike); the key is added to `taken`."""
+    base = _UNSAFE.sub("_", record_id).strip("_")[:100] or "record"
+    if base.startswith("__"):
+        base = "r" + base
+    key, n = base, 1
+    while key in taken:
+        n += 1
+        key = f"{base}_{n}"
+    taken.add(key)
+    return key
+
+
+def _split(n: int, val_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """Record indices shuffled with `seed`, cut into (train, val): round(n * val_fraction) for
+    validation, at least 1 when val_fraction > 0 and n >= 2, and never all of them."""
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    n_val = round(n * val_fraction)
+    if val_fraction > 0 and n >= 2:
+        n_val = max(n_val, 1)
+    n_val = min(n_val, n - 1)
+    return order[n_val:], order[:n_val]
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mode, info.mtime = len(data), 0o644, 0
+    tar.addfile(info, io.BytesIO(data))
+
+
+def _check_output(out: Path) -> None:
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ConfigError(
+            f"--output-dir {out}: exists and is not an empty folder; give a new output folder"
+        )
+
+
+def _check_arguments(shard_size: int, val_fraction: float) -> None:
+    if not isinstance(shard_size, int) or shard_size < 1:
+        raise ConfigError(f"--shard-size {shard_size}: give a whole number of records >= 1")
+    if not 0 <= val_fraction < 1:
+        raise ConfigError(f"--val-fraction {val_fraction}: give a fraction with 0 <= F < 1")
+
+
+def convert_llava(
+    json_path: str | Path,
+    image_folder: str | Path,
+    out_dir: str | Path,
+    shard_size: int = 1000,
+    val_fraction: float = 0.05,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict[str, int]:
+    """Write the LLaVA file `json_path` (images under `image_folder`) as an energon dataset in
+    the new folder `out_dir` (see the module docstring); returns {"train", "val", "shards"}.
+
+    Every record and image is checked before anything is written; the dataset is built in a
+    sibling folder `OUT.partial-<pid>` and renamed to OUT only once complete (removed on any
+    error), so OUT either does not appear or holds a whole dataset."""
+    from tqdm import tqdm
+
+    _check_arguments(shard_size, val_fraction)
+    out, folder = Path(out_dir), Path(image_folder)
+    _check_output(out)
+    raw = load_raw(json_path)
+    if not raw:
+        raise ConfigError(f"{json_path}: no records; give a LLaVA file with at least one")
+    records = [parse_record(r, i) for i, r in enumerate(raw)]
+    for record in tqdm(records, desc="checking images", unit="rec", disable=not progress):
+        check_images(record, folder)
+    sources = [raw_record.get("source") for raw_record in raw]
+    train, val = _split(len(records), val_fraction, seed)
+
+    tmp = out.parent / f"{out.name}.partial-{os.getpid()}"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        taken: set[str] = set()
+        shards: list[str] = []
+        bar = tqdm(total=len(records), desc="writing shards", unit="rec", disable=not progress)
+        with bar:
+            for split, indices in (("train", train), ("val", val)):
+                for start in range(0, len(indices), shard_size):
+                    name = f"{split}-{start // shard_size:06d}.tar"
+                    with tarfile.open(tmp / name, "w") as tar:
+                        for i in indices[start : start + shard_size]:
+                            _write_sample(tar, records[i], sources[i], folder, taken)
+                            bar.update()
+                    shards.append(name)
+        _prepare(tmp, shards, has_val=bool(val))
+        if out.exists():
+            out.rmdir()
+        tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"train": len(train), "val": len(val), "shards": len(shards)}
+
+
+def _write_sample(
+    tar: tarfile.TarFile, record: LlavaRecord, source: Any, folder: Path, taken: set[str]
+) -> None:
+    key = sample_key(record.id, taken)
+    meta = {
+        "id": record.id,
+        "images": list(record.images),
+        "turns": [list(turn) for turn in record.turns],
+        "source": source,
+    }
+    _add(tar, f"{key}.json", json.dumps(meta, ensure_ascii=False).encode("utf-8"))
+    for j, name in enumerate(record.images):
+        ext = Path(name).suffix.lstrip(".").lower() or "img"
+        _add(tar, f"{key}.img{j}.{ext}", (folder / name).read_bytes())
+
+
+def _prepare(root: Path, shards: list[str], has_val: bool) -> None:
+    """energon's indexing of the shards, the split assignment by shard name, dataset.yaml."""
+    from megatron.energon.flavors.webdataset import BaseWebdatasetFactory
+
+    patterns = [("train", r"^train-[0-9]+\.tar$")]
+    if has_val:
+        patterns.append(("val", r"^val-[0-9]+\.tar$"))
+    chatter = io.StringIO()  # energon prints "Saving info to ..." etc. to stdout
+    try:
+        with contextlib.redirect_stdout(chatter):
+            BaseWebdatasetFactory.prepare_dataset(
+                root, shards, split_parts_patterns=patterns, shuffle_seed=None, workers=1
+            )
+    except SystemExit:  # energon exits on duplicate keys, which sample_key rules out
+        raise RuntimeError(f"energon refused the shards in {root}: {chatter.getvalue()}") from None
+    (root / ".nv-meta" / "dataset.yaml").write_text(DATASET_YAML)
+
+
+# --- reading ----------------------------------------------------------------------------------
+
+
+@edataclass
+class LlavaRawSample(Sample):
+    """One record as energon delivers it to a task encoder: the checked record, each image's
+    original encoded bytes (PNG, JPEG, ...) in placeholder order, and the record's source."""
+
+    record: LlavaRecord
+    image_bytes: list[bytes]
+    source: str | None
+
+
+@stateless
+def cook_llava(sample: dict) -> LlavaRawSample:
+    """energon's crude sample (the raw members of one key, with `decoder = None` on the task
+    encoder) as a LlavaRawSample. Use as `cookers = [Cooker(cook_llava)]`."""
+    meta = sample["json"]
+    if isinstance(meta, (bytes, bytearray)):
+        meta = json.loads(meta)
+    record = LlavaRecord(
+        str(meta["id"]),
+        tuple(meta["images"]),
+        tuple((str(role), str(text)) for role, text in meta["turns"]),
+    )
+    parts = {}
+    for part, value in sample.items():
+        m = _IMAGE_PART.match(part)
+        if m:
+            if not isinstance(value, (bytes, bytearray)):
+                raise TypeError(
+                    f"sample {sample['__key__']}: image {part} was decoded by energon; set "
+                    "`decoder = None` on the task encoder to get the original bytes"
+                )
+            parts[int(m.group(1))] = bytes(value)
+    if sorted(parts) != list(range(len(record.images))):
+        raise ValueError(
+            f"sample {sample['__key__']}: {len(parts)} image member(s) for "
+            f"{len(record.images)} image(s) in its record"
+        )
+    return LlavaRawSample(
+        **basic_sample_keys(sample),
+        record=record,
+        image_bytes=[parts[j] for j in range(len(parts))],
+        source=meta.get("source"),
+    )
+
+
+class IdsTaskEncoder(TaskEncoder):
+    """The smallest task encoder over our datasets: cooks with `cook_llava`, keeps the images
+    undecoded, and batches to the list of record ids (for tests and inspection)."""
+
+    cookers = [Cooker(cook_llava)]
+    decoder = None
+
+    @stateless
+    def batch(self, samples: list[LlavaRawSample]) -> list[str]:
+        return [s.record.id for s in samples]
+
+
+def check_energon_dataset(path: str | Path) -> None:
+    """Refuse, in one line, a `path` that is not a dataset written by `convert_llava`."""
+    p = Path(path)
+    hint = f"make one with `python {TOOL} --json FILE --image-folder DIR --output-dir {p}`"
+    if not p.is_dir():
+        what = "does not exist" if not p.exists() else "is not a folder"
+        raise ConfigError(f"{p}: {what}; an energon LLaVA dataset is a folder; {hint}")
+    meta = p / ".nv-meta" / "dataset.yaml"
+    if not meta.is_file():
+        raise ConfigError(f"{p}: not a prepared energon dataset (no .nv-meta/dataset.yaml); {hint}")
+    if "CrudeWebdataset" not in meta.read_text() or SUBFLAVORS["format"] not in meta.read_text():
+        raise ConfigError(f"{p}: an energon dataset, but not a LLaVA one of ours; {hint}")
+
+
+def open_loader(
+    path: str | Path,
+    split: str,
+    task_encoder: TaskEncoder,
+    *,
+    dp_rank: int,
+    dp_size: int,
+    batch_size: int,
+    num_workers: int,
+    seed: int,
+    shuffle_buffer_size: int | None = None,
+    max_samples_per_sequence: int | None = None,
+    epochs: int | None = None,
+):
+    """energon's savable loader over `split` of the dataset at `path`, for data-parallel rank
+    `dp_rank` of `dp_size` (ranks read disjoint parts), batched by `task_encoder`.
+
+    "train": shuffled (shards, slices of at most `max_samples_per_sequence` samples, and a
+    `shuffle_buffer_size` sample buffer) deterministically from `seed`; endless unless `epochs`
+    is given (then that many passes, after which iteration stops). "val": in order, one pass per
+    `iter(loader)` (or `epochs` passes). Call `close_loader` when done to end the workers."""
+    from megatron.energon import (
+        RepeatDataset,
+        WorkerConfig,
+        get_savable_loader,
+        get_train_dataset,
+        get_val_dataset,
+    )
+
+    if split not in SPLITS:
+        raise ConfigError(f"split {split!r}: give one of {', '.join(SPLITS)}")
+    if epochs is not None and epochs < 1:
+        raise ConfigError(f"epochs {epochs}: give a whole number >= 1, or None")
+    check_energon_dataset(path)
+    if split == "val" and "val:" not in (Path(path) / ".nv-meta" / "split.yaml").read_text():
+        raise ConfigError(f"{path}: has no validation split; convert again with --val-fraction > 0")
+    worker_config = WorkerConfig(
+        rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed
+    )
+    if split == "train":
+        dataset = get_train_dataset(
+            path,
+            split_part="train",
+            worker_config=worker_config,
+            batch_size=batch_size,
+            shuffle_buffer_size=shuffle_buffer_size,
+            max_samples_per_sequence=max_samples_per_sequence,
+            task_encoder=task_encoder,
+            repeat=epochs is None,
+        )
+    else:
+        dataset = get_val_dataset(
+            path,
+            split_part="val",
+            worker_config=worker_config,
+            batch_size=batch_size,
+            task_encoder=task_encoder,
+        )
+    if epochs is not None and epochs > 1:
+        dataset = RepeatDataset(dataset, repeats=epochs, worker_config=worker_config)
+    return get_savable_loader(dataset)
+
+
+def loader_state(loader) -> Any:
+    """What a checkpoint stores for this DP rank: the position of `loader` (every worker's
+    shard, slice, shuffle-buffer and batching state and which worker is next), a picklable
+    object for `torch.save`; None before anything was read. Each DP rank saves its own."""
+    return loader.save_state_rank()
+
+
+def restore_loader(loader, state: Any) -> None:
+    """Put a freshly opened `loader` (same path, split, rank, sizes and seed as the one saved,
+    not yet iterated) at the position `state` from `loader_state`; None means the start."""
+    if getattr(loader, "_has_workers", False):
+        raise RuntimeError("restore_loader: the loader was already iterated; open a fresh one")
+    loader.restore_state_rank(state)
+
+
+def close_loader(loader) -> None:
+    """End the worker processes of `loader` (energon keeps them alive between epochs). Take
+    `loader_state` first if the position matters: iterating a closed loader starts over
+    (from its start, or from the state it was restored to)."""
+    epoch_iterator = getattr(loader, "_epoch_iterator", None)
+    if epoch_iterator is not None:
+        epoch_iterator.close()
+        loader._epoch_iterator = None
+    inner = getattr(loader, "_iterator", None)  # torch's persistent multi-process iterator
+    if inner is not None:
+        if hasattr(inner, "_shutdown_workers"):
+            inner._shutdown_workers()
+        loader._iterator = None
+    loader._has_workers = False
+
+
+class LlavaTaskEncoder(TaskEncoder):
+    """Training's task encoder: cooks with `cook_llava`, encodes each record with
+    `data.task_encoder.encode_record` (tokens, labels, images) and batches them into one
+    `MicroBatch`."""
+
+    cookers = [Cooker(cook_llava)]
+    decoder = None
+
+    def __init__(self, spec) -> None:
+        super().__init__()
+        self.spec = spec  # a data.task_encoder.EncodeSpec
+
+    @stateless
+    def encode_sample(self, sample: LlavaRawSample):
+        from megatron_mllm.data.task_encoder import encode_record
+
+        return encode_record(sample.record, sample.image_bytes, self.spec)
+
+    @stateless
+    def batch(self, samples: list):
+        from megatron_mllm.data.batch import collate
+
+        return collate(samples)

@@ -1,0 +1,139 @@
+"""LLaVA conversations to model input: the chat template, image tokens where the text puts
+them, labels on the assistant turns, images decoded and normalised, one sequence length.
+
+* Text: the conversation is rendered with the tokenizer's chat template (human -> "user", gpt
+  -> "assistant"), turn by turn, so each turn's piece is known; an assistant turn's piece is
+  its header (the template's generation prompt, no loss) and its content (loss). Each piece is
+  tokenised on its own; every `<image>` in it becomes the tokenizer's image token, repeated for
+  the image's token count (every encoder's patches).
+* Labels: `labels[j]` is token j + 1 where that token is in an assistant content (or any text
+  token with `loss_on_prompt`), else IGNORE_INDEX.
+* Length: padded to `seq_length`, or cut there; a cut never splits an image (it moves before
+  the image, whose file is then dropped) and is counted in `MicroBatch.truncated`.
+* Images: decoded with Pillow, RGB, resized (bicubic) to the encoder's square input and
+  normalised per channel with the encoder's mean and std (CLIP's for a CLIP tower).
+"""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+
+import torch
+
+from megatron_mllm.data.batch import IGNORE_INDEX, MicroBatch, collate
+from megatron_mllm.data.llava import IMAGE, LlavaRecord
+from megatron_mllm.errors import ConfigError
+
+CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+PLAIN_MEAN = (0.5, 0.5, 0.5)  # [0, 1] pixels to [-1, 1]
+PLAIN_STD = (0.5, 0.5, 0.5)
+CHAT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
+
+
+@dataclass(frozen=True)
+class EncodeSpec:
+    """How records become samples (see the module docstring)."""
+
+    tokenizer: object  # a loaded Hugging Face tokenizer with .image_token_id (data/tokenizer.py)
+    seq_length: int
+    image_tokens: int  # backbone positions per image
+    image_size: int
+    mean: tuple[float, float, float] = PLAIN_MEAN
+    std: tuple[float, float, float] = PLAIN_STD
+    loss_on_prompt: bool = False
+
+    def check(self) -> None:
+        if self.seq_length < self.image_tokens:
+            raise ConfigError(
+                f"--seq-length {self.seq_length} is shorter than one image's "
+                f"{self.image_tokens} tokens; give at least {self.image_tokens + 1}"
+            )
+
+
+def preprocess_image(data: bytes, size: int, mean, std) -> torch.Tensor:
+    """Encoded image bytes -> [3, size, size] float32, normalised per channel."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(data)) as img:
+        rgb = img.convert("RGB").resize((size, size), Image.BICUBIC)
+        pixels = torch.frombuffer(bytearray(rgb.tobytes()), dtype=torch.uint8)
+    x = pixels.view(size, size, 3).permute(2, 0, 1).float() / 255.0
+    return (x - torch.tensor(mean).view(3, 1, 1)) / torch.tensor(std).view(3, 1, 1)
+
+
+def _pieces(turns: tuple[tuple[str, str], ...], tokenizer) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, is assistant content) pieces, in order."""
+    messages = [{"role": CHAT_ROLES[r], "content": t} for r, t in turns]
+
+    def render(upto: int, prompt: bool = False) -> str:
+        if upto == 0 and not prompt:
+            return ""
+        return tokenizer.apply_chat_template(
+            messages[:upto], tokenize=False, add_generation_prompt=prompt
+        )
+
+    out, done = [], ""
+    for i, m in enumerate(messages):
+        head = render(i, prompt=True) if m["role"] == "assistant" else done
+        full = render(i + 1)
+        if not (head.startswith(done) and full.startswith(head)):
+            raise ConfigError("the tokenizer's chat template does not render turn by turn")
+        out += [(head[len(done) :], False), (full[len(head) :], m["role"] == "assistant")]
+        done = full
+    return [(text, answer) for text, answer in out if text]
+
+
+def tokenize_record(
+    record: LlavaRecord, spec: EncodeSpec
+) -> tuple[list[int], list[bool], list[int]]:
+    """Token ids, per token whether it is a loss target, and where each image's tokens start
+    (before the length is fixed)."""
+    tok, ids, target, starts = spec.tokenizer, [], [], []
+    for text, answer in _pieces(record.turns, tok):
+        for k, part in enumerate(text.split(IMAGE)):
+            if k:
+                starts.append(len(ids))
+                ids += [tok.image_token_id] * spec.image_tokens
+                target += [False] * spec.image_tokens
+            piece = tok(part, add_special_tokens=False)["input_ids"] if part else []
+            ids += piece
+            target += [answer or spec.loss_on_prompt] * len(piece)
+    return ids, target, starts
+
+
+def encode_record(record: LlavaRecord, image_bytes: list[bytes], spec: EncodeSpec) -> MicroBatch:
+    """One record as a one-sample micro-batch (see the module docstring)."""
+    ids, target, starts = tokenize_record(record, spec)
+    s, n_img = spec.seq_length, spec.image_tokens
+    truncated = len(ids) > s
+    cut = s
+    for start in starts:
+        if start < cut < start + n_img:
+            cut = start  # never split an image: cut before it
+    ids, target = ids[:cut], target[:cut]
+    kept = sum(start + n_img <= cut for start in starts)
+    is_image = [False] * len(ids)
+    for start in starts[:kept]:
+        is_image[start : start + n_img] = [True] * n_img
+    pad = spec.tokenizer.pad_token_id
+    pad = spec.tokenizer.eos_token_id if pad is None else pad
+    n = len(ids)
+    tokens = torch.full((1, s), pad, dtype=torch.long)
+    tokens[0, :n] = torch.tensor(ids, dtype=torch.long)
+    labels = torch.full((1, s), IGNORE_INDEX, dtype=torch.long)
+    wanted = torch.tensor(target[1:], dtype=torch.bool)
+    if n > 1:
+        labels[0, : n - 1] = torch.where(wanted, tokens[0, 1:n], IGNORE_INDEX)
+    mask = torch.zeros(1, s, dtype=torch.bool)
+    mask[0, :n] = torch.tensor(is_image, dtype=torch.bool)
+    images = [preprocess_image(b, spec.image_size, spec.mean, spec.std) for b in image_bytes[:kept]]
+    size = spec.image_size
+    stacked = torch.stack(images) if images else torch.empty(0, 3, size, size)
+    return MicroBatch(stacked, tokens, labels, mask, ids=(record.id,), truncated=int(truncated))
+
+
+def encode_batch(records: list[tuple[LlavaRecord, list[bytes]]], spec: EncodeSpec) -> MicroBatch:
+    """Records (with their image bytes) as one micro-batch."""
+    return collate([encode_record(r, b, spec) for r, b in records])
