@@ -161,3 +161,18 @@ def pytest_runtest_call(item):
 
 if __name__ == "__main__":
     sys.exit(cuda_missing())
+
+
+@pytest.fixture(scope="session")
+def llava_dataset(tmp_path_factory):
+    """The tiny LLaVA-format digits (60 records) and its tokenizer, converted for energon:
+    (dataset folder, tokenizer folder)."""
+    from megatron_mllm.data.energon_llava import convert_llava
+    from megatron_mllm.data.llava_digits import conversation_texts, write_llava_digits
+    from megatron_mllm.data.tokenizer import train_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("llava")
+    json_path = write_llava_digits(root / "src", 60)
+    train_tiny_tokenizer(conversation_texts(json_path), root / "tokenizer", 300)
+    convert_llava(json_path, root / "src" / "images", root / "energon", 16, 0.2, progress=False)
+    return root / "energon", root / "tokenizer"

@@ -118,7 +118,7 @@ def _guarded_steps(rank: int, world: int, job: RuntimeJob) -> list[str]:
 
     from megatron_mllm.runtime.bootstrap import init_rank
     from megatron_mllm.runtime.runs import make_run
-    from megatron_mllm.training.train import mean_loss
+    from megatron_mllm.training.log import mean_loss
 
     device = init_rank(rank, world, job.data.seed, job.timeout_s)
     run = make_run(rank, world, job, device)

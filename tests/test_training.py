@@ -283,7 +283,8 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--load", "/nonexistent/ckpt"], "no latest_checkpointed_iteration.txt"),
         (["--encoder-tensor-model-parallel-size", "1"], "or neither"),
         (["--pipeline-model-parallel-size", "3"], "not divisible by TP 1 x PP 3"),
-        (["--data-path", "/nonexistent/shards"], "no .tar shards"),
+        (["--data-path", "/nonexistent/data"], "does not exist; an energon LLaVA dataset"),
+        (["--tokenizer-model", "/tmp"], "read conversation data: give --data-path"),
         (["--num-layers-per-virtual-pipeline-stage", "1"], "needs --pipeline-model-parallel-size"),
         (["--replan-after-iters", "0"], "--replan-after-iters N needs N >= 1"),
         (["--ddp-bucket-size", "0"], "--ddp-bucket-size 0: give a positive count"),
@@ -363,26 +364,47 @@ def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path):
     assert sorted(again) == [3, 4] and all(again[i] == b[i] for i in (3, 4))
 
 
-def test_trains_on_webdataset_shards(tmp_path):
-    from megatron_mllm.data.webdataset import write_digit_shards
+LLAVA = [
+    "--pipeline-model-parallel-size", "2", "--micro-batch-size", "2", "--global-batch-size",
+    "4", "--seq-length", "64", "--tokenizer-type", "HuggingFaceTokenizer", "--num-workers",
+    "1", "--log-interval", "1", "--lr", "3e-3", "--lr-decay-style", "constant",
+]  # fmt: skip
 
-    write_digit_shards(tmp_path / "digits")
-    run = torchrun(
-        "--pipeline-model-parallel-size",
-        "2",
-        "--global-batch-size",
-        "8",
-        "--train-iters",
-        "3",
-        "--log-interval",
-        "1",
-        "--seq-length",
-        "24",
-        "--data-path",
-        str(tmp_path / "digits"),
-    )
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert sorted(losses(run.stdout)) == [1, 2, 3]
+
+def test_trains_on_llava_conversations_validates_and_resumes_exactly(tmp_path, llava_dataset):
+    """PP=2 Optimus on the energon LLaVA digits (one loader worker): Megatron's validation
+    lines with the answers' exact match, truncation reported, and a run resumed at iteration 2
+    continues with the uninterrupted run's losses (the loader state is in the checkpoint)."""
+    data, tokenizer = llava_dataset
+    args = [*LLAVA, "--data-path", str(data), "--tokenizer-model", str(tokenizer),
+            "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1"]  # fmt: skip
+    straight, _, _ = resumed_at_2_is_bit_exact(tmp_path, args)
+    assert straight.stdout.count("validation loss at iteration 2 |") == 1
+    assert "validation loss at the end of training for val data |" in straight.stdout
+    assert re.search(r"answer exact match: [0-9.]+ \(\d+ samples\)", straight.stdout)
+    assert "truncated samples: " in straight.stdout
+
+
+def test_bad_conversation_arguments_fail_in_one_line(tmp_path, llava_dataset):
+    data, tokenizer = llava_dataset
+    hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer)]
+    cases = [
+        (["--data-path", str(tmp_path), *hf], "not a prepared energon dataset"),
+        (["--data-path", str(data)], "needs --tokenizer-type HuggingFaceTokenizer"),
+        (["--data-path", str(data), *hf, "--image-token", "<im>"], "no image token '<im>'"),
+        (["--data-path", str(data), *hf, "--seq-length", "16"], "shorter than one image's 16"),
+    ]
+    for args, msg in cases:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "pretrain_mllm.py"), *args],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=ROOT,
+            env={"WORLD_SIZE": "2", "RANK": "0", "PATH": "/usr/bin:/bin"},
+        )
+        assert proc.returncode == 2, proc.stderr
+        assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 @pytest.mark.parametrize(

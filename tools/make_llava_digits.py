@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Write the tiny LLaVA-format data set (digits as PNG/JPEG of varying size; one-, two- and
-no-image conversations) to a new folder: OUT/llava.json and OUT/images/.
+no-image conversations) to a new folder: OUT/llava.json, OUT/images/ and OUT/tokenizer/ (a
+byte-level BPE trained on the conversations, with an image token and a chat template).
 
     python tools/make_llava_digits.py out/data/llava_digits [--records 400] [--seed 0]
 """
@@ -8,7 +9,8 @@ no-image conversations) to a new folder: OUT/llava.json and OUT/images/.
 import argparse
 import sys
 
-from megatron_mllm.data.llava_digits import write_llava_digits
+from megatron_mllm.data.llava_digits import conversation_texts, write_llava_digits
+from megatron_mllm.data.tokenizer import train_tiny_tokenizer
 from megatron_mllm.errors import exit_on_config_error
 
 
@@ -18,9 +20,14 @@ def main() -> int:
     ap.add_argument("out")
     ap.add_argument("--records", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=384, help="the tokenizer's vocabulary size")
     args = ap.parse_args()
     path = write_llava_digits(args.out, args.records, args.seed)
-    print(f"wrote {args.records} records to {path} (images in {path.parent / 'images'})")
+    tok = train_tiny_tokenizer(conversation_texts(path), path.parent / "tokenizer", args.vocab)
+    print(
+        f"wrote {args.records} records to {path} (images in {path.parent / 'images'}), "
+        f"tokenizer of {len(tok)} tokens in {path.parent / 'tokenizer'}"
+    )
     return 0
 
 

@@ -277,6 +277,12 @@ def check_energon_dataset(path: str | Path) -> None:
         raise ConfigError(f"{p}: an energon dataset, but not a LLaVA one of ours; {hint}")
 
 
+def check_has_validation(path: str | Path) -> None:
+    """Refuse, in one line, a dataset without a validation split."""
+    if "val:" not in (Path(path) / ".nv-meta" / "split.yaml").read_text():
+        raise ConfigError(f"{path}: has no validation split; convert again with --val-fraction > 0")
+
+
 def open_loader(
     path: str | Path,
     split: str,
@@ -311,8 +317,8 @@ def open_loader(
     if epochs is not None and epochs < 1:
         raise ConfigError(f"epochs {epochs}: give a whole number >= 1, or None")
     check_energon_dataset(path)
-    if split == "val" and "val:" not in (Path(path) / ".nv-meta" / "split.yaml").read_text():
-        raise ConfigError(f"{path}: has no validation split; convert again with --val-fraction > 0")
+    if split == "val":
+        check_has_validation(path)
     worker_config = WorkerConfig(
         rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed
     )

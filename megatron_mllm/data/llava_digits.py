@@ -98,3 +98,9 @@ def write_llava_digits(out: str | Path, n: int = 400, seed: int = 0) -> Path:
     path = root / "llava.json"
     path.write_text(json.dumps(records, indent=1) + "\n")
     return path
+
+
+def conversation_texts(json_path: str | Path) -> list[str]:
+    """Every turn's text of a LLaVA JSON, placeholders removed (a tokenizer's training text)."""
+    records = json.loads(Path(json_path).read_text())
+    return [t["value"].replace(IMAGE, "") for r in records for t in r["conversations"]]

@@ -33,6 +33,7 @@ def train_tiny_tokenizer(texts: list[str], out: str | Path, vocab_size: int = 51
         vocab_size=vocab_size,
         special_tokens=list(SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     bpe.train_from_iterator(texts, trainer)
     tok = PreTrainedTokenizerFast(

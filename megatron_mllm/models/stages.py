@@ -240,7 +240,9 @@ class EncoderStage(nn.Module):
             size = (self.cfg.image_size, self.cfg.image_size)
             images = torch.nn.functional.interpolate(images, size=size, mode="nearest")
         patches = images.unfold(2, p, p).unfold(3, p, p)  # b, c, gh, gw, p, p
-        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(b, self.cfg.num_patches, -1)
+        patches = patches.permute(0, 2, 3, 1, 4, 5).reshape(
+            b, self.cfg.num_patches, self.cfg.patch_dim
+        )
         x = self.patch_embed(patches).transpose(0, 1)
         if self.cfg.vit_class_token:
             x = torch.cat([self.class_embedding.expand(1, b, -1), x], dim=0)
@@ -329,7 +331,8 @@ class BackboneStage(nn.Module):
             )
         # Sample-major order: image k's tokens fill the k-th run of masked positions.
         feats = images.transpose(0, 1).reshape(-1, images.shape[-1]).to(words.dtype)
-        x = words.transpose(0, 1).masked_scatter(mask.transpose(0, 1), feats).transpose(0, 1)
+        x = words.transpose(0, 1).masked_scatter(mask.transpose(0, 1), feats)
+        x = x.transpose(0, 1).contiguous()  # [s, b, h] laid out as megatron-core sends it
         if not self.sequence_parallel:
             return x
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
@@ -350,3 +353,24 @@ class BackboneStage(nn.Module):
         pred = logits[labelled].float()  # the loss in fp32 under bf16
         per_token = vocab_parallel_cross_entropy(pred, batch.labels[labelled], self.pg.tp)
         return per_token.sum() / labelled.sum().clamp(min=1)
+
+    @torch.no_grad()
+    def exact_matches(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
+        """[samples whose every labelled token is the (vocabulary-parallel) argmax, samples
+        with a labelled token]: greedy decoding's exact match, teacher-forced."""
+        import torch.distributed as dist
+
+        labelled = batch.labels != IGNORE_INDEX
+        part = logits.shape[-1]
+        start = dist.get_rank(self.pg.tp) * part if dist.get_world_size(self.pg.tp) > 1 else 0
+        best = logits.float().max(dim=-1).values
+        local = batch.labels - start
+        here = labelled & (local >= 0) & (local < part)
+        target = logits.float().gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
+        target = torch.where(here, target, torch.zeros_like(target))
+        if dist.get_world_size(self.pg.tp) > 1:
+            dist.all_reduce(best, op=dist.ReduceOp.MAX, group=self.pg.tp)
+            dist.all_reduce(target, group=self.pg.tp)
+        right = (target >= best) | ~labelled
+        answered = labelled.any(dim=1)
+        return torch.stack([(right.all(dim=1) & answered).sum(), answered.sum()])

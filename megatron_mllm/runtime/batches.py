@@ -1,4 +1,6 @@
-"""The micro-batches of one training step, the same for every run mode."""
+"""The micro-batches of each training step, the same for every run mode: synthetic (indexed by
+step, replica and micro-batch) or streamed from a LLaVA-format energon dataset (one stream per
+DP replica the process runs, its position saved in checkpoints)."""
 
 from __future__ import annotations
 
@@ -6,34 +8,74 @@ from collections.abc import Callable
 
 from megatron_mllm.data.batch import MicroBatch, image_then_text
 
-_DATASETS: dict[str, object] = {}
-
 
 def batches(job, step: int) -> Callable[..., MicroBatch]:
-    """`get(mb, dp=0)`: micro-batch `mb` of step `step` for DP replica `dp`, from
-    `job.data.data_path` shards if given (read once per process), else synthetic. Tensors are on the
-    CPU; each run mode moves them to its device."""
+    """Synthetic data: `get(mb, dp=0)`, micro-batch `mb` of step `step` for DP replica `dp`.
+    Tensors are on the CPU; each run mode moves them to its device."""
     from megatron_mllm.data.synthetic import microbatch
 
     b, n_mb, dp_size = job.micro_batch, job.num_microbatches, job.backbone.dp
-    if not job.data.data_path:
 
-        def synthetic(mb: int, dp: int = 0) -> MicroBatch:
-            index = (step * dp_size + dp) * n_mb + mb
-            images, text = microbatch(job.cfg, index, b, job.data.seed)
-            return image_then_text(images, text, job.cfg.image_tokens)
+    def synthetic(mb: int, dp: int = 0) -> MicroBatch:
+        index = (step * dp_size + dp) * n_mb + mb
+        images, text = microbatch(job.cfg, index, b, job.data.seed)
+        return image_then_text(images, text, job.cfg.image_tokens)
 
-        return synthetic
-    from megatron_mllm.data.webdataset import ImageCaptionShards
+    return synthetic
 
-    if job.data.data_path not in _DATASETS:
-        _DATASETS[job.data.data_path] = ImageCaptionShards(job.data.data_path)
-    shards, cfg = _DATASETS[job.data.data_path], job.cfg
 
-    def from_disk(mb: int, dp: int = 0) -> MicroBatch:
-        first = ((step * dp_size + dp) * n_mb + mb) * b
-        ids = list(range(first, first + b))
-        images, text = shards.batch(ids, cfg.image_size, cfg.channels, cfg.text_len, cfg.vocab_size)
-        return image_then_text(images, text, cfg.image_tokens)
+class StepData:
+    """The micro-batches of DP replicas `replicas`, step after step (`step(i)` once per step, in
+    order). Every rank of a replica reads the same stream, so all of them know each
+    micro-batch's image count."""
 
-    return from_disk
+    def __init__(self, job, replicas: list[int], split: str = "train") -> None:
+        self.job, self.replicas = job, replicas
+        self.streams = {}
+        llava = job.data.llava
+        if llava is not None:
+            from megatron_mllm.data.llava_source import LlavaStream
+
+            cfg = job.cfg
+            self.streams = {
+                dp: LlavaStream(
+                    llava,
+                    split,
+                    dp,
+                    job.backbone.dp,
+                    job.micro_batch,
+                    cfg.image_tokens,
+                    cfg.image_size,
+                    job.data.seed,
+                )
+                for dp in replicas
+            }
+
+    def step(self, step: int, num_microbatches: int | None = None) -> Callable[..., MicroBatch]:
+        """`get(mb, dp)` for this step's micro-batches (read from the streams now)."""
+        if not self.streams:
+            return batches(self.job, step)
+        n = num_microbatches or self.job.num_microbatches
+        taken = {dp: stream.take(n) for dp, stream in self.streams.items()}
+
+        def get(mb: int, dp: int = 0) -> MicroBatch:
+            return taken[dp][mb]
+
+        return get
+
+    @property
+    def truncated(self) -> int:
+        """Samples cut to the sequence length so far, over this process's replicas."""
+        return sum(s.truncated for s in self.streams.values())
+
+    def state(self, dp: int) -> dict | None:
+        """Replica `dp`'s stream position for a checkpoint (None for synthetic data)."""
+        return self.streams[dp].state() if self.streams else None
+
+    def restore(self, dp: int, state: dict | None) -> None:
+        if self.streams and state is not None:
+            self.streams[dp].restore(state)
+
+    def close(self) -> None:
+        for stream in self.streams.values():
+            stream.close()

@@ -47,6 +47,9 @@ MAX_ENCODER_AHEAD = 2
 @dataclass
 class StepResult:
     losses: dict[int, float] = field(default_factory=dict)  # micro-batch -> loss (last stage)
+    # Evaluation: micro-batch -> (samples whose every answer token is the argmax, samples with
+    # an answer): teacher-forced exact match, which is greedy decoding's exact match.
+    matches: dict[int, tuple[int, int]] = field(default_factory=dict)
     spans: list[Span] = field(default_factory=list)
     seconds: float = 0.0
     moved: int = 0  # dynamic mode: encoder chunks run ahead of their place in the program
@@ -89,6 +92,7 @@ class Executor:
         max_encoder_ahead: int = MAX_ENCODER_AHEAD,
         grad_sync: dict | None = None,
         loss_scale: torch.Tensor | None = None,
+        evaluate: bool = False,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
@@ -111,6 +115,9 @@ class Executor:
         self.timeout_s = timeout_s
         # Forward-only (a coreset pool): no graph; the last stage keeps its output layer's input.
         self.forward_only = forward_only
+        # Evaluation (forward-only): the last stage computes losses and exact-match counts.
+        self.evaluate = evaluate
+        self.forward_only = forward_only or evaluate
         # Dynamic mode: run ready encoder work while waiting for a message (see _fill_wait),
         # at most `max_encoder_ahead` encoder micro-batches ahead of the program.
         self.dynamic, self.max_encoder_ahead = dynamic, max_encoder_ahead
@@ -176,6 +183,7 @@ class Executor:
         self._bwd_done: dict[tuple, int] = {}  # encoder backward units done per (e, s, mb)
         self._uses_left, self._sends_left = Counter(self._uses), Counter(self._sends)
         self._losses: dict[int, torch.Tensor] = {}  # read once, at step end
+        self._matches: dict[int, torch.Tensor] = {}  # evaluation: (exact, answered) per mb
         self._fill_marks: list[tuple] = []  # (start, end) marks of fills inside collectives
         self._ahead: dict[tuple[int, int], int] = {}  # dynamic: (enc, mb) -> op index moved
         self._later: list[Callable[[], None]] = []  # read marks after clock.finish()
@@ -192,7 +200,7 @@ class Executor:
 
     def _capture_hook(self):
         """Forward-only on the last stage: keep the output layer's input per micro-batch."""
-        if not (self.forward_only and self.backbone.post_process):
+        if not (self.forward_only and self.backbone.post_process) or self.evaluate:
             return None
         self._captured: list[torch.Tensor] = []
 
@@ -209,6 +217,7 @@ class Executor:
             read()
         self.result.seconds = self.clock.since_start(end)
         self.result.losses = {mb: float(t) for mb, t in self._losses.items()}
+        self.result.matches = {mb: tuple(t.tolist()) for mb, t in self._matches.items()}
         self.result.leftover_keys = sorted(self.tensors)
         self.result.max_posted_ahead = self.messages.max_posted_ahead
         self.result.planned_encoder_live = self.encoder_live_budget
@@ -461,9 +470,11 @@ class Executor:
             out = first(None, first.decoder_input(inputs, self._batch(a.mb)))
         else:
             out = self.chunks[a.chunk](inputs[0])
-        if last and self.forward_only:
+        if last and self.forward_only and not self.evaluate:
             self.last_layer_inputs[a.mb] = self._captured.pop()
         elif last:
+            if self.evaluate:
+                self._matches[a.mb] = self.backbone.exact_matches(out, self._batch(a.mb))
             out = self.backbone.loss(out, self._batch(a.mb))
             self._losses[a.mb] = out.detach()  # read at step end, after the one synchronize
         else:
@@ -500,7 +511,10 @@ class Executor:
         if a.k0 == 0:
             needs = self._needs(a)
             state = (self._take(needs[0]) if needs else self._batch(a.mb).images,)
-        else:
+        if self._batch(a.mb).num_images == 0:  # text only: the encoder has nothing to do
+            self._pass_empty(a, enc_meta.fwd_kernels[a.stage], forward=True)
+            return
+        if a.k0 > 0:
             state = units[-1][1]
         encoder, model = self.encoders[a.enc], self.cfg.encoder_name(a.enc)
         names, t_unit = encoder.unit_names(), self.clock.mark()
@@ -537,8 +551,34 @@ class Executor:
         encoder = self.encoders[a.enc]
         return any(encoder.unit_trainable(v) for v in range(u))
 
+    def _pass_empty(self, a: Action, total: int, forward: bool) -> None:
+        """A micro-batch without images: no encoder unit runs; the stage's message (of zero
+        images) still goes where the schedule sends it, so every peer's program is unchanged."""
+        enc_meta, key = self.meta.encoders[a.enc], (a.enc, a.stage, a.mb)
+        if not forward:
+            if a.k0 == 0:
+                self._take(self._needs(a)[0])
+            self._bwd_done[key] = a.k1
+        if a.k1 < total:
+            return
+        if forward:
+            last = a.stage == enc_meta.num_stages - 1
+            nxt = TensorKey.eout(a.enc, a.mb) if last else TensorKey.eact(a.enc, a.stage + 1, a.mb)
+        elif a.stage > 0 and enc_meta.bwd_kernels[a.stage - 1] > 0:
+            nxt = TensorKey.egin(a.enc, a.stage - 1, a.mb)
+        else:
+            nxt = None
+        if nxt is not None:
+            shape = self._shape(str(nxt))
+            self._put(str(nxt), torch.empty(shape, dtype=self.dtype, device=self.device))
+        if not forward or self.forward_only or enc_meta.bwd_kernels[a.stage] == 0:
+            self.enc_units.pop(key, None)
+
     def _encoder_backward(self, a: Action) -> None:
         enc_meta = self.meta.encoders[a.enc]
+        if self._batch(a.mb).num_images == 0:
+            self._pass_empty(a, enc_meta.bwd_kernels[a.stage], forward=False)
+            return
         units = self.enc_units[(a.enc, a.stage, a.mb)]
         total = enc_meta.fwd_kernels[a.stage]
         names, model = self.encoders[a.enc].unit_names(), self.cfg.encoder_name(a.enc)

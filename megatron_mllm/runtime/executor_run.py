@@ -60,7 +60,8 @@ class ExecutorRun:
         self.encoder = self.encoders[0]
         self.enc_tp = plan.tp if self.stage0 else enc_plan.tp
         self.program = gpu_program(job.schedule, groups, self.enc_tp)
-        self.ordered = self.pool_ordered = None
+        self.eval_program = forward_only_program(self.program)
+        self.ordered = self.pool_ordered = self.eval_ordered = None
         if job.executor.ordered_p2p or dist.get_backend() == "nccl":
             self._ordered_p2p(plan, plan if self.stage0 else enc_plan)
         if job.faults.fail_rank == rank:
@@ -89,6 +90,9 @@ class ExecutorRun:
             from megatron_mllm.runtime.memory import SavedActivations
 
             self.saved = SavedActivations(self.rank_model.modules)
+        from megatron_mllm.runtime.batches import StepData
+
+        self.data = StepData(job, [c.dp])
         self.selector = None
         if job.data.coreset is not None:
             from megatron_mllm.data.coreset import CoresetSelector
@@ -176,6 +180,8 @@ class ExecutorRun:
         groups = {pair: dist.new_group(list(pair)) for pair in message_pairs(main, pool)}
         self.ordered = (receive_orders(main, self.rank), groups)
         self.pool_ordered = (receive_orders(pool, self.rank), groups)
+        evaluation = {r: forward_only_program(p) for r, p in main.items()}
+        self.eval_ordered = (receive_orders(evaluation, self.rank), groups)
 
     def replan(self) -> bool:
         """Online re-planning (collective: every rank calls it): plan Optimus again from every
@@ -210,6 +216,7 @@ class ExecutorRun:
         for sync in self.grad_sync.values():
             sync.relearn()
         self.program = gpu_program(out[0], self.groups, self.enc_tp)
+        self.eval_program = forward_only_program(self.program)
         if self.ordered is not None:
             self._ordered_p2p(job.backbone, enc_plan)
         return True
@@ -280,9 +287,23 @@ class ExecutorRun:
         size = job.data.coreset.batch_size
         return broadcast_selection(chosen, size, group, last, self.device).tolist()
 
+    def evaluate(self, data) -> dict:
+        """One forward-only pass of the training schedule over `data(mb, dp)` (validation);
+        the last stage returns {"losses": {mb: loss}, "matches": {mb: (exact, answered)}}."""
+        self.sync_params()
+        dp = self.groups.coords.dp
+        executor = self._executor(
+            self.eval_program,
+            self.job.schedule.meta,
+            lambda m: data(m, dp),
+            evaluate=True,
+            ordered=self.eval_ordered,
+        )
+        result = executor.run_step()
+        return {"losses": result.losses, "matches": result.matches}
+
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
-        from megatron_mllm.runtime.batches import batches
         from megatron_mllm.runtime.optimizer import (
             allreduce_sequence_parallel_grads,
         )
@@ -293,7 +314,7 @@ class ExecutorRun:
             sync.zero()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
-        data = batches(job, step)
+        data = self.data.step(step)
         if self.selector is not None:
             from megatron_mllm.data.batch import image_then_text
             from megatron_mllm.data.synthetic import samples

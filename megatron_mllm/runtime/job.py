@@ -50,12 +50,13 @@ class PlanParts:
 
 @dataclass(frozen=True)
 class DataParts:
-    """What each step trains on: micro-batches per DP replica, from shards or synthetic; with a
-    coreset, B chosen from a pool of r x B (its own forward-only schedule)."""
+    """What each step trains on: micro-batches per DP replica, from a LLaVA-format energon
+    dataset or synthetic; with a coreset, B chosen from a pool of r x B (its own forward-only
+    schedule)."""
 
     micro_batch: int
     num_microbatches: int
-    data_path: str | None = None  # WebDataset-style image-caption shards (else synthetic)
+    llava: object = None  # a data.llava_source.LlavaData (else synthetic image-caption pairs)
     seed: int = 0
     coreset: object = None  # a CoresetConfig
     pool_schedule: Schedule | None = None

@@ -122,6 +122,9 @@ class MegatronCoreRun:
         self._time_finalize()
         self.optimizer = _megatron_optimizer(self.ddps, job)
         self.dp_rank = ps.get_data_parallel_rank()
+        from megatron_mllm.runtime.batches import StepData
+
+        self.data = StepData(job, [self.dp_rank])
         self.last_grad_norm, self.skipped_iterations = float("nan"), 0
         self.saved = None
         if job.collect.memory:
@@ -133,7 +136,6 @@ class MegatronCoreRun:
 
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
-        from megatron_mllm.runtime.batches import batches
         from megatron_mllm.runtime.clock import StepClock
 
         job, backbone, device = self.job, self.backbone, self.device
@@ -142,7 +144,7 @@ class MegatronCoreRun:
             loss = backbone.loss(logits, batch)
             return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
 
-        data = batches(job, step)
+        data = self.data.step(step)
 
         def microbatches():  # built inside the timed step, as the executor builds its own
             for m in range(job.num_microbatches):

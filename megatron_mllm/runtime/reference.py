@@ -36,16 +36,18 @@ class ReferenceRun:
         )
         self.history: list[dict] = []
         self.grads: dict = {}
+        from megatron_mllm.runtime.batches import StepData
+
+        self.data = StepData(job, list(range(job.backbone.dp)))
 
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
-        from megatron_mllm.runtime.batches import batches
         from megatron_mllm.runtime.optimizer import clip_by_global_norm
 
         job, model = self.job, self.model
         model.zero_grad()
         n = job.num_microbatches * job.backbone.dp
-        data, losses = batches(job, step), {}
+        data, losses = self.data.step(step), {}
         for dp in range(job.backbone.dp):
             for m in range(job.num_microbatches):
                 batch = data(m, dp).to(self.device, torch.float32)

@@ -130,9 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--data-path",
         default=None,
-        help="folder of WebDataset-style .tar shards (<key>.npy image, <key>.txt "
-        "caption); default: synthetic image-caption pairs",
+        help="a LLaVA-format energon dataset (tools/llava_to_energon.py); then --seq-length is "
+        "the whole sequence, image tokens included; default: synthetic image-caption pairs",
     )
+    g.add_argument("--tokenizer-type", choices=["HuggingFaceTokenizer"], default=None)
+    g.add_argument("--tokenizer-model", default=None, help="a local Hugging Face tokenizer dir")
+    g.add_argument("--image-token", default=None, help="the tokenizer's image token (<image>)")
+    g.add_argument(
+        "--loss-on-prompt", action="store_true", help="labels on every turn, not only answers"
+    )
+    g.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations")
+    g.add_argument("--eval-iters", type=int, default=0, help="validation steps per validation")
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=int, default=1)
     g.add_argument("--global-batch-size", type=int, default=8)
@@ -402,6 +412,39 @@ def _check_precision_and_recompute(args: argparse.Namespace) -> None:
             )
 
 
+def _check_data(args: argparse.Namespace) -> None:
+    """--data-path and its tokenizer, validation and loader arguments; with a tokenizer,
+    --vocab-size becomes its size padded as Megatron pads it."""
+    if args.data_path is None:
+        if args.tokenizer_model or args.eval_iters:
+            raise ConfigError(
+                "--tokenizer-model and --eval-iters read conversation data: give --data-path"
+            )
+        return
+    from megatron_mllm.data.energon_llava import check_energon_dataset, check_has_validation
+    from megatron_mllm.data.tokenizer import load_tokenizer
+
+    check_energon_dataset(args.data_path)
+    if args.eval_iters:
+        check_has_validation(args.data_path)
+    if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
+        raise ConfigError(
+            "--data-path needs --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR"
+        )
+    tok = load_tokenizer(args.tokenizer_model, args.image_token)
+    step = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+    args.vocab_size = -(-len(tok) // step) * step
+    if args.num_workers < 0:
+        raise ConfigError(f"--num-workers {args.num_workers}: give 0 or more")
+    if args.eval_iters < 0 or (args.eval_interval is not None and args.eval_interval < 1):
+        raise ConfigError("--eval-iters must be >= 0 and --eval-interval >= 1")
+    if args.coreset_pool_ratio is not None:
+        raise ConfigError(
+            "--coreset-pool-ratio works on the synthetic data for now; drop "
+            "--data-path or the coreset options"
+        )
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Every combination that cannot work, as one line, before any group or file is touched."""
     tp, pp, world = (
@@ -506,19 +549,7 @@ def validate_args(args: argparse.Namespace) -> None:
             )
     else:
         args.coreset = None
-    if args.data_path is not None:
-        from pathlib import Path
-
-        if not any(Path(args.data_path).glob("*.tar")):
-            raise ConfigError(
-                f"--data-path {args.data_path}: no .tar shards there; make the "
-                "tiny default with `python tools/make_digit_shards.py DIR`"
-            )
-        if args.coreset_pool_ratio is not None:
-            raise ConfigError(
-                "--coreset-pool-ratio works on the synthetic data for now; drop "
-                "--data-path or the coreset options"
-            )
+    _check_data(args)
     if args.replan_after_iters is not None:
         if args.replan_after_iters < 1 or args.bubble_schedule != "optimus":
             raise ConfigError(

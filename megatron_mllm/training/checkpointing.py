@@ -129,14 +129,15 @@ def sharded_state(parts, full_shapes: dict, states: dict) -> tuple[dict, dict]:
     return out, values
 
 
-def rank_objects(objects: dict[str, tuple[object, int, int]]) -> dict:
+def rank_objects(objects: dict[str, tuple]) -> dict:
     """Per-replica state (e.g. a coreset selector's RNG and moments) as ShardedObjects:
-    name -> (state, replica index, number of replicas)."""
+    name -> (state, replica index, number of replicas[, copy]); where several ranks hold the
+    same object, `copy` numbers them (copy 0 writes it)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     return {
-        name: ShardedObject(name, obj, (count,), (index,), replica_id=0)
-        for name, (obj, index, count) in objects.items()
+        name: ShardedObject(name, obj, (count,), (index,), replica_id=copy[0] if copy else 0)
+        for name, (obj, index, count, *copy) in objects.items()
     }
 
 

@@ -66,7 +66,7 @@ def hf_to_mcore(load_dir: str, save_dir: str, seq_length: int) -> MLLMConfig:
     hf = AutoConfig.from_pretrained(str(src))
     cfg = config_from_llava(hf, seq_length)
     cfg.validate()
-    from megatron_mllm.training.train import model_args
+    from megatron_mllm.training.model_args import model_args
 
     args = model_args(cfg)
     canonical = llava_to_canonical(read_hf_weights(src), cfg)
@@ -100,7 +100,7 @@ def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = No
     from transformers import LlavaForConditionalGeneration
 
     from megatron_mllm.training import checkpointing
-    from megatron_mllm.training.train import checkpoint_model_config
+    from megatron_mllm.training.model_args import checkpoint_model_config
 
     common = checkpointing.read_common(load_dir, "--load-dir")
     cfg = checkpoint_model_config(common)
@@ -150,7 +150,7 @@ def checkpoint_logits(
         build_rank_model,
     )
     from megatron_mllm.training import checkpointing
-    from megatron_mllm.training.train import checkpoint_model_config, initial_weights
+    from megatron_mllm.training.model_args import checkpoint_model_config, initial_weights
 
     cfg = checkpoint_model_config(checkpointing.read_common(load_dir))
     device = init_rank(rank, world, 1234, 120.0)

@@ -1,0 +1,122 @@
+"""LLaVA-format training data as a stream of micro-batches: what a run needs to know about it
+(`LlavaData`, picklable into every rank) and the per-DP-replica stream over megatron-energon's
+savable loader (`LlavaStream`), whose position a checkpoint stores.
+
+Every rank of a DP replica opens the same loader (the replica's DP rank, the same seed), so the
+ranks of one pipeline see the same micro-batches, image counts included, without a message; DP
+replicas read disjoint samples.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass
+
+from megatron_mllm.data.batch import MicroBatch
+from megatron_mllm.data.task_encoder import CLIP_MEAN, CLIP_STD, PLAIN_MEAN, PLAIN_STD, EncodeSpec
+
+# energon's loader always asks for pinned memory, which torch warns about without a GPU.
+warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true.*")
+
+
+@dataclass(frozen=True)
+class LlavaData:
+    """A prepared energon LLaVA dataset (tools/llava_to_energon.py) and how to encode it."""
+
+    path: str
+    tokenizer_model: str  # a local Hugging Face tokenizer directory
+    seq_length: int  # the backbone's sequence, image tokens included
+    image_token: str | None = None  # the tokenizer's image token (default "<image>")
+    loss_on_prompt: bool = False
+    num_workers: int = 0
+    clip_normalisation: bool = False  # CLIP's mean and std (a CLIP tower), else [-1, 1]
+    shuffle_buffer_size: int | None = 64
+    max_samples_per_sequence: int | None = 16
+
+    def spec(self, image_tokens: int, image_size: int) -> EncodeSpec:
+        from megatron_mllm.data.tokenizer import load_tokenizer
+
+        return EncodeSpec(
+            load_tokenizer(self.tokenizer_model, self.image_token),
+            self.seq_length,
+            image_tokens,
+            image_size,
+            CLIP_MEAN if self.clip_normalisation else PLAIN_MEAN,
+            CLIP_STD if self.clip_normalisation else PLAIN_STD,
+            self.loss_on_prompt,
+        )
+
+
+class LlavaStream:
+    """One DP replica's micro-batches, step after step, from `split` of the dataset."""
+
+    def __init__(
+        self,
+        data: LlavaData,
+        split: str,
+        dp_rank: int,
+        dp_size: int,
+        micro_batch: int,
+        image_tokens: int,
+        image_size: int,
+        seed: int,
+    ) -> None:
+        from megatron_mllm.data.energon_llava import LlavaTaskEncoder, open_loader
+
+        os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked
+        self.split, self.micro_batch = split, micro_batch
+        self.loader = open_loader(
+            data.path,
+            split,
+            LlavaTaskEncoder(data.spec(image_tokens, image_size)),
+            dp_rank=dp_rank,
+            dp_size=dp_size,
+            batch_size=micro_batch,
+            num_workers=data.num_workers,
+            seed=seed,
+            shuffle_buffer_size=data.shuffle_buffer_size if split == "train" else None,
+            max_samples_per_sequence=data.max_samples_per_sequence if split == "train" else None,
+        )
+        self._it = None
+        self.truncated = 0  # samples cut to the sequence length so far
+
+    def next(self) -> MicroBatch:
+        """The next micro-batch. A validation stream starts over after its last and skips the
+        short batches energon forms at the end of each worker's share (the schedule's
+        messages have one micro-batch size)."""
+        restarts = 0
+        while True:
+            if self._it is None:
+                self._it = iter(self.loader)
+            try:
+                batch = next(self._it)
+            except StopIteration:
+                if self.split == "train" or restarts:
+                    raise RuntimeError(f"the {self.split} split has no full micro-batch") from None
+                self._it, restarts = None, restarts + 1
+                continue
+            if batch.num_samples == self.micro_batch:
+                self.truncated += batch.truncated
+                return batch
+
+    def take(self, n: int) -> list[MicroBatch]:
+        return [self.next() for _ in range(n)]
+
+    def state(self) -> dict:
+        """The position (energon's per-rank loader state) and the truncation count."""
+        from megatron_mllm.data.energon_llava import loader_state
+
+        return {"loader": loader_state(self.loader), "truncated": self.truncated}
+
+    def restore(self, state: dict) -> None:
+        """Continue from `state` (a fresh stream, before its first micro-batch)."""
+        from megatron_mllm.data.energon_llava import restore_loader
+
+        restore_loader(self.loader, state["loader"])
+        self.truncated = state["truncated"]
+
+    def close(self) -> None:
+        from megatron_mllm.data.energon_llava import close_loader
+
+        close_loader(self.loader)

@@ -1,0 +1,136 @@
+"""What a training run prints, in Megatron's words: the start-up summary, the --dry-run
+summary, the iteration line and the validation lines, and the step's mean loss they report."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+
+from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.parallel.plans import ParallelPlan
+
+
+def mean_loss(losses: dict, device: torch.device) -> float:
+    """The step's mean loss over every replica's micro-batches (collective: the last-stage ranks
+    hold the losses), reduced on the ranks' device."""
+    import torch.distributed as dist
+
+    total = torch.tensor(
+        [sum(losses.values()), float(len(losses))], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(total)
+    return float(total[0] / total[1])
+
+
+def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p) -> str:
+    """Both plans and the predicted bubble ratio (`p`, the simulator's result), one screen."""
+    where = "whole, on backbone stage 0" if stage0 else "colocated on every backbone stage"
+    if args.extra_encoder:
+        where = f"{1 + len(args.extra_encoder)} encoders, each " + where
+    if args.freeze_ViT:
+        where += "; frozen: forward only, its projector trains"
+    return "\n".join(
+        [
+            f" > backbone plan: {plan} (world size {plan.world_size})"
+            + (", sequence parallel" if args.sequence_parallel else ""),
+            f" > encoder plan:  {enc_plan} ({where})",
+            f" > schedule: {args.bubble_schedule}; {n_mb} micro-batches of {args.micro_batch_size} "
+            f"per step and DP replica",
+            " > " + training_summary(args),
+            f" > predicted by the analytic CPU cost model (uncalibrated): step "
+            f"{1000 * p.step_time_s:.1f} ms, bubble ratio "
+            f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",
+        ]
+    )
+
+
+def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int) -> str:
+    """What --dry-run prints: the checked job, without planning or touching anything."""
+    vit, llm = cfg.num_params()
+    enc = f"{forced} (given)" if forced else "chosen by the planner at start-up"
+    return "\n".join(
+        [
+            " > arguments checked for world size {} ({})".format(
+                plan.world_size, "dry run: nothing started"
+            ),
+            f" > backbone plan: {plan}{', sequence parallel' if args.sequence_parallel else ''}; "
+            f"encoder plan: {enc}; schedule {args.bubble_schedule}",
+            f" > encoder: {cfg.vit_layers} layers x {cfg.vit_hidden} ({vit / 1e9:.2f}B "
+            f"params, all encoders), {cfg.encoder_seq_len} tokens per image"
+            + (f"; {cfg.num_encoders - 1} more encoder(s)" if cfg.num_encoders > 1 else ""),
+            f" > backbone: {cfg.llm_layers} layers x {cfg.llm_hidden} ({llm / 1e9:.2f}B "
+            f"params), {cfg.seq_len} tokens per sample",
+            f" > {n_mb} micro-batches of {args.micro_batch_size} per step and DP replica",
+            " > " + training_summary(args),
+        ]
+    )
+
+
+def training_summary(args) -> str:
+    """Precision, optimizer, DP overlap and recomputation, one line."""
+    opt = "distributed optimizer" if args.use_distributed_optimizer else "replicated optimizer"
+    overlap = [
+        name
+        for name, on in (
+            ("grad reduce", args.overlap_grad_reduce),
+            ("param gather", args.overlap_param_gather),
+        )
+        if on
+    ]
+    rc = args.recompute_granularity or "no"
+    if args.recompute_granularity == "full":
+        rc += f" ({args.recompute_method}, {args.recompute_num_layers})"
+    return (
+        f"{'bf16' if args.bf16 else 'fp16' if args.fp16 else 'fp32'}, {opt}"
+        + (f", overlapped {' and '.join(overlap)}" if overlap else "")
+        + f"; {rc} backbone recomputation"
+        + ("; encoder recomputed" if args.recompute_vision else "")
+    )
+
+
+def log_line(
+    it: int,
+    total: int,
+    consumed: int,
+    ms: float,
+    lr: float,
+    gbs: int,
+    loss: float,
+    grad_norm: float,
+    skipped: int = 0,
+    nan: int = 0,
+    loss_scale: float | None = None,
+    truncated: int | None = None,
+) -> str:
+    """Megatron's iteration line; `skipped` / `nan`: iterations since the last line whose step
+    was not applied (non-finite gradient norm, fp16 overflow) / whose loss was NaN or Inf;
+    `loss_scale`: fp16's current loss scale; `truncated`: conversation data's samples cut to
+    --seq-length so far."""
+    now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
+    scale = f"loss scale: {loss_scale:.1f} | " if loss_scale is not None else ""
+    return (
+        f" [{now}] iteration {it:8d}/{total:8d} | consumed samples: {consumed:12d} | "
+        f"elapsed time per iteration (ms): {ms:.1f} | learning rate: {lr:.6E} | "
+        f"global batch size: {gbs:5d} | lm loss: {loss:.6E} | {scale}"
+        f"grad norm: {grad_norm:.3f} | "
+        f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} |"
+        + (f" truncated samples: {truncated} |" if truncated is not None else "")
+    )
+
+
+def validation_lines(
+    iteration: int, loss: float, accuracy: float, answered: int, final: bool = False
+) -> str:
+    """Megatron's validation report between dashed lines, with the exact-match accuracy of
+    the assistant turns (`answered` samples)."""
+    import math
+
+    where = "the end of training for val data" if final else f"iteration {iteration}"
+    ppl = math.exp(min(20.0, loss))
+    text = (
+        f" validation loss at {where} | lm loss value: {loss:.6E} | lm loss PPL: {ppl:.6E} | "
+        f"answer exact match: {accuracy:.4f} ({answered} samples) |"
+    )
+    dashes = "-" * len(text)
+    return f"{dashes}\n{text}\n{dashes}"

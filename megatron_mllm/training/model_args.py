@@ -1,0 +1,176 @@
+"""Between pretrain_mllm.py's arguments and the model: `model_config` (arguments -> MLLMConfig),
+its inverse `model_args`, the model a checkpoint's saved arguments describe, and the initial
+canonical weights."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import replace
+
+import torch
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.models.config import CLIP_VIT, MLLMConfig
+
+
+def _encoder_fields(
+    arch: str | None,
+    activation: str | None,
+    image_size: int,
+    patch_size: int,
+    channels: int,
+    layers: int,
+    hidden: int,
+    heads: int,
+    ffn: int | None,
+) -> dict:
+    """MLLMConfig's encoder fields for one encoder (the first or an --extra-encoder)."""
+    fields = dict(CLIP_VIT) if arch == "clip" else {}
+    if activation:
+        fields["vit_activation"] = activation
+    return dict(
+        fields,
+        image_size=image_size,
+        patch_size=patch_size,
+        channels=channels,
+        vit_layers=layers,
+        vit_hidden=hidden,
+        vit_heads=heads,
+        vit_ffn=ffn,
+    )
+
+
+def model_config(args: argparse.Namespace) -> MLLMConfig:
+    """The model the arguments describe (see arguments.MODEL_ARGS and `model_args`)."""
+    encoder = _encoder_fields(
+        args.encoder_arch,
+        args.encoder_activation,
+        args.img_h,
+        args.patch_dim,
+        args.num_channels,
+        args.encoder_num_layers,
+        args.encoder_hidden_size,
+        args.encoder_num_attention_heads,
+        args.encoder_ffn_hidden_size,
+    )
+    cfg = MLLMConfig(
+        **encoder,
+        llm_layers=args.num_layers,
+        llm_hidden=args.hidden_size,
+        llm_heads=args.num_attention_heads,
+        llm_ffn=args.ffn_hidden_size,
+        vocab_size=args.vocab_size,
+        text_len=args.seq_length,
+        projector_bias=not args.disable_projector_bias,
+        llm_normalization=args.normalization,
+        llm_norm_eps=args.norm_epsilon,
+        llm_swiglu=args.swiglu,
+        llm_bias=not args.disable_bias_linear,
+        llm_query_groups=args.num_query_groups if args.group_query_attention else None,
+        rope_base=args.rotary_base,
+        hidden_dropout=getattr(args, "hidden_dropout", 0.0),
+        attention_dropout=getattr(args, "attention_dropout", 0.0),
+        extra_encoders=tuple(
+            extra_encoder_config(spec, args) for spec in getattr(args, "extra_encoder", [])
+        ),
+    )
+    if getattr(args, "data_path", None):  # conversations: --seq-length holds image tokens too
+        if args.seq_length <= cfg.image_tokens:
+            raise ConfigError(
+                f"--seq-length {args.seq_length} is shorter than one image's "
+                f"{cfg.image_tokens} tokens; give at least {cfg.image_tokens + 1}"
+            )
+        cfg = replace(cfg, text_len=args.seq_length - cfg.image_tokens)
+    cfg.validate(
+        getattr(args, "tensor_model_parallel_size", 1),
+        getattr(args, "encoder_tensor_model_parallel_size", None) or 1,
+        getattr(args, "sequence_parallel", False),
+    )
+    return cfg
+
+
+def extra_encoder_config(spec: str, args: argparse.Namespace) -> MLLMConfig:
+    """An --extra-encoder SPEC as the encoder fields of an MLLMConfig (see encoder_config)."""
+    from megatron_mllm.training.arguments import parse_encoder_spec
+
+    fields = parse_encoder_spec(spec)
+    return MLLMConfig(
+        **_encoder_fields(
+            fields.get("arch"),
+            fields.get("activation"),
+            fields.get("img-h", args.img_h),
+            fields.get("patch-dim", args.patch_dim),
+            args.num_channels,
+            fields["num-layers"],
+            fields["hidden-size"],
+            fields["num-attention-heads"],
+            fields.get("ffn-hidden-size"),
+        )
+    )
+
+
+def _is_clip(cfg: MLLMConfig) -> bool:
+    return all(getattr(cfg, k) == v for k, v in CLIP_VIT.items() if k != "vit_activation")
+
+
+def encoder_spec(enc: MLLMConfig) -> str:
+    """The inverse of `extra_encoder_config`: the --extra-encoder SPEC of an extra encoder."""
+    spec = (
+        f"num-layers={enc.vit_layers},hidden-size={enc.vit_hidden},"
+        f"num-attention-heads={enc.vit_heads},img-h={enc.image_size},patch-dim={enc.patch_size},"
+        f"arch={'clip' if _is_clip(enc) else 'vit'},activation={enc.vit_activation}"
+    )
+    return spec + (f",ffn-hidden-size={enc.vit_ffn}" if enc.vit_ffn else "")
+
+
+def checkpoint_model_config(common: dict) -> MLLMConfig:
+    """The model a checkpoint's common state describes (its saved arguments over defaults)."""
+    from megatron_mllm.training.arguments import build_parser
+
+    args = vars(build_parser().parse_args([]))
+    args.update({k: v for k, v in common.get("args", {}).items() if k in args})
+    return model_config(argparse.Namespace(**args))
+
+
+def model_args(cfg: MLLMConfig) -> dict:
+    """The inverse of `model_config`: argument values (MODEL_ARGS) that rebuild `cfg`."""
+    clip = _is_clip(cfg)
+    args = dict(
+        num_layers=cfg.llm_layers,
+        hidden_size=cfg.llm_hidden,
+        num_attention_heads=cfg.llm_heads,
+        vocab_size=cfg.vocab_size,
+        seq_length=cfg.text_len,
+        encoder_num_layers=cfg.vit_layers,
+        encoder_hidden_size=cfg.vit_hidden,
+        encoder_num_attention_heads=cfg.vit_heads,
+        img_h=cfg.image_size,
+        patch_dim=cfg.patch_size,
+        num_channels=cfg.channels,
+        ffn_hidden_size=cfg.llm_ffn,
+        encoder_ffn_hidden_size=cfg.vit_ffn,
+        encoder_arch="clip" if clip else "vit",
+        encoder_activation=cfg.vit_activation,
+        normalization=cfg.llm_normalization,
+        norm_epsilon=cfg.llm_norm_eps,
+        swiglu=cfg.llm_swiglu,
+        disable_bias_linear=not cfg.llm_bias,
+        group_query_attention=cfg.llm_query_groups is not None,
+        num_query_groups=cfg.llm_query_groups or 1,
+        rotary_base=cfg.rope_base,
+        disable_projector_bias=not cfg.projector_bias,
+        extra_encoder=[encoder_spec(e) for e in cfg.extra_encoders],
+    )
+    rebuilt = model_config(argparse.Namespace(**args))
+    if rebuilt != cfg:
+        diff = [k for k, v in vars(cfg).items() if getattr(rebuilt, k) != v]
+        raise ConfigError(f"model fields {', '.join(diff)} have no pretrain_mllm.py argument")
+    return args
+
+
+def initial_weights(cfg: MLLMConfig, groups) -> dict[str, torch.Tensor]:
+    """Initial canonical weights, the same on every rank (an unsharded model from the seed)."""
+    from megatron_mllm.models.weights import full_state
+    from megatron_mllm.runtime.model_builder import build_full_model
+
+    return full_state(*build_full_model(cfg, group=groups.solo).modules)

@@ -1,0 +1,109 @@
+"""Resume: what a training checkpoint holds beyond the weights and how a run continues from it.
+
+A checkpoint (training/checkpointing.py, torch_dist) holds every part's weights and optimizer
+state, the LR scheduler, fp16's loss scale, the arguments, and per-replica objects: each
+backbone DP replica's data-loader position (saved by the replica's first rank; every rank of the
+replica reads it back) and coreset selector, and every rank's RNG streams (kept only when the
+layout is the same)."""
+
+from __future__ import annotations
+
+import argparse
+
+from megatron_mllm.training import checkpointing
+
+LAYOUT_ARGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+
+
+def _saved_args(args: argparse.Namespace) -> dict:
+    """The run's arguments, minus what differs between ranks or is not an argument."""
+    return {k: v for k, v in vars(args).items() if k not in ("rank", "coreset")}
+
+
+class Checkpointer:
+    """Saves and loads one rank's share of a training run (`run`: an ExecutorRun)."""
+
+    def __init__(self, args, run, full_shapes: dict, scheduler) -> None:
+        self.args, self.run, self.full_shapes, self.scheduler = args, run, full_shapes, scheduler
+        plan, c = run.job.backbone, run.groups.coords
+        self.plan, self.coords = plan, c
+        enc_tp = c.tp if run.stage0 else c.enc_tp
+        enc_replica = (
+            c.dp if run.stage0 else (c.enc_slot + run.groups.slots * (c.dp + plan.dp * c.enc_row))
+        )
+        self.parts = [(chunk, c.tp, plan.tp, c.dp) for chunk in run.chunks]
+        self.parts += [(encoder, enc_tp, run.enc_tp, enc_replica) for encoder in run.encoders]
+        # The coreset selector lives on the last stage's TP rank 0 of each replica.
+        self.holds_selector = run.selector is not None and run.backbone.post_process and c.tp == 0
+        # Every rank of a replica holds its loader's state; stage 0's TP rank 0 writes it.
+        self.data_copy = c.stage * plan.tp + c.tp
+        self.streams = bool(run.data.streams)
+
+    def _objects(self, saving: bool) -> dict:
+        """name -> (state or None, index, count) of the per-replica and per-rank objects."""
+        run, c, plan = self.run, self.coords, self.plan
+        rng = checkpointing.capture_rng_state() if saving else None
+        out = {"rng_state": (rng, self.args.rank, self.args.world_size)}
+        if self.holds_selector:
+            out["coreset_selector"] = (run.selector.state_dict() if saving else None, c.dp, plan.dp)
+        if self.streams:
+            state = run.data.state(c.dp) if saving else None
+            out["data_loader"] = (state, c.dp, plan.dp, self.data_copy)
+        return out
+
+    def save(self, iteration: int) -> None:
+        args, grad_scaler = self.args, self.run.grad_scaler
+        from megatron_mllm.runtime.optimizer import grad_scaler_state
+
+        common = {
+            "iteration": iteration,
+            "scheduler": self.scheduler.state_dict(),
+            "grad_scaler": grad_scaler_state(grad_scaler) if grad_scaler is not None else None,
+            "consumed_samples": iteration * args.global_batch_size,
+            "args": _saved_args(args),
+        }
+        checkpointing.save(
+            args.save,
+            iteration,
+            self.parts,
+            self.full_shapes,
+            self.run.optimizer,
+            common,
+            self._objects(saving=True),
+        )
+
+    def load(self) -> tuple[int, str]:
+        """Load `args.load`; returns (the iteration to continue from, what was loaded)."""
+        args, run = self.args, self.run
+        saved = checkpointing.read_common(args.load)
+        saved_args = saved.get("args", {})
+        objects = self._objects(saving=False)
+        same_layout = all(saved_args.get(k) == getattr(args, k) for k in LAYOUT_ARGS)
+        if not same_layout:  # resharded: RNG streams belong to ranks that no longer exist
+            objects.pop("rng_state")
+        same_data = saved_args.get("data_parallel_size") == args.data_parallel_size and (
+            saved_args.get("data_path") == args.data_path
+        )
+        if not same_data:  # loader positions belong to other DP ranks (or other data)
+            objects.pop("data_loader", None)
+        common = checkpointing.load(args.load, self.parts, self.full_shapes, run.optimizer, objects)
+        if saved.get("model_only"):
+            return 0, "model weights only (no optimizer, scheduler or RNG state)"
+        loaded = common["objects"]
+        if self.holds_selector:
+            run.selector.load_state_dict(loaded["coreset_selector"])
+        if "rng_state" in loaded:
+            checkpointing.restore_rng_state(loaded["rng_state"])
+        if "data_loader" in loaded:
+            run.data.restore(self.coords.dp, loaded["data_loader"])
+        self.scheduler.load_state_dict(common["scheduler"])
+        grad_scaler = run.grad_scaler
+        if grad_scaler is not None and common.get("grad_scaler") is not None:
+            from megatron_mllm.runtime.optimizer import load_grad_scaler_state
+
+            load_grad_scaler_state(grad_scaler, common["grad_scaler"])  # fp16: the loss scale
+        what = f"iteration {common['iteration']}"
+        what += "" if same_layout else ", resharded; fresh RNG"
+        if self.streams and not same_data:
+            what += "; the data loader starts anew (other DP size or data)"
+        return common["iteration"], what
