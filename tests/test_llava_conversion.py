@@ -22,7 +22,7 @@ IMAGE_TOKEN = 99
 TEXT = 6
 
 
-def tiny_llava(**overrides):
+def tiny_llava(image_size=16, patch_size=4, vocab_size=100, image_token=IMAGE_TOKEN, **overrides):
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -35,8 +35,8 @@ def tiny_llava(**overrides):
         intermediate_size=64,
         num_hidden_layers=3,
         num_attention_heads=4,
-        image_size=16,
-        patch_size=4,
+        image_size=image_size,
+        patch_size=patch_size,
     )
     text = LlamaConfig(
         hidden_size=48,
@@ -44,11 +44,11 @@ def tiny_llava(**overrides):
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention
-        vocab_size=100,
+        vocab_size=vocab_size,
         rope_theta=5000.0,
     )
     config = LlavaConfig(
-        vision_config=vision, text_config=text, image_token_index=IMAGE_TOKEN, **overrides
+        vision_config=vision, text_config=text, image_token_index=image_token, **overrides
     )
     torch.manual_seed(0)
     model = LlavaForConditionalGeneration(config).eval()
@@ -173,3 +173,53 @@ def test_a_model_with_several_encoders_does_not_export():
     check_exportable(llava)  # one CLIP tower + Llama: exportable
     with pytest.raises(ConfigError, match="has 2 encoders; LLaVA has one vision tower"):
         check_exportable(replace(llava, extra_encoders=(MLLMConfig(**CLIP_VIT),)))
+
+
+@pytest.mark.slow  # two conversions, a fine-tuning run and generation
+def test_llava_fine_tunes_on_conversations_and_generates(tmp_path, llava_dataset):
+    """A tiny random LLaVA with the data set's tokenizer (its image token, 384 ids): converted,
+    fine-tuned on the LLaVA-format conversations under PP=2 Optimus, converted back; the
+    weights moved and transformers' own `generate` answers a conversation with an image."""
+    from transformers import LlavaForConditionalGeneration
+
+    from megatron_mllm.data.llava import IMAGE, LlavaRecord
+    from megatron_mllm.data.task_encoder import CLIP_MEAN, CLIP_STD, EncodeSpec, encode_record
+    from megatron_mllm.data.tokenizer import load_tokenizer
+
+    data, tokenizer = llava_dataset
+    tok = load_tokenizer(tokenizer)
+    model = tiny_llava(32, 8, 384, tok.image_token_id)
+    model.save_pretrained(tmp_path / "hf")
+    rc, log = convert("hf-to-mcore", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mc",
+                      "--seq-length", 64)  # fmt: skip
+    assert rc == 0, log
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        str(ROOT / "pretrain_mllm.py"), "--pipeline-model-parallel-size", "2",
+        "--bubble-schedule", "optimus", "--load", str(tmp_path / "mc"), "--use-checkpoint-args",
+        "--data-path", str(data), "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", str(tokenizer), "--micro-batch-size", "2", "--global-batch-size",
+        "4", "--train-iters", "3", "--lr", "1e-3", "--num-workers", "0",
+        "--save", str(tmp_path / "ft"),
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "model weights only" in out.stdout and "iteration        3/       3" in out.stdout
+    rc, log = convert("mcore-to-hf", "--load-dir", tmp_path / "ft", "--save-dir", tmp_path / "back")
+    assert rc == 0, log
+    back = LlavaForConditionalGeneration.from_pretrained(tmp_path / "back").eval()
+    assert back.config.image_token_index == tok.image_token_id  # the source's, kept
+    before, after = model.state_dict(), back.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    record = LlavaRecord("q", ("x.png",), (("human", f"{IMAGE}\nWhat digit is shown?"),))
+    images = sorted((data.parent / "src" / "images").glob("*.png"))[:1]
+    spec = EncodeSpec(tok, 64, 16, 32, CLIP_MEAN, CLIP_STD)
+    batch = encode_record(record, [images[0].read_bytes()], spec)
+    answer_ids = tok("assistant: ", add_special_tokens=False)["input_ids"]
+    n = int((batch.tokens[0] != tok.pad_token_id).sum())
+    ids = torch.cat([batch.tokens[:, :n], torch.tensor([answer_ids])], dim=1)
+    with torch.no_grad():
+        generated = back.generate(
+            input_ids=ids, pixel_values=batch.images, max_new_tokens=4, do_sample=False
+        )
+    assert generated.shape[1] == ids.shape[1] + 4 or tok.eos_token_id in generated[0].tolist()

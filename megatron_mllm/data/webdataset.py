@@ -88,7 +88,7 @@ class ImageCaptionShards:
         if not shards:
             raise ConfigError(
                 f"--data-path {path}: no .tar shards there; make the tiny default "
-                "with `python tools/make_digit_shards.py DIR`"
+                "(the coreset benchmark writes them with `write_digit_shards`)"
             )
         images, captions = {}, {}
         for shard in shards:

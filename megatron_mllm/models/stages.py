@@ -227,6 +227,11 @@ class EncoderStage(nn.Module):
         return y + bias if bias is not None else y
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.numel() == 0:  # a micro-batch without images: nothing to compute
+            cfg, n = self.cfg, x.shape[0] if self.first else x.shape[1]
+            if self.last:
+                return x.new_zeros(cfg.num_patches, n, cfg.llm_hidden)
+            return x.new_zeros(cfg.encoder_seq_len, n, cfg.vit_hidden)
         state = (x,)
         for u in range(self.num_units):
             state = self.run_unit(u, state)

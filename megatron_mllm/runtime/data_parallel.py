@@ -87,6 +87,18 @@ class PartGradSync:
         groups = [g for ddp in self.ddps for g in ddp.bucket_groups]
         self.in_flight_at_rs.append(sum(g.grad_reduce_handle is not None for g in groups))
 
+    def no_gradient(self, params) -> None:
+        """A backward that had nothing to do (a micro-batch without images): with overlap its
+        parameters count as ready, as their hooks would have counted them, so each bucket
+        starts its reduction after the step's last backward whatever the data held."""
+        if not self.overlap:
+            return
+        for p in params:
+            for ddp in self.ddps:
+                group = ddp.param_to_bucket_group.get(p)
+                if group is not None:
+                    group.register_grad_ready(p)
+
     def finish(self) -> None:
         """At step end (every rank takes the parts in one order): the reduction without
         overlap, bucketed; with it, the wait (the first step also starts it here)."""

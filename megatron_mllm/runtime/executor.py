@@ -559,6 +559,9 @@ class Executor:
             if a.k0 == 0:
                 self._take(self._needs(a)[0])
             self._bwd_done[key] = a.k1
+            sync = self.grad_sync.get(part_name(a.enc))
+            if sync is not None and a.k1 == total:  # each parameter's hook fires once per mb
+                sync.no_gradient(p for p in self.encoders[a.enc].parameters() if p.requires_grad)
         if a.k1 < total:
             return
         if forward:

@@ -432,8 +432,15 @@ def _check_data(args: argparse.Namespace) -> None:
             "--data-path needs --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR"
         )
     tok = load_tokenizer(args.tokenizer_model, args.image_token)
-    step = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
-    args.vocab_size = -(-len(tok) // step) * step
+    if args.use_checkpoint_args:  # the checkpoint's vocabulary must hold the tokenizer's
+        if len(tok) > args.vocab_size:
+            raise ConfigError(
+                f"--tokenizer-model {args.tokenizer_model} has {len(tok)} tokens, more than "
+                f"the checkpoint's vocabulary of {args.vocab_size}"
+            )
+    else:  # Megatron pads a tokenizer's vocabulary for TP
+        step = args.make_vocab_size_divisible_by * args.tensor_model_parallel_size
+        args.vocab_size = -(-len(tok) // step) * step
     if args.num_workers < 0:
         raise ConfigError(f"--num-workers {args.num_workers}: give 0 or more")
     if args.eval_iters < 0 or (args.eval_interval is not None and args.eval_interval < 1):

@@ -38,6 +38,7 @@ class Checkpointer:
         # Every rank of a replica holds its loader's state; stage 0's TP rank 0 writes it.
         self.data_copy = c.stage * plan.tp + c.tp
         self.streams = bool(run.data.streams)
+        self.source = None  # a converted model's origin (its LLaVA config), kept when saving
 
     def _objects(self, saving: bool) -> dict:
         """name -> (state or None, index, count) of the per-replica and per-rank objects."""
@@ -62,6 +63,8 @@ class Checkpointer:
             "consumed_samples": iteration * args.global_batch_size,
             "args": _saved_args(args),
         }
+        if self.source is not None:
+            common["source"] = self.source
         checkpointing.save(
             args.save,
             iteration,
@@ -77,6 +80,7 @@ class Checkpointer:
         args, run = self.args, self.run
         saved = checkpointing.read_common(args.load)
         saved_args = saved.get("args", {})
+        self.source = saved.get("source")
         objects = self._objects(saving=False)
         same_layout = all(saved_args.get(k) == getattr(args, k) for k in LAYOUT_ARGS)
         if not same_layout:  # resharded: RNG streams belong to ranks that no longer exist
