@@ -24,6 +24,13 @@ class MicroBatch:
     image_mask: torch.Tensor  # [b, s] bool: where image embeddings go
     ids: tuple[str, ...] = field(default=())  # sample ids (real data)
     truncated: int = 0  # samples cut to the sequence length
+    image_tokens: int = 0  # positions per image (checked against the mask on the host)
+
+    def __post_init__(self) -> None:
+        if self.image_tokens and self.image_mask.device.type == "cpu":
+            marked, wanted = int(self.image_mask.sum()), self.num_images * self.image_tokens
+            if marked != wanted:
+                raise ValueError(f"{marked} image positions for {self.num_images} images")
 
     @property
     def num_images(self) -> int:
@@ -70,7 +77,7 @@ def image_then_text(images: torch.Tensor, text: torch.Tensor, image_tokens: int)
     labels[:, image_tokens - 1 : image_tokens - 1 + t] = text
     mask = torch.zeros(b, image_tokens + t, dtype=torch.bool, device=text.device)
     mask[:, :image_tokens] = True
-    return MicroBatch(images, tokens, labels, mask)
+    return MicroBatch(images, tokens, labels, mask, image_tokens=image_tokens)
 
 
 def collate(samples: list[MicroBatch]) -> MicroBatch:
@@ -82,4 +89,5 @@ def collate(samples: list[MicroBatch]) -> MicroBatch:
         image_mask=torch.cat([s.image_mask for s in samples]),
         ids=tuple(i for s in samples for i in s.ids),
         truncated=sum(s.truncated for s in samples),
+        image_tokens=samples[0].image_tokens,
     )

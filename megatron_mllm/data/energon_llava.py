@@ -283,6 +283,12 @@ def check_has_validation(path: str | Path) -> None:
         raise ConfigError(f"{path}: has no validation split; convert again with --val-fraction > 0")
 
 
+def validation_samples(path: str | Path) -> int:
+    """How many samples the validation split holds (energon's index of the shards)."""
+    counts = json.loads((Path(path) / ".nv-meta" / ".info.json").read_text())["shard_counts"]
+    return sum(n for name, n in counts.items() if Path(name).name.startswith("val-"))
+
+
 def open_loader(
     path: str | Path,
     split: str,

@@ -85,6 +85,18 @@ def _pieces(turns: tuple[tuple[str, str], ...], tokenizer) -> list[tuple[str, bo
     return [(text, answer) for text, answer in out if text]
 
 
+def check_tokenizer(tokenizer, where: str) -> None:
+    """One line, before training, for a tokenizer the task encoder cannot use: a chat template
+    that does not render turn by turn, or neither a pad nor an end token to pad with."""
+    turns = (("human", "a"), ("gpt", "b"), ("human", "c"), ("gpt", "d"))
+    try:
+        _pieces(turns, tokenizer)
+    except ConfigError as err:
+        raise ConfigError(f"--tokenizer-model {where}: {err}") from None
+    if tokenizer.pad_token_id is None and tokenizer.eos_token_id is None:
+        raise ConfigError(f"--tokenizer-model {where}: no pad or end token to pad sequences with")
+
+
 def tokenize_record(
     record: LlavaRecord, spec: EncodeSpec
 ) -> tuple[list[int], list[bool], list[int]]:
@@ -131,7 +143,9 @@ def encode_record(record: LlavaRecord, image_bytes: list[bytes], spec: EncodeSpe
     images = [preprocess_image(b, spec.image_size, spec.mean, spec.std) for b in image_bytes[:kept]]
     size = spec.image_size
     stacked = torch.stack(images) if images else torch.empty(0, 3, size, size)
-    return MicroBatch(stacked, tokens, labels, mask, ids=(record.id,), truncated=int(truncated))
+    return MicroBatch(
+        stacked, tokens, labels, mask, (record.id,), int(truncated), spec.image_tokens
+    )
 
 
 def encode_batch(records: list[tuple[LlavaRecord, list[bytes]]], spec: EncodeSpec) -> MicroBatch:

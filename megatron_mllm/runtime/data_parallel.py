@@ -93,11 +93,12 @@ class PartGradSync:
         starts its reduction after the step's last backward whatever the data held."""
         if not self.overlap:
             return
-        for p in params:
-            for ddp in self.ddps:
-                group = ddp.param_to_bucket_group.get(p)
-                if group is not None:
-                    group.register_grad_ready(p)
+        wanted = set(params)
+        for ddp in self.ddps:  # bucket by bucket, the order a real backward readies them in
+            for group in ddp.bucket_groups:
+                for p in group.params:
+                    if p in wanted:
+                        group.register_grad_ready(p)
 
     def finish(self) -> None:
         """At step end (every rank takes the parts in one order): the reduction without

@@ -299,7 +299,13 @@ class ExecutorRun:
             evaluate=True,
             ordered=self.eval_ordered,
         )
-        result = executor.run_step()
+        for module in self.rank_model.modules:  # no dropout (and no RNG draws) in validation
+            module.eval()
+        try:
+            result = executor.run_step()
+        finally:
+            for module in self.rank_model.modules:
+                module.train()
         return {"losses": result.losses, "matches": result.matches}
 
     def step(self, step: int) -> None:

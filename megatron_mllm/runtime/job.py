@@ -193,6 +193,15 @@ def check_job(job: RuntimeJob, world: int) -> None:
             f"the job was started with {world}"
         )
     job.cfg.validate(job.backbone.tp, sequence_parallel=job.plans.sequence_parallel)
+    if (
+        job.mode == "megatron_core"
+        and job.data.llava is not None
+        and job.optimizer.overlap_grad_reduce
+    ):
+        raise ConfigError(
+            "megatron-core's own schedule with overlapped reductions expects every step's last "
+            "micro-batch to reach the encoder; a text-only one does not: drop the overlap"
+        )
     if job.cfg.llm_layers % job.backbone.pp:
         raise ConfigError(
             f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"

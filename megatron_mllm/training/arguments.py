@@ -421,17 +421,32 @@ def _check_data(args: argparse.Namespace) -> None:
                 "--tokenizer-model and --eval-iters read conversation data: give --data-path"
             )
         return
-    from megatron_mllm.data.energon_llava import check_energon_dataset, check_has_validation
+    from megatron_mllm.data.energon_llava import (
+        check_energon_dataset,
+        check_has_validation,
+        validation_samples,
+    )
+    from megatron_mllm.data.task_encoder import check_tokenizer
     from megatron_mllm.data.tokenizer import load_tokenizer
 
     check_energon_dataset(args.data_path)
     if args.eval_iters:
         check_has_validation(args.data_path)
+        share = validation_samples(args.data_path) // (
+            args.data_parallel_size * max(1, args.num_workers)
+        )
+        if share < args.micro_batch_size:
+            raise ConfigError(
+                f"{args.data_path}: each DP rank's loader worker gets {share} validation "
+                f"samples, fewer than --micro-batch-size {args.micro_batch_size}; convert with "
+                "a larger --val-fraction, or use fewer workers or a smaller micro-batch"
+            )
     if args.tokenizer_type != "HuggingFaceTokenizer" or not args.tokenizer_model:
         raise ConfigError(
             "--data-path needs --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR"
         )
     tok = load_tokenizer(args.tokenizer_model, args.image_token)
+    check_tokenizer(tok, args.tokenizer_model)
     if args.use_checkpoint_args:  # the checkpoint's vocabulary must hold the tokenizer's
         if len(tok) > args.vocab_size:
             raise ConfigError(

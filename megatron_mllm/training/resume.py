@@ -85,9 +85,12 @@ class Checkpointer:
         same_layout = all(saved_args.get(k) == getattr(args, k) for k in LAYOUT_ARGS)
         if not same_layout:  # resharded: RNG streams belong to ranks that no longer exist
             objects.pop("rng_state")
-        same_data = saved_args.get("data_parallel_size") == args.data_parallel_size and (
-            saved_args.get("data_path") == args.data_path
-        )
+        same_data = all(  # a loader position only fits a loader opened the same way
+            saved_args.get(k) == getattr(args, k)
+            for k in (
+                "data_parallel_size", "data_path", "micro_batch_size", "num_workers", "seed"
+            )
+        )  # fmt: skip
         if not same_data:  # loader positions belong to other DP ranks (or other data)
             objects.pop("data_loader", None)
         common = checkpointing.load(args.load, self.parts, self.full_shapes, run.optimizer, objects)
@@ -109,5 +112,7 @@ class Checkpointer:
         what = f"iteration {common['iteration']}"
         what += "" if same_layout else ", resharded; fresh RNG"
         if self.streams and not same_data:
-            what += "; the data loader starts anew (other DP size or data)"
+            what += (
+                "; the data loader starts anew (other DP size, data, micro-batch, workers or seed)"
+            )
         return common["iteration"], what

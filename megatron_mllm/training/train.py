@@ -240,11 +240,12 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
         mean = mean_loss(run.history[-1], device)  # reads the step's results: ends it
         ms = 1000 * (time.perf_counter() - t0)
         skipped, nan = skipped + (not applied), nan + (not math.isfinite(mean))
-        if args.rank == 0 and ((it + 1) % args.log_interval == 0 or it + 1 == args.train_iters):
+        log_now = (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters
+        truncated = truncated_samples(run, device) if log_now and run.data.streams else None
+        if args.rank == 0 and log_now:
             # Coreset: every sample of the pool counts as consumed.
             ratio = args.coreset.pool_ratio if args.coreset is not None else 1
             consumed = int((it + 1) * args.global_batch_size * ratio)
-            truncated = run.data.truncated if run.data.streams else None
             line = log_line(
                 it + 1,
                 args.train_iters,
@@ -284,6 +285,19 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
         writer.close()
 
 
+def truncated_samples(run, device) -> int:
+    """Samples cut to --seq-length so far, over every DP replica (collective: each replica's
+    stage-0 TP-rank-0 counts its stream)."""
+    import torch
+    import torch.distributed as dist
+
+    c = run.groups.coords
+    mine = run.data.truncated if (c.tp == 0 and c.stage == 0) else 0
+    total = torch.tensor([mine], dtype=torch.long, device=device)
+    dist.all_reduce(total)
+    return int(total)
+
+
 def _replan(run, rank: int) -> None:
     replanned = run.replan()
     if rank != 0:
@@ -318,9 +332,10 @@ class Validation:
         import torch.distributed as dist
 
         total = torch.zeros(4, dtype=torch.float64, device=self.device)
+        counts = self.run.groups.coords.tp == 0  # every TP rank of the last stage has them
         for i in range(self.args.eval_iters):
             out = self.run.evaluate(self.data.step(i))
-            for mb, loss in out["losses"].items():
+            for mb, loss in out["losses"].items() if counts else ():
                 exact, answered = out["matches"][mb]
                 total += torch.tensor([loss, 1, exact, answered], dtype=torch.float64).to(total)
         dist.all_reduce(total)
