@@ -115,3 +115,24 @@ def test_mixed_image_counts_agree_with_the_reference(references, data, plan, sch
         after = {k: v for o in outs for k, v in o["history"][step].items()}
         for k, v in reference[1]["history"][step].items():
             assert after[k] == pytest.approx(v, abs=1e-4)
+
+
+def test_optimus_is_planned_for_the_data_sets_average_load(llava_dataset):
+    """The converter records the training split's mean images per sample; the planner's
+    encoder work scales with it (text-only samples count 0)."""
+    from megatron_mllm.data.energon_llava import images_per_sample
+    from megatron_mllm.runtime.schedules import job_of
+    from megatron_mllm.schedule.blocks import JobCosts
+
+    load = images_per_sample(llava_dataset[0])
+    assert load == pytest.approx(1.0)  # the digits' sources take 1, 2, 1 and 0 images in turn
+    load = 1.7
+    plan = ParallelPlan(1, 1, 2)
+    costs = {x: JobCosts(job_of(CFG, plan, MB, N, images_per_sample=x), unit="layer")
+             for x in (1.0, load)}  # fmt: skip
+    one, mean = (sum(k.total_s for b in c.encoder_blocks(0, 1) for k in b.fwd)
+                 for c in costs.values())  # fmt: skip
+    assert mean == pytest.approx(one * load)
+    heavy, light = (runtime_schedule(CFG, plan, MB, N, "optimus", images_per_sample=x)
+                    for x in (4.0, 0.25))  # fmt: skip
+    assert heavy.ranks != light.ranks or heavy.meta != light.meta

@@ -383,6 +383,7 @@ def test_trains_on_llava_conversations_validates_and_resumes_exactly(tmp_path, l
     assert "validation loss at the end of training for val data |" in straight.stdout
     assert re.search(r"answer exact match: [0-9.]+ \(\d+ samples\)", straight.stdout)
     assert "truncated samples: " in straight.stdout
+    assert "planned for 1.00 images per sample" in straight.stdout  # the data set's mean
 
 
 def test_bad_conversation_arguments_fail_in_one_line(tmp_path, llava_dataset):

@@ -57,6 +57,7 @@ subflavors:
 """
 SUBFLAVORS = {"format": "megatron_mllm.llava"}
 SPLITS = ("train", "val")
+STATS = ".nv-meta/megatron_mllm.json"  # ours beside energon's index: the encoder's load
 TOOL = "tools/llava_to_energon.py"
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
@@ -160,6 +161,9 @@ def convert_llava(
                             bar.update()
                     shards.append(name)
         _prepare(tmp, shards, has_val=bool(val))
+        load = sum(len(records[i].images) for i in train) / max(1, len(train))
+        stats = {"train_samples": len(train), "images_per_sample": load}
+        (tmp / STATS).write_text(json.dumps(stats) + "\n")
         if out.exists():
             out.rmdir()
         tmp.rename(out)
@@ -281,6 +285,13 @@ def check_has_validation(path: str | Path) -> None:
     """Refuse, in one line, a dataset without a validation split."""
     if "val:" not in (Path(path) / ".nv-meta" / "split.yaml").read_text():
         raise ConfigError(f"{path}: has no validation split; convert again with --val-fraction > 0")
+
+
+def images_per_sample(path: str | Path) -> float:
+    """The training split's mean images per sample (text-only samples count 0), written by
+    `convert_llava`; 1.0 for a dataset converted without it."""
+    stats = Path(path) / STATS
+    return json.loads(stats.read_text())["images_per_sample"] if stats.is_file() else 1.0
 
 
 def validation_samples(path: str | Path) -> int:

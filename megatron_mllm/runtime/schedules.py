@@ -38,6 +38,7 @@ def job_of(
     frozen_encoder: bool = False,
     sequence_parallel: bool = False,
     recompute: Recompute = NO_RECOMPUTE,
+    images_per_sample: float = 1.0,
 ) -> MLLMJob:
     """The schedule core's job for the runtime's model (for planning and simulation)."""
     llm = cfg.transformer_specs()[1]
@@ -55,6 +56,7 @@ def job_of(
         sequence_parallel=sequence_parallel and plan.tp > 1,
         frozen_encoders=frozen_encoder,
         recompute=recompute,
+        images_per_sample=images_per_sample,
     )
 
 
@@ -75,6 +77,7 @@ def runtime_plan(
     unit: str = "layer",
     sequence_parallel: bool = False,
     recompute: Recompute = NO_RECOMPUTE,
+    images_per_sample: float = 1.0,
     **options,
 ) -> tuple[Schedule, Workload]:
     """A validated schedule and its costs for the runtime's model at layer (or, with
@@ -82,9 +85,17 @@ def runtime_plan(
     "megatron" (encoder on stage 0, 1F1B, even layer split), "balanced" (the same with the
     balancing first-stage split) or "optimus" (planned, or with `encoder_plan` forced).
     `sequence_parallel`: the backbone's TP collectives are reduce-scatters and all-gathers;
-    `recompute`: recomputed layers cost a second forward and keep only their input."""
+    `recompute`: recomputed layers cost a second forward and keep only their input;
+    `images_per_sample`: the encoders' average load (conversation data)."""
     job = job_of(
-        cfg, plan, micro_batch, num_microbatches, frozen_encoder, sequence_parallel, recompute
+        cfg,
+        plan,
+        micro_batch,
+        num_microbatches,
+        frozen_encoder,
+        sequence_parallel,
+        recompute,
+        images_per_sample,
     )
     costs = JobCosts(job, measured, unit=unit)
     if name not in ("megatron", "balanced", "optimus"):

@@ -194,10 +194,13 @@ class JobCosts:
         )
 
     def encoder_blocks(self, e: int, tp: int) -> list[Block]:
-        """Patch embedding, layers, projector (the projector includes the final norm)."""
+        """Patch embedding, layers, projector (the projector includes the final norm), each
+        for the job's average images per sample (its time and activations scale with them)."""
         spec = self.job.encoders[e]
         layers = [self.encoder_layer(e, tp) for _ in range(spec.num_layers)]
-        return [self.patch_embedding(e), *layers, self.projector(e, tp)]
+        blocks = [self.patch_embedding(e), *layers, self.projector(e, tp)]
+        load = self.job.images_per_sample
+        return blocks if load == 1.0 else [_scaled(b, load) for b in blocks]
 
     def backbone_blocks(self, tp: int) -> list[Block]:
         return [self.backbone_layer(tp) for _ in range(self.job.backbone.num_layers)] + [
@@ -221,3 +224,15 @@ def state_bytes(block: Block, dp: int) -> float:
     """Model-state bytes on one GPU: trainable params in full, frozen ones as bf16 only."""
     frozen = block.params - block.trainable_params
     return block.trainable_params * model_state_bytes_per_param(dp) + frozen * 2.0
+
+
+def _scaled(block: Block, load: float) -> Block:
+    """A block for `load` times the images it was costed for (compute, its collectives and
+    activations are linear in the images; the parameters are not)."""
+
+    def kernels(ks: list[Kernel]) -> list[Kernel]:
+        return [replace(k, compute_s=k.compute_s * load, comm_s=k.comm_s * load) for k in ks]
+
+    return replace(
+        block, fwd=kernels(block.fwd), bwd=kernels(block.bwd), act_bytes=block.act_bytes * load
+    )

@@ -68,6 +68,9 @@ class MLLMJob:
     encoder_seq_len: int | None = None
     recompute: Recompute = NO_RECOMPUTE
     ddp_bucket_size: int | None = None  # parameters per DDP bucket; None: megatron-core's
+    # The encoders' load: images per sample on average (conversation data: the data set's
+    # mean, text-only samples counting 0); a micro-batch's encoder work scales with it.
+    images_per_sample: float = 1.0
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +95,8 @@ class MLLMJob:
         ):
             if value < 1:
                 raise ConfigError(f"{name} is {value}; it must be a positive integer")
+        if not 0 <= self.images_per_sample < 1e6:
+            raise ConfigError(f"images per sample {self.images_per_sample}: give a number >= 0")
         if not self.encoders:
             raise ConfigError("no encoder given; pass at least one --encoder")
         plan = self.plan  # checks GPU count against TP x PP

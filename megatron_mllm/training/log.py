@@ -23,8 +23,9 @@ def mean_loss(losses: dict, device: torch.device) -> float:
     return float(total[0] / total[1])
 
 
-def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p) -> str:
-    """Both plans and the predicted bubble ratio (`p`, the simulator's result), one screen."""
+def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p, load: float = 1.0) -> str:
+    """Both plans and the predicted bubble ratio (`p`, the simulator's result) for `load`
+    images per sample, one screen."""
     where = "whole, on backbone stage 0" if stage0 else "colocated on every backbone stage"
     if args.extra_encoder:
         where = f"{1 + len(args.extra_encoder)} encoders, each " + where
@@ -36,7 +37,7 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p) -> str:
             + (", sequence parallel" if args.sequence_parallel else ""),
             f" > encoder plan:  {enc_plan} ({where})",
             f" > schedule: {args.bubble_schedule}; {n_mb} micro-batches of {args.micro_batch_size} "
-            f"per step and DP replica",
+            f"per step and DP replica, planned for {load:.2f} images per sample",
             " > " + training_summary(args),
             f" > predicted by the analytic CPU cost model (uncalibrated): step "
             f"{1000 * p.step_time_s:.1f} ms, bubble ratio "

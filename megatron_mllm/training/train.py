@@ -56,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         unit=args.fill_granularity if args.bubble_schedule == "optimus" else "layer",
         sequence_parallel=args.sequence_parallel,
         recompute=recompute_of(args),
+        images_per_sample=encoder_load(args),
     )
     layers = schedule.meta.backbone_layers
     if plan.vpp > 1 and len(set(layers)) > 1:
@@ -171,7 +172,8 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
         if rank == 0:
             print(f" loaded checkpoint from {args.load}: {what}", flush=True)
     if rank == 0:
-        print(startup_summary(args, plan, enc_plan, stage0, n_mb, predicted), flush=True)
+        summary = startup_summary(args, plan, enc_plan, stage0, n_mb, predicted, encoder_load(args))
+        print(summary, flush=True)
     validation = Validation(args, run, device) if args.eval_iters and job.data.llava else None
     _loop(args, run, scheduler, checkpointer, validation, start, device)
     if validation is not None:
@@ -183,6 +185,15 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def encoder_load(args) -> float:
+    """Images per sample the plan is made for: the data set's mean (1.0 for synthetic data)."""
+    if not args.data_path:
+        return 1.0
+    from megatron_mllm.data.energon_llava import images_per_sample
+
+    return images_per_sample(args.data_path)
 
 
 def llava_data(args):
