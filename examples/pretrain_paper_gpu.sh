@@ -18,7 +18,8 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
-DATA_PATH=${DATA_PATH:-}          # WebDataset shards; synthetic image-caption pairs if empty
+DATA_PATH=${DATA_PATH:-}          # energon LLaVA dataset (tools/llava_to_energon.py); synthetic if empty
+TOKENIZER_MODEL=${TOKENIZER_MODEL:-}  # with DATA_PATH: the LLaVA's Hugging Face tokenizer directory
 SAVE=${SAVE:-checkpoints/$MODEL}
 TENSORBOARD_DIR=${TENSORBOARD_DIR:-tensorboard/$MODEL}
 GLOBAL_BATCH_SIZE=${GLOBAL_BATCH_SIZE:-1536}
@@ -63,7 +64,11 @@ PARALLEL_ARGS=(
     --bubble-schedule "$SCHEDULE"
 )
 DATA_ARGS=()
-if [[ -n "$DATA_PATH" ]]; then DATA_ARGS=(--data-path "$DATA_PATH"); fi
+if [[ -n "$DATA_PATH" ]]; then
+    DATA_ARGS=(--data-path "$DATA_PATH" --tokenizer-type HuggingFaceTokenizer
+               --tokenizer-model "$TOKENIZER_MODEL" --num-workers 4
+               --eval-interval 1000 --eval-iters 10)
+fi
 PRECISION_ARGS=(
     --bf16 --use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather
     --accumulate-allreduce-grads-in-fp32

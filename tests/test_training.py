@@ -311,6 +311,11 @@ def test_log_line_counts_nan_and_skipped_iterations():
     ],
 )
 def test_bad_arguments_fail_before_any_group(args, msg):
+    assert_refused_in_one_line(args, msg)
+
+
+def assert_refused_in_one_line(args: list[str], msg: str) -> None:
+    """pretrain_mllm.py with `args` (as rank 0 of 2) exits 2 with one line holding `msg`."""
     proc = subprocess.run(
         [sys.executable, str(ROOT / "pretrain_mllm.py"), *args],
         capture_output=True,
@@ -320,7 +325,7 @@ def test_bad_arguments_fail_before_any_group(args, msg):
         env={"WORLD_SIZE": "2", "RANK": "0", "PATH": "/usr/bin:/bin"},
     )
     assert proc.returncode == 2, proc.stderr
-    assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
 def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path):
@@ -396,16 +401,7 @@ def test_bad_conversation_arguments_fail_in_one_line(tmp_path, llava_dataset):
         (["--data-path", str(data), *hf, "--seq-length", "16"], "shorter than one image's 16"),
     ]
     for args, msg in cases:
-        proc = subprocess.run(
-            [sys.executable, str(ROOT / "pretrain_mllm.py"), *args],
-            capture_output=True,
-            text=True,
-            timeout=60,
-            cwd=ROOT,
-            env={"WORLD_SIZE": "2", "RANK": "0", "PATH": "/usr/bin:/bin"},
-        )
-        assert proc.returncode == 2, proc.stderr
-        assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert_refused_in_one_line(args, msg)
 
 
 @pytest.mark.parametrize(
