@@ -368,7 +368,8 @@ def test_kernel_sized_encoder_tasks_agree(reference, layout):
     "plan, unit",
     [
         pytest.param(ParallelPlan(1, 1, 2), "layer", marks=pytest.mark.slow),
-        (ParallelPlan(1, 2, 1), "kernel"),
+        # make test re-plans through pretrain_mllm.py (test_training.py, kernel units)
+        pytest.param(ParallelPlan(1, 2, 1), "kernel", marks=pytest.mark.slow),
     ],
 )
 def test_online_replanning_from_measured_unit_times(plan, unit):
@@ -528,8 +529,8 @@ def test_overlapped_grad_reduce_agrees(layout, unit):
 
 @pytest.mark.parametrize(
     "layout",
-    ["dp2", "pp2-encoder-dp2", pytest.param("pp2", marks=pytest.mark.slow),
-     pytest.param("tp2", marks=pytest.mark.slow)],
+    ["dp2", pytest.param("pp2-encoder-dp2", marks=pytest.mark.slow),
+     pytest.param("pp2", marks=pytest.mark.slow), pytest.param("tp2", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_distributed_optimizer_equals_the_replicated_one(layout):
     """megatron-core's DistributedOptimizer (state sharded over each part's DP group, gradients
@@ -694,7 +695,13 @@ def test_recomputation_keeps_losses_and_gradients(reference, name):
     check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
 
 
-@pytest.mark.parametrize("layout", ["pp2-encoder-dp2", pytest.param("tp2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "layout",  # make test trains bf16 through pretrain_mllm.py and test_distributed_optimizer.py
+    [
+        pytest.param("pp2-encoder-dp2", marks=pytest.mark.slow),
+        pytest.param("tp2", marks=pytest.mark.slow),
+    ],
+)
 def test_bf16_trains_close_to_fp32(layout):
     """bf16 parameters, activations and messages (receive buffers in the pipeline dtype) with
     the distributed optimizer's fp32 main parameters: three clipped Adam steps stay within 2% of

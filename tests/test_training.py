@@ -140,6 +140,7 @@ def got_scales(stdout: str) -> dict[int, float]:
     }
 
 
+@pytest.mark.slow  # bit-exact resume runs in make test with bf16 and with conversation data
 def test_resume_is_bit_identical_and_reshards(tmp_path):
     straight = torchrun(
         "--pipeline-model-parallel-size",
@@ -240,6 +241,7 @@ def test_two_encoders_train_and_resume_from_checkpoint_args(tmp_path):
     assert sorted(again) == [3] and again[3] == ref[3]
 
 
+@pytest.mark.slow  # four torchrun jobs
 def test_resume_restores_rng_streams_under_dropout(tmp_path):
     """With dropout, a resumed run is bit-identical only if every rank's RNG streams (torch's
     generator for hidden dropout, megatron-core's tracker for attention dropout) come back."""
