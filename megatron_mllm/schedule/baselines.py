@@ -82,6 +82,16 @@ def balanced_schedule(costs: JobCosts) -> tuple[Schedule, Workload]:
     sizes = balanced_partition([JobCosts.fwd_bwd_seconds(b) for b in blocks], plan.pp * plan.vpp)
     backbone = stages_from_sizes(plan.pp, blocks, sizes)
     meta, workload = assemble("balanced", costs, backbone, [], slots=1)
+    start = 0
+    for v, n in enumerate(sizes):  # the encoder work each virtual stage holds
+        enc = [b for b in blocks[start : start + n] if "encoder" in b.tags]
+        if enc:
+            fwd = sum(k.compute_s for b in enc for k in b.fwd)
+            workload.folded_encoder_s[(v % plan.pp, v // plan.pp)] = (
+                fwd,
+                sum(k.compute_s for b in enc for k in b.bwd),
+            )
+        start += n
     ranks = [
         [AG("bb"), *backbone_actions(r, order), RS("bb")]
         for r, order in enumerate(backbone_orders(meta))

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+from dataclasses import replace
 
 from megatron_mllm.errors import ConfigError, exit_on_config_error
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
@@ -12,6 +14,7 @@ from megatron_mllm.schedule.blocks import JobCosts
 from megatron_mllm.schedule.config import MLLMJob
 from megatron_mllm.schedule.cost_model import load_measured_times
 from megatron_mllm.schedule.hardware import get_profile
+from megatron_mllm.schedule.loads import draw_step_loads, mean_images, parse_distribution
 from megatron_mllm.schedule.planner import PlanReport, plan_all
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.simulator import BUBBLE_CAUSES, simulate
@@ -72,6 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--png", default=None, help="write a PNG timeline of all three schedules")
     p.add_argument("--save-schedule", default=None, help="write the Optimus schedule as CSV")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--images-per-sample",
+        default=None,
+        metavar="DIST",
+        help="images per sample as IMAGES:SHARE,... (e.g. 0:0.1,1:0.6,2:0.2,4:0.1): plan for "
+        "the mean, time every schedule on --sample-steps steps of drawn loads",
+    )
+    p.add_argument("--sample-steps", type=int, default=20)
+    p.add_argument("--seed", type=int, default=0, help="for drawing the loads")
     return p
 
 
@@ -173,10 +185,59 @@ def format_table(report: PlanReport, memory_gb: float) -> str:
     return "\n".join(lines)
 
 
+def sampled_times(report: PlanReport, loads: list[tuple[float, ...]], mean: float) -> dict:
+    """name -> every drawn step's simulated time (the plans' costs are for the mean load)."""
+    out = {}
+    for name, planned in report.schedules.items():
+        times = []
+        for step in loads:
+            relative = tuple(x / mean for x in step) if mean > 0 else step
+            workload = replace(planned.workload, encoder_load=relative)
+            times.append(simulate(planned.schedule, workload, keep_spans=False).step_time_s)
+        out[name] = times
+    return out
+
+
+def sampled_dict(times: dict) -> dict:
+    base = statistics.mean(times["megatron"])
+    return {
+        name: {
+            "step_time_s": statistics.mean(ts),
+            "step_time_min_s": min(ts),
+            "step_time_max_s": max(ts),
+            "speedup_vs_megatron": base / statistics.mean(ts),
+        }
+        for name, ts in times.items()
+    }
+
+
+def format_sampled(times: dict, mean: float) -> str:
+    rows = sampled_dict(times)
+    lines = [
+        f"on {len(times['megatron'])} drawn steps ({mean:.2f} images per sample on average; "
+        "planned for the mean):",
+        f"{'schedule':<10}{'mean s':>9}{'min-max s':>18}{'speedup':>9}",
+    ]
+    for name, r in rows.items():
+        span = f"{r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}"
+        lines.append(
+            f"{name:<10}{r['step_time_s']:>9.3f}{span:>18}{r['speedup_vs_megatron']:>8.2f}x"
+        )
+    return "\n".join(lines)
+
+
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     job, measured = job_from_args(args)
+    loads, mean = None, 1.0
+    if args.images_per_sample is not None:
+        dist = parse_distribution(args.images_per_sample)
+        mean = mean_images(dist)
+        loads = draw_step_loads(
+            dist, args.sample_steps, job.micro_batch, job.num_microbatches, args.seed
+        )
+        job = replace(job, images_per_sample=mean)
     costs = JobCosts(job, measured)
     report = plan_all(costs, forced_encoder_plan(args, job))
     if args.save_schedule:
@@ -192,10 +253,19 @@ def main(argv: list[str] | None = None) -> int:
             write_chrome_trace(full["optimus"], args.trace, "optimus")
         if args.png:
             write_png(full, args.png)
+    times = sampled_times(report, loads, mean) if loads is not None else None
     if args.json:
-        print(json.dumps(report_dict(report)))
+        out = report_dict(report)
+        if times is not None:  # each schedule timed on the drawn loads, step_time_s the mean
+            for name, sampled in sampled_dict(times).items():
+                out["schedules"][name].update(sampled)
+            out["images_per_sample"] = mean
+            out["sample_steps"] = len(loads)
+        print(json.dumps(out))
     else:
         print(format_table(report, job.hw.memory_gb))
+        if times is not None:
+            print(format_sampled(times, mean))
     return 0
 
 

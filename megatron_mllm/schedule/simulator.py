@@ -134,7 +134,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
         """Run one encoder chunk; return when its compute stream part ends."""
         nonlocal compute_total
         slot = flow.slot(a)
-        kernels = workload.kernels(a.kind, a.stage, enc=a.enc)[a.k0 : a.k1]
+        kernels = workload.kernels(a.kind, a.stage, enc=a.enc, mb=a.mb)[a.k0 : a.k1]
         t = start = max(not_before, cursor[r], cfree[r][slot], ready(r, flow.needs(a)))
         compute_end = t
         for k in kernels:
@@ -152,9 +152,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
             avail[r][key] = t
         times[(r, step)] = (start, t)
         enc = meta.encoders[a.enc]
-        stage_bytes = (
-            workload.encoder_act_bytes[a.enc][a.stage] if workload.encoder_act_bytes else 0
-        )
+        stage_bytes = workload.encoder_stage_bytes(a.enc, a.stage, a.mb)
         if a.kind == "EF":
             share = stage_bytes * (a.k1 - a.k0) / enc.fwd_kernels[a.stage]
             mem_events[r].append((start, slot, share))
@@ -171,7 +169,7 @@ def simulate(schedule: Schedule, workload: Workload, keep_spans: bool = True) ->
         fills = defaultdict(list)
         for i in group[:-1]:
             fills[acts[i].fill].append(i)
-        kernels = workload.kernels(a.kind, a.stage, a.chunk)
+        kernels = workload.kernels(a.kind, a.stage, a.chunk, mb=a.mb)
         t = start = max(cursor[r], max(cfree[r]), ready(r, flow.needs(a)))
         gap = 0
         for k in kernels:

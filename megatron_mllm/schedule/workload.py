@@ -30,24 +30,59 @@ class Workload:
     encoder_act_bytes: list[list[float]] = field(default_factory=list)  # [enc][stage]
     state_bytes: list[float] = field(default_factory=list)  # model states per GPU, per rank
     memory_bytes: float = float("inf")  # device memory
+    # Per micro-batch: its encoder load relative to the load the encoder costs above are for
+    # (images in it over images costed; 0 for a text-only micro-batch). Empty: 1 for each.
+    encoder_load: tuple[float, ...] = ()
+    # The balanced baseline folds encoder layers into backbone stages: (stage, chunk) -> the
+    # (forward, backward) compute seconds of that stage that are encoder work.
+    folded_encoder_s: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
 
-    def kernels(self, kind: str, stage: int, chunk: int = 0, enc: int = 0) -> list[Kernel]:
-        if kind == "F":
-            return self.backbone_fwd[(stage, chunk)]
-        if kind == "B":
-            return self.backbone_bwd[(stage, chunk)]
-        if kind == "EF":
-            return self.encoder_fwd[enc][stage]
-        return self.encoder_bwd[enc][stage]
+    def load_of(self, mb: int | None) -> float:
+        """Micro-batch `mb`'s encoder load factor (1 without per-micro-batch loads)."""
+        return self.encoder_load[mb] if self.encoder_load and mb is not None else 1.0
+
+    def kernels(
+        self, kind: str, stage: int, chunk: int = 0, enc: int = 0, mb: int | None = None
+    ) -> list[Kernel]:
+        """An action's kernels; an encoder action's (or a backbone stage's folded encoder
+        work) for micro-batch `mb`'s load."""
+        if kind in ("F", "B"):
+            kernels = (self.backbone_fwd if kind == "F" else self.backbone_bwd)[(stage, chunk)]
+            folded = self.folded_encoder_s.get((stage, chunk))
+            load = self.load_of(mb)
+            if folded is None or load == 1.0:
+                return kernels
+            return _with_encoder_share(kernels, folded[kind == "B"], load)
+        kernels = self.encoder_fwd[enc][stage] if kind == "EF" else self.encoder_bwd[enc][stage]
+        load = self.load_of(mb)
+        if load == 1.0:
+            return kernels
+        return [Kernel(k.name, k.compute_s * load, k.comm_s * load) for k in kernels]
+
+    def encoder_stage_bytes(self, enc: int, stage: int, mb: int | None = None) -> float:
+        """Activation bytes an encoder stage keeps for micro-batch `mb` (its load's share)."""
+        if not self.encoder_act_bytes:
+            return 0.0
+        return self.encoder_act_bytes[enc][stage] * self.load_of(mb)
 
     def transfer_time(self, key: str | TensorKey) -> float:
         """Seconds to move the tensor `key` to another rank (0 where no cost is filed for its
-        kind). Raises ValueError if `key` is not a key."""
+        kind; an encoder tensor's for its micro-batch's load). Raises ValueError if `key` is
+        not a key."""
         k = key if isinstance(key, TensorKey) else TensorKey.parse(key)
-        return self.transfer_s.get(k.cost_name, 0.0)
+        seconds = self.transfer_s.get(k.cost_name, 0.0)
+        return seconds * self.load_of(k.mb) if k.enc is not None else seconds
 
     def check_matches(self, meta: ScheduleMeta) -> None:
         """Raise ConfigError if this workload does not describe `meta`'s model."""
+        if self.encoder_load:
+            if len(self.encoder_load) != meta.num_microbatches:
+                raise ConfigError(
+                    f"{len(self.encoder_load)} encoder loads for "
+                    f"{meta.num_microbatches} micro-batches; give one per micro-batch"
+                )
+            if any(not 0 <= x < float("inf") for x in self.encoder_load):
+                raise ConfigError(f"encoder loads {list(self.encoder_load)}: each must be >= 0")
         for s in range(meta.pp):
             for v in range(meta.vpp):
                 if (s, v) not in self.backbone_fwd or (s, v) not in self.backbone_bwd:
@@ -68,3 +103,13 @@ class Workload:
 
     def compute_seconds(self, kernels: list[Kernel]) -> float:
         return sum(k.compute_s for k in kernels)
+
+
+def _with_encoder_share(kernels: list[Kernel], encoder_s: float, load: float) -> list[Kernel]:
+    """A stage's kernels with its `encoder_s` seconds of encoder compute at `load` (the
+    difference spread over its kernels in proportion to their compute)."""
+    total = sum(k.compute_s for k in kernels)
+    if total <= 0:
+        return kernels
+    factor = (total + (load - 1.0) * encoder_s) / total
+    return [Kernel(k.name, k.compute_s * factor, k.comm_s) for k in kernels]

@@ -1,0 +1,142 @@
+"""Per-micro-batch encoder loads in the workload (images in each micro-batch over the images
+its costs are for; 0 for a text-only one): the simulator charges each encoder action, its
+activations and its messages for its own micro-batch's load."""
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.models.config import BENCH
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.schedules import runtime_plan
+from megatron_mllm.schedule.keys import TensorKey
+from megatron_mllm.schedule.simulator import simulate
+
+N = 6
+
+
+@pytest.fixture(scope="module", params=["megatron", "optimus"])
+def planned(request):
+    return runtime_plan(BENCH, ParallelPlan(1, 1, 2), 2, N, request.param)
+
+
+def test_unit_loads_are_the_static_workload(planned):
+    schedule, wl = planned
+    static = simulate(schedule, wl).step_time_s
+    assert simulate(schedule, replace(wl, encoder_load=(1.0,) * N)).step_time_s == static
+    text_only = simulate(schedule, replace(wl, encoder_load=(0.0,) * N)).step_time_s
+    assert text_only < static  # the encoder's work was on the step's path
+    heavy = simulate(schedule, replace(wl, encoder_load=(3.0,) * N)).step_time_s
+    assert heavy > static
+
+
+def test_an_encoder_action_costs_its_own_micro_batch(planned):
+    schedule, wl = planned
+    loaded = replace(wl, encoder_load=(0.0, 2.0, 1.0, 1.0, 1.0, 1.0))
+    assert loaded.kernels("EF", 0, mb=0)[0].compute_s == 0.0
+    first = wl.kernels("EF", 0)[0]
+    assert loaded.kernels("EF", 0, mb=1)[0].compute_s == pytest.approx(2 * first.compute_s)
+    assert loaded.kernels("F", 0) == wl.kernels("F", 0)  # the backbone's cost is the load's own
+    key = str(TensorKey.eout(0, 1))  # micro-batch 1's encoder output: twice the bytes
+    assert wl.transfer_time(key) > 0
+    assert loaded.transfer_time(key) == pytest.approx(2 * wl.transfer_time(key))
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0, 4.0]), min_size=N, max_size=N),
+       st.integers(0, N - 1))  # fmt: skip
+def test_more_load_never_shortens_a_megatron_step(loads, mb):
+    schedule, wl = runtime_plan(BENCH, ParallelPlan(1, 1, 2), 2, N, "megatron")
+    before = simulate(schedule, replace(wl, encoder_load=tuple(loads)), keep_spans=False)
+    more = list(loads)
+    more[mb] += 1.0
+    after = simulate(schedule, replace(wl, encoder_load=tuple(more)), keep_spans=False)
+    assert after.step_time_s >= before.step_time_s - 1e-12
+
+
+@pytest.mark.parametrize(
+    "loads, message",
+    [((1.0,) * (N - 1), "5 encoder loads for 6 micro-batches"), ((1.0,) * 5 + (-1.0,), ">= 0")],
+)
+def test_bad_loads_fail_in_one_line(planned, loads, message):
+    schedule, wl = planned
+    with pytest.raises(ConfigError, match=message):
+        simulate(schedule, replace(wl, encoder_load=loads))
+
+
+def test_the_balanced_baseline_charges_its_folded_encoder_layers():
+    """The balanced baseline folds encoder layers into backbone stages: those stages' time
+    follows the micro-batch's load, the others' does not."""
+    from conftest import tiny_job
+
+    from megatron_mllm.schedule.baselines import balanced_schedule
+    from megatron_mllm.schedule.blocks import JobCosts
+
+    schedule, wl = balanced_schedule(JobCosts(tiny_job()))
+    assert wl.folded_encoder_s and not wl.encoder_fwd
+    n = schedule.meta.num_microbatches
+    times = [simulate(schedule, replace(wl, encoder_load=(x,) * n)).step_time_s
+             for x in (0.0, 1.0, 2.0)]  # fmt: skip
+    assert times[0] < times[1] == simulate(schedule, wl).step_time_s < times[2]
+    (stage, chunk), (fwd_s, _) = next(iter(wl.folded_encoder_s.items()))
+    base = sum(k.compute_s for k in wl.kernels("F", stage, chunk))
+    text_only = replace(wl, encoder_load=(0.0,) * n)
+    assert sum(k.compute_s for k in text_only.kernels("F", stage, chunk, mb=0)) == (
+        pytest.approx(base - fwd_s)
+    )
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("0:0.5,1:0.4", "sum to 0.9, not 1"),
+        ("-1:0.5,1:0.5", "is not IMAGES:SHARE"),
+        ("1:0.5,1:0.5", "1 images given twice"),
+        ("one:1", "is not IMAGES:SHARE"),
+        ("1:nan", "is not IMAGES:SHARE"),
+    ],
+)
+def test_bad_distributions_fail_in_one_line(text, message):
+    from megatron_mllm.schedule.loads import parse_distribution
+
+    with pytest.raises(ConfigError, match=message):
+        parse_distribution(text)
+
+
+def test_drawn_loads_follow_the_distribution_and_the_seed():
+    from megatron_mllm.schedule.loads import draw_step_loads, mean_images, parse_distribution
+
+    dist = parse_distribution("0:0.1,1:0.6,2:0.2,4:0.1")
+    assert mean_images(dist) == pytest.approx(1.4)
+    loads = draw_step_loads(dist, 200, 2, 8, seed=3)
+    assert loads == draw_step_loads(dist, 200, 2, 8, seed=3) != draw_step_loads(dist, 200, 2, 8)
+    flat = [x for step in loads for x in step]
+    assert len(loads) == 200 and all(len(s) == 8 for s in loads)
+    assert all((2 * x).is_integer() for x in flat)  # the mean of 2 samples' image counts
+    assert sum(flat) / len(flat) == pytest.approx(1.4, abs=0.1)
+    with pytest.raises(ConfigError, match="--sample-steps 0: give 1 or more"):
+        draw_step_loads(dist, 0, 2, 8)
+
+
+def test_plan_schedule_times_every_schedule_on_drawn_loads(run_tool):
+    import json
+
+    args = ["--encoder", "vit-22b", "--backbone", "gpt-175b", "--gpus", "3072", "--tp", "8",
+            "--pp", "8", "--global-batch", "1536", "--micro-batch", "2",
+            "--seq-len", "2048"]  # fmt: skip
+    out = run_tool(
+        "plan_schedule.py", *args, "--images-per-sample", "0:0.2,1:0.5,3:0.3", "--sample-steps",
+        "4", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["sample_steps"] == 4 and got["images_per_sample"] == pytest.approx(1.4)
+    for name in ("megatron", "balanced", "optimus"):
+        s = got["schedules"][name]
+        assert s["step_time_min_s"] <= s["step_time_s"] <= s["step_time_max_s"]
+    bad = run_tool("plan_schedule.py", *args, "--images-per-sample", "1:0.5")
+    assert bad.returncode == 2 and "sum to 0.5, not 1" in bad.stderr
+    assert len(bad.stderr.strip().splitlines()) == 1
