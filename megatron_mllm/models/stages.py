@@ -363,10 +363,11 @@ class BackboneStage(nn.Module):
         labelled = batch.labels != IGNORE_INDEX
         part = logits.shape[-1]
         start = dist.get_rank(self.pg.tp) * part if dist.get_world_size(self.pg.tp) > 1 else 0
-        best = logits.float().max(dim=-1).values
+        logits = logits.float()
+        best = logits.max(dim=-1).values
         local = batch.labels - start
         here = labelled & (local >= 0) & (local < part)
-        target = logits.float().gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
+        target = logits.gather(-1, local.clamp(0, part - 1).unsqueeze(-1)).squeeze(-1)
         target = torch.where(here, target, torch.zeros_like(target))
         if dist.get_world_size(self.pg.tp) > 1:
             dist.all_reduce(best, op=dist.ReduceOp.MAX, group=self.pg.tp)

@@ -5,7 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from megatron_mllm.schedule.config import MLLMJob
-from megatron_mllm.schedule.cost_model import CostModel, Kernel, model_state_bytes_per_param
+from megatron_mllm.schedule.cost_model import (
+    CostModel,
+    Kernel,
+    model_state_bytes_per_param,
+    scaled_kernels,
+)
 
 
 @dataclass
@@ -230,9 +235,9 @@ def _scaled(block: Block, load: float) -> Block:
     """A block for `load` times the images it was costed for (compute, its collectives and
     activations are linear in the images; the parameters are not)."""
 
-    def kernels(ks: list[Kernel]) -> list[Kernel]:
-        return [replace(k, compute_s=k.compute_s * load, comm_s=k.comm_s * load) for k in ks]
-
     return replace(
-        block, fwd=kernels(block.fwd), bwd=kernels(block.bwd), act_bytes=block.act_bytes * load
+        block,
+        fwd=scaled_kernels(block.fwd, load),
+        bwd=scaled_kernels(block.bwd, load),
+        act_bytes=block.act_bytes * load,
     )

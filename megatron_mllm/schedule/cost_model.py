@@ -35,6 +35,12 @@ class Kernel:
         return self.compute_s + self.comm_s
 
 
+def scaled_kernels(kernels: list[Kernel], load: float) -> list[Kernel]:
+    """Kernels for `load` times the work they were costed for (compute and its collectives
+    linear in it: an encoder's images)."""
+    return [Kernel(k.name, k.compute_s * load, k.comm_s * load) for k in kernels]
+
+
 class CostModel:
     """Analytic kernel times for one micro-batch size on one hardware profile."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.schedule.cost_model import Kernel
+from megatron_mllm.schedule.cost_model import Kernel, scaled_kernels
 from megatron_mllm.schedule.keys import TensorKey
 from megatron_mllm.schedule.schedule import ScheduleMeta
 
@@ -57,7 +57,7 @@ class Workload:
         load = self.load_of(mb)
         if load == 1.0:
             return kernels
-        return [Kernel(k.name, k.compute_s * load, k.comm_s * load) for k in kernels]
+        return scaled_kernels(kernels, load)
 
     def encoder_stage_bytes(self, enc: int, stage: int, mb: int | None = None) -> float:
         """Activation bytes an encoder stage keeps for micro-batch `mb` (its load's share)."""
