@@ -106,19 +106,19 @@ def test_bad_distributions_fail_in_one_line(text, message):
         parse_distribution(text)
 
 
-def test_drawn_loads_follow_the_distribution_and_the_seed():
-    from megatron_mllm.schedule.loads import draw_step_loads, mean_images, parse_distribution
+def test_drawn_samples_follow_the_distribution_and_the_seed():
+    from megatron_mllm.schedule.loads import draw_samples, mean_images, parse_distribution
 
     dist = parse_distribution("0:0.1,1:0.6,2:0.2,4:0.1")
     assert mean_images(dist) == pytest.approx(1.4)
-    loads = draw_step_loads(dist, 200, 2, 8, seed=3)
-    assert loads == draw_step_loads(dist, 200, 2, 8, seed=3) != draw_step_loads(dist, 200, 2, 8)
-    flat = [x for step in loads for x in step]
-    assert len(loads) == 200 and all(len(s) == 8 for s in loads)
-    assert all((2 * x).is_integer() for x in flat)  # the mean of 2 samples' image counts
+    steps = draw_samples(dist, 200, 16, seed=3)
+    assert steps == draw_samples(dist, 200, 16, seed=3) != draw_samples(dist, 200, 16)
+    flat = [x for step in steps for x in step]
+    assert len(steps) == 200 and all(len(s) == 16 for s in steps)
+    assert set(flat) == {0, 1, 2, 4}
     assert sum(flat) / len(flat) == pytest.approx(1.4, abs=0.1)
     with pytest.raises(ConfigError, match="--sample-steps 0: give 1 or more"):
-        draw_step_loads(dist, 0, 2, 8)
+        draw_samples(dist, 0, 16)
 
 
 def test_plan_schedule_times_every_schedule_on_drawn_loads(run_tool):
@@ -134,9 +134,17 @@ def test_plan_schedule_times_every_schedule_on_drawn_loads(run_tool):
     assert out.returncode == 0, out.stderr
     got = json.loads(out.stdout)
     assert got["sample_steps"] == 4 and got["images_per_sample"] == pytest.approx(1.4)
-    for name in ("megatron", "balanced", "optimus"):
+    for name in ("megatron", "balanced", "optimus", "optimus_adaptive"):
         s = got["schedules"][name]
         assert s["step_time_min_s"] <= s["step_time_s"] <= s["step_time_max_s"]
-    bad = run_tool("plan_schedule.py", *args, "--images-per-sample", "1:0.5")
-    assert bad.returncode == 2 and "sum to 0.5, not 1" in bad.stderr
-    assert len(bad.stderr.strip().splitlines()) == 1
+    schedules = got["schedules"]
+    assert schedules["optimus_adaptive"]["step_time_s"] <= schedules["optimus"]["step_time_s"]
+    assert 0 < got["replan_seconds_per_step"] <= got["replan_seconds_max"]
+    assert got["limit_step_time_s"] > 0
+    for bad_args, message in (
+        (["--images-per-sample", "1:0.5"], "sum to 0.5, not 1"),
+        (["--images-per-sample", "1:1", "--sample-steps", "0"], "--sample-steps 0"),
+    ):
+        bad = run_tool("plan_schedule.py", *args, *bad_args)
+        assert bad.returncode == 2 and message in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1

@@ -91,22 +91,38 @@ def encoder_dp_seconds(costs: JobCosts, enc_plan: ParallelPlan) -> float:
 
 def backbone_step_seconds(cache: dict) -> float:
     """The backbone-alone step time of any timeline in `cache` (they share the backbone)."""
-    return min(t.step_time_s for t in cache.values())
+    return min(t.step_time_s for t in cache.values() if isinstance(t, _BackboneTimeline))
 
 
 def optimus_schedule(
-    costs: JobCosts, opts: OptimusOptions, cache: dict | None = None
+    costs: JobCosts,
+    opts: OptimusOptions,
+    cache: dict | None = None,
+    loads: tuple[float, ...] = (),
+    skip_text_only: bool = True,
 ) -> tuple[Schedule, Workload]:
     """Build the Optimus schedule for one encoder plan and options (not yet validated).
 
     `cache` (any dict, reused across calls for the same job) keeps the backbone timeline, which
-    does not depend on the encoder plan.
+    does not depend on the encoder plan nor on the encoder loads. `loads`: each micro-batch's
+    encoder load (see `Workload.encoder_load`), placed as it is; with `skip_text_only` a
+    micro-batch of load 0 gets no encoder action (`ScheduleMeta.text_only`).
     """
-    layouts, slots = encoder_layouts(costs, opts.encoder_plan)
-    backbone, layers = megatron_backbone(costs, 0.0, even=opts.even_backbone)
-    meta, workload = assemble(
-        "optimus", costs, backbone, layouts, slots=slots, backbone_layers=layers
-    )
+    shape = ("assembled", opts.encoder_plan, opts.even_backbone)
+    if cache is not None and shape in cache:
+        meta, workload = cache[shape]
+    else:
+        layouts, slots = encoder_layouts(costs, opts.encoder_plan)
+        backbone, layers = megatron_backbone(costs, 0.0, even=opts.even_backbone)
+        meta, workload = assemble(
+            "optimus", costs, backbone, layouts, slots=slots, backbone_layers=layers
+        )
+        if cache is not None:
+            cache[shape] = meta, workload
+    if loads:
+        workload = replace(workload, encoder_load=tuple(loads))
+        if skip_text_only:
+            meta = replace(meta, text_only=tuple(m for m, x in enumerate(loads) if x == 0))
     steps = [backbone_actions(r, o) for r, o in enumerate(backbone_orders(meta, opts.extra_warmup))]
     key = (opts.extra_warmup, opts.fine)
     if cache is None or key not in cache:
@@ -217,9 +233,8 @@ class _Placer:
         for j in range(last, -1, -1):
             rank, slot = enc.placement[pipe][j]
             # A TP-bubble fill cannot wait for a RECV (it would hold up the backbone action).
-            placed = self.pool.place_alap(
-                rank, slot, self.wl.encoder_fwd[e][j], deadline, first_in_tp=j == 0
-            )
+            kernels = self.wl.kernels("EF", j, enc=e, mb=mb)
+            placed = self.pool.place_alap(rank, slot, kernels, deadline, first_in_tp=j == 0)
             out.append(placed)
             if j > 0:
                 prev = enc.placement[pipe][j - 1][0]
@@ -227,16 +242,25 @@ class _Placer:
         return out[::-1]
 
     def place_forwards(self, split: str) -> None:
-        n = self.meta.num_microbatches
-        for e, enc in enumerate(self.meta.encoders):
+        """Micro-batches by decreasing F_i, each to the pipeline that can start it latest.
+        `split`: "greedy" (any pipeline), "even" (equal counts) or "load" (equal encoder load:
+        a pipeline takes no more than its share of the step's images plus one micro-batch)."""
+        meta = self.meta
+        mbs = [m for m in range(meta.num_microbatches) if meta.has_images(m)]
+        for e, enc in enumerate(meta.encoders):
             pipes = enc.num_pipes
-            quota = math.ceil(n / pipes) if split == "even" else n
-            load = [0] * pipes
-            slots = self.meta.slots
-            for mb in sorted(range(n), key=lambda m: -self.f_start[m]):
+            count, load = [0] * pipes, [0.0] * pipes
+            quota = math.ceil(len(mbs) / pipes) if split == "even" else len(mbs)
+            share = sum(map(self.wl.load_of, mbs)) / pipes
+            slots = meta.slots
+            for mb in sorted(mbs, key=lambda m: -self.f_start[m]):
                 best = None
                 for row in range(pipes // slots):
-                    free = [p for p in range(row * slots, (row + 1) * slots) if load[p] < quota]
+                    free = [
+                        p
+                        for p in range(row * slots, (row + 1) * slots)
+                        if count[p] < quota and (split != "load" or load[p] < share or not count[p])
+                    ]
                     if not free:
                         continue
                     pipe = min(free, key=lambda p: load[p])
@@ -244,8 +268,12 @@ class _Placer:
                     score = trial[0][0].start
                     if best is None or score > best[0] + 1e-12:
                         best = (score, pipe, trial)
+                if best is None:  # "load": every pipeline at its share; the lightest takes it
+                    pipe = min(range(pipes), key=lambda p: load[p])
+                    best = (0.0, pipe, self._forward_trial(e, pipe, mb))
                 _, pipe, trial = best
-                load[pipe] += 1
+                count[pipe] += 1
+                load[pipe] += self.wl.load_of(mb)
                 self.assignment[e][mb] = pipe
                 for j, placed in enumerate(trial):
                     self._commit("EF", e, pipe, j, mb, placed)
@@ -256,12 +284,12 @@ class _Placer:
             if not enc.trainable:
                 continue
             last = enc.num_stages - 1
-            for mb in sorted(self.b_end, key=lambda m: self.b_end[m]):
+            for mb in sorted(self.assignment[e], key=lambda m: self.b_end[m]):
                 pipe = self.assignment[e][mb]
                 lane = enc.placement[pipe][last][0]
                 earliest = self.b_end[mb] + self._transfer(TensorKey.egrad(e, mb), 0, lane)
                 for j in range(last, -1, -1):
-                    kernels = self.wl.encoder_bwd[e][j]
+                    kernels = self.wl.kernels("EB", j, enc=e, mb=mb)
                     if not kernels:
                         break
                     rank, slot = enc.placement[pipe][j]

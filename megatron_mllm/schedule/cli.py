@@ -10,11 +10,19 @@ from dataclasses import replace
 
 from megatron_mllm.errors import ConfigError, exit_on_config_error
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
+from megatron_mllm.schedule.adaptive import AdaptivePlanner, timed_step
 from megatron_mllm.schedule.blocks import JobCosts
 from megatron_mllm.schedule.config import MLLMJob
 from megatron_mllm.schedule.cost_model import load_measured_times
 from megatron_mllm.schedule.hardware import get_profile
-from megatron_mllm.schedule.loads import draw_step_loads, mean_images, parse_distribution
+from megatron_mllm.schedule.loads import (
+    balanced_assignment,
+    draw_samples,
+    load_samples,
+    loader_assignment,
+    mean_images,
+    parse_distribution,
+)
 from megatron_mllm.schedule.planner import PlanReport, plan_all
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.simulator import BUBBLE_CAUSES, simulate
@@ -80,7 +88,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIST",
         help="images per sample as IMAGES:SHARE,... (e.g. 0:0.1,1:0.6,2:0.2,4:0.1): plan for "
-        "the mean, time every schedule on --sample-steps steps of drawn loads",
+        "the mean, time every schedule on --sample-steps drawn global batches, and plan "
+        "optimus-adaptive for each",
+    )
+    p.add_argument(
+        "--encoder-loads",
+        default=None,
+        metavar="FILE",
+        help='instead of drawing: JSON {"global_batch": G, "steps": [[images per sample, ...], '
+        "...]}",
     )
     p.add_argument("--sample-steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0, help="for drawing the loads")
@@ -185,16 +201,40 @@ def format_table(report: PlanReport, memory_gb: float) -> str:
     return "\n".join(lines)
 
 
-def sampled_times(report: PlanReport, loads: list[tuple[float, ...]], mean: float) -> dict:
-    """name -> every drawn step's simulated time (the plans' costs are for the mean load)."""
-    out = {}
-    for name, planned in report.schedules.items():
-        times = []
-        for step in loads:
-            relative = tuple(x / mean for x in step) if mean > 0 else step
-            workload = replace(planned.workload, encoder_load=relative)
-            times.append(simulate(planned.schedule, workload, keep_spans=False).step_time_s)
-        out[name] = times
+def drawn_steps(args: argparse.Namespace, job: MLLMJob) -> tuple[list[list[int]] | None, float]:
+    """Each step's image count per sample (loader order), drawn or read (None for neither),
+    and the mean images per sample the schedules are planned for."""
+    if args.images_per_sample is not None and args.encoder_loads is not None:
+        raise ConfigError("give --images-per-sample or --encoder-loads, not both")
+    if args.encoder_loads is not None:
+        steps = load_samples(args.encoder_loads, job.global_batch)
+        return steps, statistics.fmean(x for s in steps for x in s)
+    if args.images_per_sample is None:
+        return None, 1.0
+    dist = parse_distribution(args.images_per_sample)
+    steps = draw_samples(dist, args.sample_steps, job.global_batch, args.seed)
+    return steps, mean_images(dist)
+
+
+def sampled_times(
+    report: PlanReport, steps: list[list[int]], adaptive: AdaptivePlanner
+) -> dict[str, list[float]]:
+    """name -> every step's simulated time on the replica with the most images: the three
+    schedules (planned for the mean) on the loader's assignment, static Optimus on the
+    balanced assignment (the assignment alone), and optimus-adaptive's per-step plans."""
+    job, costed = adaptive.costs.job, adaptive.costed
+    loader = loader_assignment(job.global_batch, job.plan.dp, job.micro_batch)
+    out: dict[str, list[float]] = {name: [] for name in report.schedules}
+    out["optimus_balanced_assignment"], out["optimus_adaptive"] = [], []
+    static = report.optimus
+    for counts in steps:
+        for name, planned in report.schedules.items():
+            _, sim = timed_step(planned.schedule, planned.workload, counts, loader, costed)
+            out[name].append(sim.step_time_s)
+        balanced = balanced_assignment(counts, job.plan.dp, job.micro_batch)
+        _, sim = timed_step(static.schedule, static.workload, counts, balanced, costed)
+        out["optimus_balanced_assignment"].append(sim.step_time_s)
+        out["optimus_adaptive"].append(adaptive.plan(counts).step_time_s)
     return out
 
 
@@ -211,18 +251,25 @@ def sampled_dict(times: dict) -> dict:
     }
 
 
-def format_sampled(times: dict, mean: float) -> str:
+def format_sampled(times: dict, mean: float, adaptive: AdaptivePlanner) -> str:
     rows = sampled_dict(times)
+    static = rows["optimus"]["step_time_s"]
     lines = [
-        f"on {len(times['megatron'])} drawn steps ({mean:.2f} images per sample on average; "
-        "planned for the mean):",
-        f"{'schedule':<10}{'mean s':>9}{'min-max s':>18}{'speedup':>9}",
+        f"on {len(times['megatron'])} steps ({mean:.2f} images per sample on average; "
+        "timed on the replica with the most images):",
+        f"{'schedule':<28}{'mean s':>9}{'min-max s':>18}{'speedup':>9}{'vs optimus':>12}",
     ]
     for name, r in rows.items():
         span = f"{r['step_time_min_s']:.3f}-{r['step_time_max_s']:.3f}"
         lines.append(
-            f"{name:<10}{r['step_time_s']:>9.3f}{span:>18}{r['speedup_vs_megatron']:>8.2f}x"
+            f"{name:<28}{r['step_time_s']:>9.3f}{span:>18}{r['speedup_vs_megatron']:>8.2f}x"
+            f"{static / r['step_time_s']:>11.2f}x"
         )
+    secs = adaptive.seconds
+    lines.append(
+        f"per-step planning: {statistics.mean(secs):.3f} s CPU a step (max {max(secs):.3f}), "
+        f"{adaptive.hits} cache hit(s) of {len(secs)}"
+    )
     return "\n".join(lines)
 
 
@@ -230,13 +277,8 @@ def format_sampled(times: dict, mean: float) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     job, measured = job_from_args(args)
-    loads, mean = None, 1.0
-    if args.images_per_sample is not None:
-        dist = parse_distribution(args.images_per_sample)
-        mean = mean_images(dist)
-        loads = draw_step_loads(
-            dist, args.sample_steps, job.micro_batch, job.num_microbatches, args.seed
-        )
+    steps, mean = drawn_steps(args, job)
+    if steps is not None:
         job = replace(job, images_per_sample=mean)
     costs = JobCosts(job, measured)
     report = plan_all(costs, forced_encoder_plan(args, job))
@@ -253,19 +295,25 @@ def main(argv: list[str] | None = None) -> int:
             write_chrome_trace(full["optimus"], args.trace, "optimus")
         if args.png:
             write_png(full, args.png)
-    times = sampled_times(report, loads, mean) if loads is not None else None
+    times = adaptive = None
+    if steps is not None:
+        adaptive = AdaptivePlanner(costs, report.optimus, mean)
+        times = sampled_times(report, steps, adaptive)
     if args.json:
         out = report_dict(report)
         if times is not None:  # each schedule timed on the drawn loads, step_time_s the mean
             for name, sampled in sampled_dict(times).items():
-                out["schedules"][name].update(sampled)
+                out["schedules"].setdefault(name, {}).update(sampled)
             out["images_per_sample"] = mean
-            out["sample_steps"] = len(loads)
+            out["sample_steps"] = len(steps)
+            out["replan_seconds_per_step"] = statistics.mean(adaptive.seconds)
+            out["replan_seconds_max"] = max(adaptive.seconds)
+            out["replan_cache_hits"] = adaptive.hits
         print(json.dumps(out))
     else:
         print(format_table(report, job.hw.memory_gb))
         if times is not None:
-            print(format_sampled(times, mean))
+            print(format_sampled(times, mean, adaptive))
     return 0
 
 

@@ -67,6 +67,8 @@ class Dataflow:
             v = meta.virtual_index(a.stage, a.chunk)
             if v > 0:
                 return [_BB, str(TensorKey.act(a.stage, a.chunk, a.mb))]
+            if not meta.has_images(a.mb):
+                return [_BB]
             return [_BB] + [str(TensorKey.eout(e, a.mb)) for e in range(len(meta.encoders))]
         if a.kind == "B":
             need = [str(TensorKey.fwd(a.stage, a.chunk, a.mb))]
@@ -107,7 +109,7 @@ class Dataflow:
             out = [str(TensorKey.bwd(a.stage, a.chunk, a.mb))]
             if v > 0:
                 out.append(str(TensorKey.grad(*meta.stage_chunk(v - 1), a.mb)))
-            else:
+            elif meta.has_images(a.mb):
                 out += [
                     str(TensorKey.egrad(e, a.mb))
                     for e, enc in enumerate(meta.encoders)

@@ -56,6 +56,12 @@ class ScheduleMeta:
     # saved before these fields existed: the runtime then infers the plan from `encoders`.
     encoder_plan: tuple[int, ...] = ()
     encoder_on_stage0: bool = False
+    # Micro-batches without an image: no encoder action runs for them, backbone stage 0 takes
+    # no encoder output for them and sends no gradient back (text-only samples skip the encoder).
+    text_only: tuple[int, ...] = ()
+
+    def has_images(self, mb: int) -> bool:
+        return mb not in self.text_only
 
     @property
     def num_virtual_stages(self) -> int:
@@ -84,6 +90,7 @@ class ScheduleMeta:
         )
         raw["backbone_layers"] = tuple(raw.get("backbone_layers", ()))
         raw["encoder_plan"] = tuple(raw.get("encoder_plan", ()))
+        raw["text_only"] = tuple(raw.get("text_only", ()))
         return ScheduleMeta(encoders=encoders, **raw)
 
 

@@ -85,6 +85,8 @@ def validate(schedule: Schedule) -> None:
                         "local-transfer",
                         f"{a.key} is made and used on rank {producer}; drop the SEND/RECV pair",
                     )
+            if a.kind in ("EF", "EB") and not meta.has_images(a.mb):
+                fail(r, i, "text-only", f"micro-batch {a.mb} has no image: no encoder work")
             if home != -1 and home != r:
                 fail(r, i, "wrong-rank", f"{a} belongs on rank {home}")
             if a.fill is not None and a.kind not in ("EF", "EB"):
@@ -126,7 +128,7 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
                 pipes[(a.enc, a.mb)].add(a.pipe)
     for e, enc in enumerate(meta.encoders):
         host = enc.placement[0][0][0]
-        for m in range(meta.num_microbatches):
+        for m in filter(meta.has_images, range(meta.num_microbatches)):
             if len(pipes[(e, m)]) > 1:
                 r, i = min((c[2], c[3]) for c in cover[("EF", e, 0, m)] or [(0, 0, host, 0)])
                 fail(

@@ -36,6 +36,8 @@ class Workload:
     # The balanced baseline folds encoder layers into backbone stages: (stage, chunk) -> the
     # (forward, backward) compute seconds of that stage that are encoder work.
     folded_encoder_s: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    # Kernel lists at a load, made once per workload (each `replace` starts a new one).
+    _scaled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def load_of(self, mb: int | None) -> float:
         """Micro-batch `mb`'s encoder load factor (1 without per-micro-batch loads)."""
@@ -57,7 +59,11 @@ class Workload:
         load = self.load_of(mb)
         if load == 1.0:
             return kernels
-        return scaled_kernels(kernels, load)
+        key = (kind, enc, stage, load)
+        out = self._scaled.get(key)
+        if out is None:
+            out = self._scaled[key] = scaled_kernels(kernels, load)
+        return out
 
     def encoder_stage_bytes(self, enc: int, stage: int, mb: int | None = None) -> float:
         """Activation bytes an encoder stage keeps for micro-batch `mb` (its load's share)."""
