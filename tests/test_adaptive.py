@@ -150,3 +150,44 @@ def test_plan_schedule_reads_a_load_file(tmp_path, run_tool):
                    "--encoder-loads", str(path))  # fmt: skip
     assert bad.returncode == 2 and "the job's is 64" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_plan_not_ready_in_time_falls_back_to_the_static_schedule(tmp_path):
+    """The per-step planner: a plan still running when its step starts is not waited for (the
+    static schedule runs, counted); a failed plan falls back too; a ready one is used."""
+    import threading
+
+    import torch.distributed as dist
+
+    from megatron_mllm.runtime.step_plans import StepPlanner
+
+    release = threading.Event()
+
+    class Planner:
+        seconds: list = []
+
+        def plan(self, counts):
+            if counts == "slow":
+                release.wait(10)
+            if counts == "bad":
+                raise ValueError("no plan")
+            return counts
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        planner = StepPlanner(Planner(), dist.group.WORLD)
+        assert planner.take(0) is None  # nothing was requested for the first step
+        planner.request(1, "slow")
+        assert planner.take(1) is None and planner.stats.fallbacks == 1
+        release.set()
+        planner.request(2, "bad")
+        planner._pending[2].exception()  # wait for it to fail
+        assert planner.take(2) is None and planner.stats.fallbacks == 2
+        assert planner.stats.failures == ["step 2: no plan"]
+        planner.request(3, "ready")
+        planner._pending[3].result()
+        assert planner.take(3) == "ready" and planner.stats.planned == 1
+        assert "1 planned, 2 static fallback(s)" in planner.stats.line([0.01])
+        planner.close()
+    finally:
+        dist.destroy_process_group()

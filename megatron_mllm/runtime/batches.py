@@ -50,9 +50,16 @@ class StepData:
                 )
                 for dp in replicas
             }
+        # One step read ahead (optimus-adaptive plans it from its image counts): that step and
+        # every stream's state before it, which checkpoints taken meanwhile save.
+        self._ahead: tuple[int, Callable[..., MicroBatch], dict] | None = None
 
     def step(self, step: int, num_microbatches: int | None = None) -> Callable[..., MicroBatch]:
-        """`get(mb, dp)` for this step's micro-batches (read from the streams now)."""
+        """`get(mb, dp)` for this step's micro-batches (read from the streams now, unless
+        `prefetch` read them already)."""
+        if self._ahead is not None and self._ahead[0] == step:
+            get, self._ahead = self._ahead[1], None
+            return get
         if not self.streams:
             return batches(self.job, step)
         n = num_microbatches or self.job.num_microbatches
@@ -63,14 +70,31 @@ class StepData:
 
         return get
 
+    def prefetch(self, step: int) -> list[list[int]]:
+        """Read `step`'s micro-batches now, one step ahead; each replica's image count per
+        micro-batch. Checkpoints until `step` runs save the position before them."""
+        before = {dp: s.state() for dp, s in self.streams.items()}
+        get = self.step(step)
+        self._ahead = (step, get, before)
+        n = self.job.num_microbatches
+        return [[get(m, dp).num_images for m in range(n)] for dp in self.replicas]
+
     @property
     def truncated(self) -> int:
-        """Samples cut to the sequence length so far, over this process's replicas."""
+        """Samples cut to the sequence length so far, over this process's replicas (not
+        counting a step read ahead)."""
+        if self._ahead is not None and self._ahead[2]:
+            return sum(state["truncated"] for state in self._ahead[2].values())
         return sum(s.truncated for s in self.streams.values())
 
     def state(self, dp: int) -> dict | None:
-        """Replica `dp`'s stream position for a checkpoint (None for synthetic data)."""
-        return self.streams[dp].state() if self.streams else None
+        """Replica `dp`'s stream position for a checkpoint (None for synthetic data): after
+        the last step that ran, a step read ahead not counted."""
+        if not self.streams:
+            return None
+        if self._ahead is not None:
+            return self._ahead[2][dp]
+        return self.streams[dp].state()
 
     def restore(self, dp: int, state: dict | None) -> None:
         if self.streams and state is not None:

@@ -85,6 +85,10 @@ class ExecutorSettings:
     replan_after: int | None = None  # re-plan from measured unit times after this many steps
     recv_lookahead: int = 2  # ordered mode: receives posted per sender ahead of the one needed
     max_encoder_ahead: int = 2  # dynamic mode: encoder micro-batches run ahead at most
+    # optimus-adaptive: each step's own plan, made one step ahead (runtime/step_plans.py), for
+    # encoder costs of this many images per sample
+    adaptive: bool = False
+    images_per_sample: float = 1.0
 
 
 @dataclass(frozen=True)

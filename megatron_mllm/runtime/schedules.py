@@ -111,3 +111,39 @@ def runtime_plan(
         built = best.schedule, best.workload
     validate(built[0])
     return built
+
+
+def adaptive_planner(
+    cfg: MLLMConfig,
+    plan: ParallelPlan,
+    micro_batch: int,
+    schedule: Schedule,
+    unit: str = "layer",
+    frozen_encoder: bool = False,
+    sequence_parallel: bool = False,
+    recompute: Recompute = NO_RECOMPUTE,
+    images_per_sample: float = 1.0,
+):
+    """The per-step planner (optimus-adaptive) around the runtime's static Optimus `schedule`,
+    in whole-micro-batch mode with every micro-batch keeping its encoder actions (a text-only
+    one passes empty messages). None where `schedule` is not a colocated Optimus plan."""
+    from megatron_mllm.schedule.adaptive import AdaptivePlanner
+    from megatron_mllm.schedule.planner import run
+
+    notes = schedule.notes
+    if schedule.meta.encoder_on_stage0 or "encoder_plan" not in notes:
+        return None
+    n = schedule.meta.num_microbatches
+    job = job_of(
+        cfg, plan, micro_batch, n, frozen_encoder, sequence_parallel, recompute, images_per_sample
+    )
+    costs = JobCosts(job, unit=unit)
+    opts = OptimusOptions(
+        notes["encoder_plan"], notes["split"], notes["extra_warmup"], notes["fine"]
+    )
+    static = run("optimus", optimus_schedule(costs, opts), opts)
+    if static.schedule.ranks != schedule.ranks:
+        return None  # planned from other costs (measured times): nothing to re-plan from
+    return AdaptivePlanner(
+        costs, static, images_per_sample, skip_text_only=False, whole_micro_batches=True
+    )

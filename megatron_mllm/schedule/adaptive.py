@@ -60,10 +60,18 @@ class AdaptivePlanner:
         static: Planned,
         costed_images: float = 1.0,
         skip_text_only: bool = True,
+        whole_micro_batches: bool = False,
     ) -> None:
+        """`costed_images`: images per sample the encoder's costs are for. With
+        `whole_micro_batches` (the runtime's mode) the counts given to `plan` are one replica's
+        images per micro-batch, and only their 1F1B slots are chosen: no sample moves to
+        another micro-batch or replica, so every micro-batch's loss is what it was."""
         job = costs.job
         self.costs, self.static, self.costed = costs, static, costed_images
         self.dp, self.micro_batch = job.plan.dp, job.micro_batch
+        if whole_micro_batches:  # a "sample" is then a micro-batch of one replica
+            self.dp, self.micro_batch = 1, 1
+            self.costed = costed_images * job.micro_batch
         self.skip_text_only = skip_text_only
         self.memory_gb = job.hw.memory_gb
         self._timeline: dict = {}  # the backbone timeline, shared by every step
@@ -79,7 +87,7 @@ class AdaptivePlanner:
         loader = loader_assignment(len(counts), self.dp, self.micro_batch)
         kept = self._timed(counts, loader, static.schedule, static.workload, "static")
         balanced = self._balanced(counts)
-        if balanced.step_time_s < kept.step_time_s - 1e-12:
+        if balanced.step_time_s <= kept.step_time_s:  # a tie: the even replicas, heavy first
             kept = balanced
         self.seconds.append(time.process_time() - t0)
         return kept

@@ -43,10 +43,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--encoder-pipeline-model-parallel-size", type=int, default=None)
     g.add_argument(
         "--bubble-schedule",
-        choices=["megatron", "balanced", "optimus"],
+        choices=["megatron", "balanced", "optimus", "optimus-adaptive"],
         default="optimus",
         help="megatron: encoder in stage 0, 1F1B, even split; balanced: the same with "
-        "fewer backbone layers on stage 0; optimus: encoder in the bubbles",
+        "fewer backbone layers on stage 0; optimus: encoder in the bubbles; "
+        "optimus-adaptive: optimus with each step planned for its own images, one step ahead",
     )
     g.add_argument(
         "--coreset-pool-ratio",
@@ -474,6 +475,10 @@ def validate_args(args: argparse.Namespace) -> None:
         args.pipeline_model_parallel_size,
         args.world_size,
     )
+    # optimus-adaptive is the optimus plan plus per-step plans (runtime/step_plans.py)
+    args.step_plans = args.bubble_schedule == "optimus-adaptive"
+    if args.step_plans:
+        args.bubble_schedule = "optimus"
     for name in (
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
@@ -572,6 +577,11 @@ def validate_args(args: argparse.Namespace) -> None:
     else:
         args.coreset = None
     _check_data(args)
+    if args.step_plans and (args.coreset is not None or args.replan_after_iters is not None):
+        raise ConfigError(
+            "--bubble-schedule optimus-adaptive plans each step for its data; it does not run "
+            "with --coreset-pool-ratio or --replan-after-iters (use --bubble-schedule optimus)"
+        )
     if args.replan_after_iters is not None:
         if args.replan_after_iters < 1 or args.bubble_schedule != "optimus":
             raise ConfigError(

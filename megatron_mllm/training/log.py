@@ -36,14 +36,19 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p, load: floa
             f" > backbone plan: {plan} (world size {plan.world_size})"
             + (", sequence parallel" if args.sequence_parallel else ""),
             f" > encoder plan:  {enc_plan} ({where})",
-            f" > schedule: {args.bubble_schedule}; {n_mb} micro-batches of {args.micro_batch_size} "
-            f"per step and DP replica, planned for {load:.2f} images per sample",
+            f" > schedule: {schedule_name(args)}; {n_mb} micro-batches of "
+            f"{args.micro_batch_size} per step and DP replica, planned for {load:.2f} images "
+            "per sample" + ("; each step re-planned for its own" if args.step_plans else ""),
             " > " + training_summary(args),
             f" > predicted by the analytic CPU cost model (uncalibrated): step "
             f"{1000 * p.step_time_s:.1f} ms, bubble ratio "
             f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",
         ]
     )
+
+
+def schedule_name(args) -> str:
+    return "optimus-adaptive" if getattr(args, "step_plans", False) else args.bubble_schedule
 
 
 def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int) -> str:
@@ -56,7 +61,7 @@ def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int
                 plan.world_size, "dry run: nothing started"
             ),
             f" > backbone plan: {plan}{', sequence parallel' if args.sequence_parallel else ''}; "
-            f"encoder plan: {enc}; schedule {args.bubble_schedule}",
+            f"encoder plan: {enc}; schedule {schedule_name(args)}",
             f" > encoder: {cfg.vit_layers} layers x {cfg.vit_hidden} ({vit / 1e9:.2f}B "
             f"params, all encoders), {cfg.encoder_seq_len} tokens per image"
             + (f"; {cfg.num_encoders - 1} more encoder(s)" if cfg.num_encoders > 1 else ""),

@@ -141,7 +141,11 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
             initial_loss_scale=args.initial_loss_scale,
         ),
         collect=Collect(grads=False),
-        executor=ExecutorSettings(overlap_tp_fills=args.overlap_tp_fills),
+        executor=ExecutorSettings(
+            overlap_tp_fills=args.overlap_tp_fills,
+            adaptive=args.step_plans,
+            images_per_sample=encoder_load(args),
+        ),
         timeout_s=args.distributed_timeout_minutes * 60,
     )
 
@@ -181,6 +185,10 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
         validation.close()
     if args.trace:
         export_trace(args, run.spans, world, rank)
+    if run.step_planner is not None:
+        run.step_planner.close()
+        if rank == 0:
+            print(f" > {run.step_planner.stats.line(run.step_planner.planner.seconds)}")
     run.data.close()
     dist.barrier()
     dist.destroy_process_group()
