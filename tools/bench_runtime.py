@@ -18,6 +18,10 @@ same executor and split), and against megatron-core's own 1F1B. Every run builds
 inside its timed step.
 
     python tools/bench_runtime.py [--steps 4] [--microbatches 8] [--json] [--device cpu|cuda]
+
+With --data-path (and --tokenizer-model) it runs the varying-load benchmark instead
+(tools/bench_varying_load.py): real conversations whose micro-batches hold different numbers
+of images, static Optimus against optimus-adaptive (each step planned for its own images).
 """
 
 from __future__ import annotations
@@ -48,6 +52,14 @@ def main() -> int:
         "overlapped gradient reduce-scatter and parameter all-gather, fp32 gradient reduction "
         "(as Megatron recipes run); fp32: replicated fp32 Adam, overlapped all-reduce",
     )
+    ap.add_argument(
+        "--data-path",
+        default=None,
+        help="the varying-load benchmark instead: a LLaVA-format energon dataset (e.g. from "
+        "tools/make_llava_digits.py + tools/llava_to_energon.py) whose samples hold 0-2 "
+        "images: megatron-core 1F1B, balanced, static Optimus and optimus-adaptive",
+    )
+    ap.add_argument("--tokenizer-model", default=None, help="with --data-path: its tokenizer")
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--trace",
@@ -67,6 +79,10 @@ def main() -> int:
         print("error: CUDA is available; run with --device cuda", file=sys.stderr)
         return 2
 
+    if args.data_path is not None:
+        from bench_varying_load import varying_load
+
+        return varying_load(args)
     from megatron_mllm.models.config import BENCH
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.job import (

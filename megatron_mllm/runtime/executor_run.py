@@ -123,6 +123,7 @@ class ExecutorRun:
             job.plans.sequence_parallel,
             job.model.recompute,
             job.executor.images_per_sample,
+            job.executor.plan_times,
         )
         return None if planner is None else StepPlanner(planner, group)
 

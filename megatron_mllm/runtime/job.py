@@ -89,6 +89,7 @@ class ExecutorSettings:
     # encoder costs of this many images per sample
     adaptive: bool = False
     images_per_sample: float = 1.0
+    plan_times: dict | None = None  # measured unit times the static plan was made from
 
 
 @dataclass(frozen=True)

@@ -123,10 +123,12 @@ def adaptive_planner(
     sequence_parallel: bool = False,
     recompute: Recompute = NO_RECOMPUTE,
     images_per_sample: float = 1.0,
+    measured: dict | None = None,
 ):
-    """The per-step planner (optimus-adaptive) around the runtime's static Optimus `schedule`,
-    in whole-micro-batch mode with every micro-batch keeping its encoder actions (a text-only
-    one passes empty messages). None where `schedule` is not a colocated Optimus plan."""
+    """The per-step planner (optimus-adaptive) around the runtime's static Optimus `schedule`
+    (planned from `measured` unit times, if it was), in whole-micro-batch mode with every
+    micro-batch keeping its encoder actions (a text-only one passes empty messages). None
+    where `schedule` is not a colocated Optimus plan."""
     from megatron_mllm.schedule.adaptive import AdaptivePlanner
     from megatron_mllm.schedule.planner import run
 
@@ -137,7 +139,7 @@ def adaptive_planner(
     job = job_of(
         cfg, plan, micro_batch, n, frozen_encoder, sequence_parallel, recompute, images_per_sample
     )
-    costs = JobCosts(job, unit=unit)
+    costs = JobCosts(job, measured, unit=unit)
     opts = OptimusOptions(
         notes["encoder_plan"], notes["split"], notes["extra_warmup"], notes["fine"]
     )

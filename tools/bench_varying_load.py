@@ -1,0 +1,149 @@
+"""Varying-load benchmark (tools/bench_runtime.py --data-path DIR --tokenizer-model DIR): real
+steps on 2 ranks x 1 thread, PP=2, on LLaVA-format conversations whose micro-batches hold
+different numbers of images (text-only ones included), four runs interleaved step by step
+in one 2-process gloo job from the same weights and data:
+
+  megatron_core_1f1b  megatron-core's own 1F1B, encoder on stage 0, even split (its gradient
+                      reduction at step end: its overlapped one refuses text-only micro-batches)
+  balanced            our executor on the Megatron schedule with the balancing layer split
+  optimus             our executor, Optimus planned once for the data set's mean load
+  optimus_adaptive    the same plan, each step re-planned for its own images one step ahead
+
+Step times are the slowest rank's per step; medians and min-max over the measured steps (the
+first step warms up). Per-step planning time and fallbacks come from optimus_adaptive's run.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import replace
+
+
+def varying_load(args) -> int:
+    import torch
+
+    from megatron_mllm.data.energon_llava import images_per_sample
+    from megatron_mllm.data.llava_source import LlavaData
+    from megatron_mllm.data.tokenizer import load_tokenizer
+    from megatron_mllm.models.config import BENCH
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.job import (
+        Collect,
+        DataParts,
+        ExecutorSettings,
+        ModelParts,
+        OptimizerSettings,
+        PlanParts,
+        RuntimeJob,
+    )
+    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.profile_units import profile_units
+    from megatron_mllm.runtime.reference import make_full_state
+    from megatron_mllm.runtime.runs import run_interleaved
+    from megatron_mllm.runtime.schedules import job_of
+    from megatron_mllm.schedule.baselines import megatron_schedule
+    from megatron_mllm.schedule.blocks import JobCosts
+    from megatron_mllm.schedule.planner import plan_optimus
+
+    if args.tokenizer_model is None:
+        raise SystemExit("error: --data-path needs --tokenizer-model DIR (its tokenizer)")
+    vocab = -(-len(load_tokenizer(args.tokenizer_model)) // 128) * 128
+    # Two images of 64 tokens each and their conversation fit in 256 positions.
+    cfg = replace(BENCH, vocab_size=vocab, text_len=256 - BENCH.image_tokens)
+    plan, n, mb = ParallelPlan(1, 1, 2), args.microbatches, max(args.micro_batch, 2)
+    load = images_per_sample(args.data_path)
+    data = LlavaData(args.data_path, args.tokenizer_model, cfg.seq_len, num_workers=1)
+    state = spawn(make_full_state, 1, cfg, 0)[0]
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype)[0]
+    costs = JobCosts(job_of(cfg, plan, mb, n, images_per_sample=load), measured, unit="layer")
+    balanced = megatron_schedule(costs)
+    best, _, _ = plan_optimus(costs)
+    bf16 = args.precision == "bf16"
+    optim = OptimizerSettings(
+        lr=1e-4,
+        clip_grad=1.0,
+        overlap_grad_reduce=True,
+        ddp_bucket_size=args.ddp_bucket_size,
+        distributed=bf16,
+        overlap_param_gather=bf16,
+        grad_reduce_in_fp32=True,
+    )
+    steps = args.steps + 1
+    common = dict(steps=steps, collect=Collect(grads=False), optimizer=optim)
+
+    def job(parts, mode="executor", executor=None):
+        # megatron-core's overlapped reduction needs every step's last micro-batch to reach
+        # the encoder, which a text-only one does not: its run reduces at step end.
+        overlap = mode == "executor"
+        knobs = dict(overlap_grad_reduce=overlap, overlap_param_gather=overlap and bf16)
+        return RuntimeJob(
+            ModelParts(cfg, state, precision=args.precision),
+            parts,
+            DataParts(mb, n, llava=data),
+            mode=mode,
+            executor=executor or ExecutorSettings(),
+            **{**common, "optimizer": replace(optim, **knobs)},
+        )
+
+    adaptive = ExecutorSettings(adaptive=True, images_per_sample=load, plan_times=measured)
+    jobs = {
+        "megatron_core_1f1b": job(PlanParts(plan), "megatron_core"),
+        "balanced": job(PlanParts(plan, schedule=balanced[0])),
+        "optimus": job(PlanParts(plan, schedule=best.schedule)),
+        "optimus_adaptive": job(PlanParts(plan, schedule=best.schedule), executor=adaptive),
+    }
+    per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
+    result = {"microbatches": n, "micro_batch": mb, "measured_steps": args.steps}
+    result["images_per_sample"] = load
+    result["encoder_plan"] = str(best.options.encoder_plan)
+    times, losses = {}, {}
+    for i, name in enumerate(jobs):
+        out = [rank_results[i] for rank_results in per_rank]
+        per_step = [max(o["seconds"][s] for o in out) for s in range(1, steps)]
+        times[name] = per_step
+        losses[name] = [
+            {k: v for o in out for k, v in o["history"][s].items()} for s in range(steps)
+        ]
+        result[f"{name}_s"] = statistics.median(per_step)
+        result[f"{name}_range_s"] = (min(per_step), max(per_step))
+        if name == "optimus_adaptive":
+            stats = out[0]["step_plans"]
+            result["planned_steps"], result["fallbacks"] = stats.planned, stats.fallbacks
+            secs = out[0]["step_plan_seconds"]
+            result["plan_seconds_mean"] = statistics.mean(secs) if secs else 0.0
+            result["plan_seconds_max"] = max(secs) if secs else 0.0
+    # Paired per step: the same data in the same step for both.
+    ratios = [a / b for a, b in zip(times["optimus"], times["optimus_adaptive"], strict=True)]
+    result["adaptive_vs_static"] = statistics.median(ratios)
+    result["adaptive_vs_static_range"] = (min(ratios), max(ratios))
+    result["adaptive_vs_megatron_core"] = (
+        result["megatron_core_1f1b_s"] / result["optimus_adaptive_s"]
+    )
+    result["max_abs_loss_diff_adaptive_vs_static"] = max(
+        abs(a[k] - b[k])
+        for a, b in zip(losses["optimus"], losses["optimus_adaptive"], strict=True)
+        for k in a
+    )
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(
+        f"BENCH MLLM on {args.data_path} ({load:.2f} images per sample on average), PP=2 on "
+        f"2 ranks x 1 thread, {n} micro-batches of {mb}; Optimus encoder {result['encoder_plan']}"
+    )
+    print(f"{'run':<20}{'step s':>9}{'min-max':>16}{'vs mcore':>10}")
+    base = result["megatron_core_1f1b_s"]
+    for name in jobs:
+        (lo, hi), step = result[f"{name}_range_s"], result[f"{name}_s"]
+        print(f"{name:<20}{step:>9.3f}{lo:>8.3f}-{hi:<7.3f}{base / step:>9.2f}x")
+    lo, hi = result["adaptive_vs_static_range"]
+    print(
+        f"optimus_adaptive vs optimus, paired per step: {result['adaptive_vs_static']:.3f}x "
+        f"(min-max {lo:.3f}-{hi:.3f}); {result['planned_steps']} steps planned, "
+        f"{result['fallbacks']} fallback(s), planning {1000 * result['plan_seconds_mean']:.1f} ms "
+        f"CPU a step (max {1000 * result['plan_seconds_max']:.1f}); max |loss diff| "
+        f"{result['max_abs_loss_diff_adaptive_vs_static']:.2e}"
+    )
+    return 0
