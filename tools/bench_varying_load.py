@@ -111,6 +111,8 @@ def varying_load(args) -> int:
         if name == "optimus_adaptive":
             stats = out[0]["step_plans"]
             result["planned_steps"], result["fallbacks"] = stats.planned, stats.fallbacks
+            orders = out[0]["step_orders"]
+            result["reordered_steps"] = sum(o is not None and o != sorted(o) for o in orders)
             secs = out[0]["step_plan_seconds"]
             result["plan_seconds_mean"] = statistics.mean(secs) if secs else 0.0
             result["plan_seconds_max"] = max(secs) if secs else 0.0
@@ -141,7 +143,8 @@ def varying_load(args) -> int:
     lo, hi = result["adaptive_vs_static_range"]
     print(
         f"optimus_adaptive vs optimus, paired per step: {result['adaptive_vs_static']:.3f}x "
-        f"(min-max {lo:.3f}-{hi:.3f}); {result['planned_steps']} steps planned, "
+        f"(min-max {lo:.3f}-{hi:.3f}); {result['planned_steps']} steps planned "
+        f"({result['reordered_steps']} with micro-batches in other slots), "
         f"{result['fallbacks']} fallback(s), planning {1000 * result['plan_seconds_mean']:.1f} ms "
         f"CPU a step (max {1000 * result['plan_seconds_max']:.1f}); max |loss diff| "
         f"{result['max_abs_loss_diff_adaptive_vs_static']:.2e}"

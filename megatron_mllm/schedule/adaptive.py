@@ -18,6 +18,8 @@ renamed (the static candidate, which depends on the loader's order, is timed eve
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -82,14 +84,18 @@ class AdaptivePlanner:
     def plan(self, counts: Sequence[int]) -> StepPlan:
         """The plan for one global batch, given each sample's image count in loader order."""
         t0 = time.process_time()
-        counts = list(counts)
+        with _no_cyclic_gc():
+            kept = self._plan(list(counts))
+        self.seconds.append(time.process_time() - t0)
+        return kept
+
+    def _plan(self, counts: list[int]) -> StepPlan:
         static = self.static
         loader = loader_assignment(len(counts), self.dp, self.micro_batch)
         kept = self._timed(counts, loader, static.schedule, static.workload, "static")
         balanced = self._balanced(counts)
         if balanced.step_time_s <= kept.step_time_s:  # a tie: the even replicas, heavy first
             kept = balanced
-        self.seconds.append(time.process_time() - t0)
         return kept
 
     def _balanced(self, counts: list[int]) -> StepPlan:
@@ -157,6 +163,19 @@ def timed_step(
     loads = micro_loads(counts, assignment[heaviest(counts, assignment)], costed_images)
     workload = replace(workload, encoder_load=loads)
     return workload, simulate(schedule, workload, keep_spans=False, classify=False)
+
+
+@contextlib.contextmanager
+def _no_cyclic_gc():
+    """A plan makes many short-lived objects that reference counting frees; the cyclic
+    collector's passes over everything else alive would cost a third of the planning time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _in_slot_order(counts: list[int], assignment: Assignment, slots: list[list[int]]) -> Assignment:

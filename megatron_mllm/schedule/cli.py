@@ -220,21 +220,18 @@ def sampled_times(
     report: PlanReport, steps: list[list[int]], adaptive: AdaptivePlanner
 ) -> dict[str, list[float]]:
     """name -> every step's simulated time on the replica with the most images: the three
-    schedules (planned for the mean) on the loader's assignment, static Optimus on the
-    balanced assignment (the assignment alone), and optimus-adaptive's per-step plans."""
+    schedules (planned for the mean) on the loader's assignment and on the balanced one (the
+    assignment alone, which any schedule can use), and optimus-adaptive's per-step plans."""
     job, costed = adaptive.costs.job, adaptive.costed
     loader = loader_assignment(job.global_batch, job.plan.dp, job.micro_batch)
-    out: dict[str, list[float]] = {name: [] for name in report.schedules}
-    out["optimus_balanced_assignment"], out["optimus_adaptive"] = [], []
-    static = report.optimus
+    out: dict[str, list[float]] = {}
     for counts in steps:
-        for name, planned in report.schedules.items():
-            _, sim = timed_step(planned.schedule, planned.workload, counts, loader, costed)
-            out[name].append(sim.step_time_s)
         balanced = balanced_assignment(counts, job.plan.dp, job.micro_batch)
-        _, sim = timed_step(static.schedule, static.workload, counts, balanced, costed)
-        out["optimus_balanced_assignment"].append(sim.step_time_s)
-        out["optimus_adaptive"].append(adaptive.plan(counts).step_time_s)
+        for name, planned in report.schedules.items():
+            for suffix, assignment in (("", loader), ("_balanced_assignment", balanced)):
+                _, sim = timed_step(planned.schedule, planned.workload, counts, assignment, costed)
+                out.setdefault(name + suffix, []).append(sim.step_time_s)
+        out.setdefault("optimus_adaptive", []).append(adaptive.plan(counts).step_time_s)
     return out
 
 
