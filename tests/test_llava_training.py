@@ -176,3 +176,28 @@ def test_per_step_plans_keep_the_references_losses(data):
     orders = outs[0]["step_orders"]
     assert orders[0] is None and orders == outs[1]["step_orders"]
     assert any(o is not None and o != sorted(o) for o in orders), orders  # slots really moved
+
+
+@pytest.mark.slow
+def test_per_step_plans_per_replica_keep_the_references_losses(references, data):
+    """optimus-adaptive at DP 2: each replica plans for its own micro-batches' images (their
+    plans may differ); the reduced gradient is the reference's (same losses after it)."""
+    from megatron_mllm.runtime.job import ExecutorSettings
+
+    reference = references(2)
+    plan = ParallelPlan(2, 1, 1)
+    schedule = runtime_schedule(CFG, plan, MB, N, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
+    job = RuntimeJob(
+        ModelParts(CFG, reference[0]),
+        PlanParts(plan, schedule=schedule),
+        DataParts(MB, N, llava=data),
+        executor=ExecutorSettings(adaptive=True),
+        **{**STEPS, "optimizer": replace(STEPS["optimizer"], overlap_grad_reduce=True)},
+    )
+    outs = spawn(run_rank, plan.world_size, job)
+    check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
+    for step in (1, 2):
+        after = {k: v for o in outs for k, v in o["history"][step].items()}
+        for k, v in reference[1]["history"][step].items():
+            assert after[k] == pytest.approx(v, abs=1e-4)
+    assert all(o["step_plans"].planned + o["step_plans"].fallbacks == 2 for o in outs)
