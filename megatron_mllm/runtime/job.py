@@ -271,6 +271,12 @@ def check_job(job: RuntimeJob, world: int) -> None:
         raise ConfigError(
             f"schedule has {len(meta.encoders)} encoder(s); the model has {job.cfg.num_encoders}"
         )
+    if any(enc.wgt_kernels for enc in meta.encoders) or meta.text_only:
+        raise ConfigError(
+            "the schedule splits the encoder's backward (EW actions) or drops text-only "
+            "micro-batches' encoder actions: the simulator's, not the executor's yet; plan "
+            "without --encoder-wgrad-split (the runtime's per-step plans keep every action)"
+        )
     enc_plan, _ = encoder_plan_of(job.schedule, job.backbone)
     job.cfg.validate(job.backbone.tp, enc_plan.tp)
     for e in range(job.cfg.num_encoders):

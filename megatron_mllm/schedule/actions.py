@@ -5,7 +5,10 @@
     EF:e0p1s0m3k0-12    encoder 0, encoder pipeline 1, encoder stage 0, micro-batch 3,
                         forward kernels [0, 12) of that stage
     EF:e0p1s0m3k4-7@tp2 the same, run inside TP bubble 2 of the next backbone action in the list
-    EB:e0p1s0m3k0-12    encoder backward kernels [0, 12) (counted in backward order)
+    EB:e0p1s0m3k0-12    encoder backward kernels [0, 12) (counted in backward order); with a
+                        split backward only its input-gradient part
+    EW:e0p1s0m3k0-4     a split backward's weight-gradient kernels [0, 4): they feed only the
+                        encoder's gradient reduction, so they may run in any later bubble
     SEND:act.s1v0.m3    send a tensor, named by its key (see `keys`), to the rank that uses it
     RECV:act.s1v0.m3    wait for that tensor to arrive
     AG:bb  AG:e0        data-parallel all-gather of the backbone's (encoder 0's) parameters
@@ -30,7 +33,7 @@ from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.keys import TensorKey, part_encoder
 
 BACKBONE_KINDS = ("F", "B")
-ENCODER_KINDS = ("EF", "EB")
+ENCODER_KINDS = ("EF", "EB", "EW")
 COMPUTE_KINDS = BACKBONE_KINDS + ENCODER_KINDS
 TRANSFER_KINDS = ("SEND", "RECV")
 DP_KINDS = ("AG", "RS")
@@ -87,6 +90,12 @@ def EB(
     return Action("EB", stage=stage, mb=mb, enc=enc, pipe=pipe, k0=k0, k1=k1, fill=fill)
 
 
+def EW(
+    enc: int, pipe: int, stage: int, mb: int, k0: int, k1: int, fill: int | None = None
+) -> Action:
+    return Action("EW", stage=stage, mb=mb, enc=enc, pipe=pipe, k0=k0, k1=k1, fill=fill)
+
+
 def SEND(key: str) -> Action:
     return Action("SEND", key=key)
 
@@ -104,7 +113,7 @@ def RS(part: str) -> Action:
 
 
 _BACKBONE_RE = re.compile(r"^(F|B):s(\d+)v(\d+)m(\d+)$")
-_ENCODER_RE = re.compile(r"^(EF|EB):e(\d+)p(\d+)s(\d+)m(\d+)k(\d+)-(\d+)(?:@tp(\d+))?$")
+_ENCODER_RE = re.compile(r"^(EF|EB|EW):e(\d+)p(\d+)s(\d+)m(\d+)k(\d+)-(\d+)(?:@tp(\d+))?$")
 _KEY_RE = re.compile(r"^(SEND|RECV):(\S+)$")  # and the key parses (`TensorKey.parse`)
 _DP_RE = re.compile(r"^(AG|RS):(\S+)$")  # and the part parses (`part_encoder`)
 
@@ -140,5 +149,6 @@ def parse_action(text: str) -> Action:
         return Action(m[1], key=m[2])
     raise ConfigError(
         f"cannot parse action '{s}'; expected forms like F:s0v0m1, B:s0v0m1, "
-        "EF:e0p0s0m1k0-8, EB:e0p0s0m1k0-8@tp0, SEND:act.s1v0.m1, RECV:act.s1v0.m1, AG:bb, RS:e0"
+        "EF:e0p0s0m1k0-8, EB:e0p0s0m1k0-8@tp0, EW:e0p0s0m1k0-4, SEND:act.s1v0.m1, "
+        "RECV:act.s1v0.m1, AG:bb, RS:e0"
     )

@@ -51,15 +51,16 @@ def concat(blocks: list[Block], coalesce: bool) -> Block:
 
 def coalesce_kernels(kernels: list[Kernel]) -> list[Kernel]:
     """Merge runs of kernels up to each TP collective (same timing, fewer events)."""
-    out, acc, names = [], 0.0, []
+    out, acc, wgrad, names = [], 0.0, 0.0, []
     for k in kernels:
         acc += k.compute_s
+        wgrad += k.wgrad_s
         names.append(k.name)
         if k.comm_s > 0:
-            out.append(Kernel(f"{names[0]}..{names[-1]}", acc, k.comm_s))
-            acc, names = 0.0, []
+            out.append(Kernel(f"{names[0]}..{names[-1]}", acc, k.comm_s, wgrad))
+            acc, wgrad, names = 0.0, 0.0, []
     if names:
-        out.append(Kernel(f"{names[0]}..{names[-1]}", acc, 0.0))
+        out.append(Kernel(f"{names[0]}..{names[-1]}", acc, 0.0, wgrad))
     return out
 
 
@@ -87,11 +88,17 @@ class JobCosts:
         def one(kernels: list[Kernel], direction: str, unit: str) -> list[Kernel]:
             if not kernels:
                 return []
+            whole = Kernel(
+                unit,
+                sum(k.compute_s for k in kernels),
+                sum(k.comm_s for k in kernels),
+                sum(k.wgrad_s for k in kernels),
+            )
             seconds = measured.get(direction, {}).get(unit)
             if seconds is not None:  # measured compute; its collectives measured apart, or in it
-                comm = sum(k.comm_s for k in kernels) if "collectives" in measured else 0.0
-                return [Kernel(unit, seconds, comm)]
-            return [Kernel(unit, sum(k.compute_s for k in kernels), sum(k.comm_s for k in kernels))]
+                comm = whole.comm_s if "collectives" in measured else 0.0
+                return [replace(whole.timed(seconds), comm_s=comm)]
+            return [whole]
 
         block.fwd = one(block.fwd, "forward", name)
         block.bwd = one(block.bwd, "backward", name + "_b")
@@ -154,7 +161,9 @@ class JobCosts:
         block = Block(
             f"e{e}.embed",
             [Kernel("embed", self.cm._flops_s(flops))],
-            [] if self.job.frozen_encoders else [Kernel("embed_b", self.cm._flops_s(2 * flops))],
+            []
+            if self.job.frozen_encoders
+            else [Kernel("embed_b", self.cm._flops_s(2 * flops), 0.0, self.cm._flops_s(flops))],
             0.0,
             patch_dim * h + h + s * h,  # weight, bias, position embeddings
             {"encoder", "frozen"} if self.job.frozen_encoders else {"encoder"},

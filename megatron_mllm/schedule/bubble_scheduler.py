@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from megatron_mllm.parallel.plans import ParallelPlan, check_colocated
-from megatron_mllm.schedule.actions import AG, EB, EF, RS, Action
+from megatron_mllm.schedule.actions import AG, EB, EF, EW, RS, Action
 from megatron_mllm.schedule.assemble import EncoderLayout, assemble, megatron_backbone
 from megatron_mllm.schedule.blocks import JobCosts, concat
 from megatron_mllm.schedule.gaps import Gap, GapPool, Placed
@@ -28,7 +28,7 @@ from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_or
 from megatron_mllm.schedule.schedule import Schedule, ScheduleMeta
 from megatron_mllm.schedule.simulator import simulate
 from megatron_mllm.schedule.transfers import add_transfers
-from megatron_mllm.schedule.workload import Workload
+from megatron_mllm.schedule.workload import Workload, with_weight_split
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,9 @@ class OptimusOptions:
     fine: bool = True  # False: the coarse schedule only (all encoder work outside the backbone)
     placement: str = "colocated"  # "stage0": the Megatron placement, kept when nothing beats it
     even_backbone: bool = False  # Megatron's default even layer split (else balance the head)
+    # Split the encoder's backward into input-gradient (EB) and weight-gradient (EW) work; the
+    # weight gradients go into whatever bubble comes after their input gradient.
+    wgrad_split: bool = False
 
 
 def encoder_layouts(costs: JobCosts, enc_plan: ParallelPlan) -> tuple[list[EncoderLayout], int]:
@@ -108,7 +111,7 @@ def optimus_schedule(
     encoder load (see `Workload.encoder_load`), placed as it is; with `skip_text_only` a
     micro-batch of load 0 gets no encoder action (`ScheduleMeta.text_only`).
     """
-    shape = ("assembled", opts.encoder_plan, opts.even_backbone)
+    shape = ("assembled", opts.encoder_plan, opts.even_backbone, opts.wgrad_split)
     if cache is not None and shape in cache:
         meta, workload = cache[shape]
     else:
@@ -117,6 +120,8 @@ def optimus_schedule(
         meta, workload = assemble(
             "optimus", costs, backbone, layouts, slots=slots, backbone_layers=layers
         )
+        if opts.wgrad_split:
+            meta, workload = with_weight_split(meta, workload)
         if cache is not None:
             cache[shape] = meta, workload
     if loads:
@@ -146,6 +151,7 @@ def optimus_schedule(
         split=opts.split,
         extra_warmup=opts.extra_warmup,
         fine=opts.fine,
+        wgrad_split=opts.wgrad_split,
     )
     return schedule, workload
 
@@ -280,36 +286,50 @@ class _Placer:
 
     # -- backward --------------------------------------------------------------------------
     def place_backwards(self) -> None:
+        """Encoder backwards as early as possible after B_i, micro-batch by micro-batch; with
+        a split backward the input gradients first, then every weight gradient as early as
+        possible after its own input gradient, into what is left."""
+        weights: list[tuple[float, int, int, int, int]] = []  # (earliest, e, pipe, stage, mb)
         for e, enc in enumerate(self.meta.encoders):
-            if not enc.trainable:
-                continue
-            last = enc.num_stages - 1
-            for mb in sorted(self.assignment[e], key=lambda m: self.b_end[m]):
-                pipe = self.assignment[e][mb]
-                lane = enc.placement[pipe][last][0]
-                earliest = self.b_end[mb] + self._transfer(TensorKey.egrad(e, mb), 0, lane)
-                for j in range(last, -1, -1):
-                    kernels = self.wl.kernels("EB", j, enc=e, mb=mb)
-                    if not kernels:
-                        break
-                    rank, slot = enc.placement[pipe][j]
-                    remote = j < last or lane != 0
-                    placed = self.pool.place_asap(
-                        rank, slot, kernels, earliest, first_in_tp=not remote
+            if enc.trainable:
+                weights += self._place_input_grads(e, enc)
+        for earliest, e, pipe, j, mb in sorted(weights):
+            rank, slot = self.meta.encoders[e].placement[pipe][j]
+            kernels = self.wl.kernels("EW", j, enc=e, mb=mb)
+            placed = self.pool.place_asap(rank, slot, kernels, earliest)
+            self._commit("EW", e, pipe, j, mb, placed)
+
+    def _place_input_grads(self, e: int, enc) -> list[tuple[float, int, int, int, int]]:
+        """EB of every micro-batch of encoder `e`; the weight gradients still to place."""
+        weights = []
+        last = enc.num_stages - 1
+        for mb in sorted(self.assignment[e], key=lambda m: self.b_end[m]):
+            pipe = self.assignment[e][mb]
+            lane = enc.placement[pipe][last][0]
+            earliest = self.b_end[mb] + self._transfer(TensorKey.egrad(e, mb), 0, lane)
+            for j in range(last, -1, -1):
+                kernels = self.wl.kernels("EB", j, enc=e, mb=mb)
+                if not kernels:
+                    break
+                rank, slot = enc.placement[pipe][j]
+                remote = j < last or lane != 0
+                placed = self.pool.place_asap(rank, slot, kernels, earliest, first_in_tp=not remote)
+                self._commit("EB", e, pipe, j, mb, placed)
+                if enc.wgt(j):  # its weight gradients may start once its EB is done
+                    weights.append((placed[-1].end + kernels[-1].comm_s, e, pipe, j, mb))
+                if j > 0:
+                    nxt = enc.placement[pipe][j - 1][0]
+                    earliest = (
+                        placed[-1].end
+                        + kernels[-1].comm_s
+                        + self._transfer(TensorKey.egin(e, j - 1, mb), rank, nxt)
                     )
-                    self._commit("EB", e, pipe, j, mb, placed)
-                    if j > 0:
-                        nxt = enc.placement[pipe][j - 1][0]
-                        earliest = (
-                            placed[-1].end
-                            + kernels[-1].comm_s
-                            + self._transfer(TensorKey.egin(e, j - 1, mb), rank, nxt)
-                        )
+        return weights
 
     def _commit(self, kind: str, e: int, pipe: int, stage: int, mb: int, placed: list[Placed]):
         rank, slot = self.meta.encoders[e].placement[pipe][stage]
         self.pool.commit(rank, slot, placed)
-        make = EF if kind == "EF" else EB
+        make = {"EF": EF, "EB": EB, "EW": EW}[kind]
         run: list[Placed] = []
         for p in placed + [None]:
             if run and (p is None or p.gap is not run[-1].gap):

@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
         help='instead of drawing: JSON {"global_batch": G, "steps": [[images per sample, ...], '
         "...]}",
     )
+    p.add_argument(
+        "--encoder-wgrad-split",
+        action="store_true",
+        help="also try the best Optimus plan with the encoder's backward split into input- and "
+        "weight-gradient work (EB / EW; simulation only), kept where faster",
+    )
     p.add_argument("--sample-steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0, help="for drawing the loads")
     return p
@@ -165,6 +171,7 @@ def report_dict(report: PlanReport) -> dict:
             entry["encoder_plan"] = {"dp": p.dp, "tp": p.tp, "pp": p.pp}
             entry["microbatch_split"] = planned.options.split
             entry["extra_warmup"] = planned.options.extra_warmup
+            entry["wgrad_split"] = planned.options.wgrad_split
         out[name] = entry
     return {
         "schedules": out,
@@ -278,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     if steps is not None:
         job = replace(job, images_per_sample=mean)
     costs = JobCosts(job, measured)
-    report = plan_all(costs, forced_encoder_plan(args, job))
+    report = plan_all(costs, forced_encoder_plan(args, job), args.encoder_wgrad_split)
     if args.save_schedule:
         report.optimus.schedule.to_csv(args.save_schedule)
     if args.trace or args.png:

@@ -29,16 +29,32 @@ class Kernel:
     name: str
     compute_s: float
     comm_s: float = 0.0
+    # A backward kernel: the part of `compute_s` that computes weight gradients (a GEMM's
+    # backward is its input gradient plus its weight gradient, each about its forward's time).
+    wgrad_s: float = 0.0
 
     @property
     def total_s(self) -> float:
         return self.compute_s + self.comm_s
 
+    def timed(self, compute_s: float) -> Kernel:
+        """The same kernel taking `compute_s`, its weight-gradient share kept."""
+        share = self.wgrad_s / self.compute_s if self.compute_s > 0 else 0.0
+        return replace(self, compute_s=compute_s, wgrad_s=compute_s * share)
+
 
 def scaled_kernels(kernels: list[Kernel], load: float) -> list[Kernel]:
     """Kernels for `load` times the work they were costed for (compute and its collectives
     linear in it: an encoder's images)."""
-    return [Kernel(k.name, k.compute_s * load, k.comm_s * load) for k in kernels]
+    return [Kernel(k.name, k.compute_s * load, k.comm_s * load, k.wgrad_s * load) for k in kernels]
+
+
+def split_weight_grads(kernels: list[Kernel]) -> tuple[list[Kernel], list[Kernel]]:
+    """A backward's kernels as its input-gradient kernels (the collectives stay with them) and
+    its weight-gradient kernels ("<name>_w"), for a split backward (zero-bubble's B / W)."""
+    dx = [Kernel(k.name, k.compute_s - k.wgrad_s, k.comm_s) for k in kernels]
+    dw = [Kernel(k.name.removesuffix("_b") + "_w", k.wgrad_s) for k in kernels if k.wgrad_s > 0]
+    return dx, dw
 
 
 class CostModel:
@@ -102,14 +118,17 @@ class CostModel:
             Kernel("fc2", self._flops_s(2 * b * s * f * h / tp), reduce),
         ]
         if backward:
-            # Backward: twice the GEMM work, 2.5x attention (recomputed scores), mirrored comms.
+            # Backward: twice the GEMM work (input and weight gradients), 2.5x attention
+            # (recomputed scores), mirrored comms.
             factor = {"attn": 2.5}
             comm_after = {"fc1": reduce, "ln2": gather, "qkv": reduce, "ln1": gather}
+            gemms = ("qkv", "proj", "fc1", "fc2")
             kernels = [
                 Kernel(
                     k.name + "_b",
                     k.compute_s * factor.get(k.name, 2.0),
                     comm_after.get(k.name, 0.0),
+                    k.compute_s if k.name in gemms else 0.0,
                 )
                 for k in reversed(fwd)
             ]
@@ -138,11 +157,14 @@ class CostModel:
         """Two-layer MLP projector, encoder width -> LLM width, at the end of the encoder."""
         b, he, hl = self.b, encoder.hidden_size, llm.hidden_size
         mult = 2 if backward else 1
-        fc1 = Kernel("proj_fc1", self._flops_s(2 * b * seq * he * hl / tp) * mult)
+        fc1_s, fc2_s = (self._flops_s(2 * b * seq * x * hl / tp) for x in (he, hl))
+        w = 1.0 if backward else 0.0  # a backward GEMM: its weight gradient is one forward's
+        fc1 = Kernel("proj_fc1", fc1_s * mult, 0.0, fc1_s * w)
         fc2 = Kernel(
             "proj_fc2",
-            self._flops_s(2 * b * seq * hl * hl / tp) * mult,
+            fc2_s * mult,
             self._collective_s(b * seq * hl * BF16, tp, 2),
+            fc2_s * w,
         )
         return [fc2, fc1] if backward else [fc1, fc2]
 
@@ -157,7 +179,7 @@ class CostModel:
         times = self.measured.get(model, {}).get(direction)
         if not times:
             return kernels
-        return [replace(k, compute_s=times.get(k.name, k.compute_s)) for k in kernels]
+        return [k.timed(times.get(k.name, k.compute_s)) for k in kernels]
 
     # -- communication and memory -----------------------------------------------------------
     def p2p_s(self, hidden: int, seq: int, tp: int) -> float:

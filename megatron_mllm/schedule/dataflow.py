@@ -6,7 +6,7 @@ makes are key strings (`str(TensorKey)`), the form the IR stores (see `keys`).
 
 from __future__ import annotations
 
-from megatron_mllm.schedule.actions import Action
+from megatron_mllm.schedule.actions import ENCODER_KINDS, Action
 from megatron_mllm.schedule.keys import TensorKey, part_encoder
 from megatron_mllm.schedule.schedule import ScheduleMeta
 
@@ -21,6 +21,7 @@ RULES = {
     "egin": "encoder backward needs the gradient from the next encoder stage",
     "ek": "encoder kernels run in order (backward after the stage's whole forward)",
     "ebk": "encoder backward kernels run in order",
+    "ewk": "encoder weight-gradient kernels run in order, after the stage's input gradient",
     "params": "parameters are all-gathered before first use",
     "bwd": "gradients are reduce-scattered after every backward on the rank",
     "ebdone": "encoder gradients are reduce-scattered after every encoder backward on the rank",
@@ -92,6 +93,12 @@ class Dataflow:
             else:
                 need.append(str(TensorKey.egin(a.enc, a.stage, a.mb)))
             return need
+        if a.kind == "EW":
+            enc = self.meta.encoders[a.enc]
+            need = [str(TensorKey.ebk(a.enc, a.stage, a.mb, enc.bwd_kernels[a.stage]))]
+            if a.k0 > 0:
+                need.append(str(TensorKey.ewk(a.enc, a.stage, a.mb, a.k0)))
+            return need
         if a.kind == "SEND":
             return [a.key]
         return []  # RECV, AG; RS needs are rank-wide, see `rs_needs`
@@ -132,9 +139,16 @@ class Dataflow:
             enc = meta.encoders[a.enc]
             out = [str(TensorKey.ebk(a.enc, a.stage, a.mb, a.k1))]
             if a.k1 == enc.bwd_kernels[a.stage]:
-                out.append(str(TensorKey.ebdone(a.enc, a.stage, a.mb)))
+                if not enc.wgt(a.stage):
+                    out.append(str(TensorKey.ebdone(a.enc, a.stage, a.mb)))
                 if a.stage > 0 and enc.bwd_kernels[a.stage - 1] > 0:
                     out.append(str(TensorKey.egin(a.enc, a.stage - 1, a.mb)))
+            return out
+        if a.kind == "EW":
+            enc = meta.encoders[a.enc]
+            out = [str(TensorKey.ewk(a.enc, a.stage, a.mb, a.k1))]
+            if a.k1 == enc.wgt(a.stage):
+                out.append(str(TensorKey.ebdone(a.enc, a.stage, a.mb)))
             return out
         if a.kind == "RECV":
             return [a.key]
@@ -154,7 +168,7 @@ class Dataflow:
         return [
             str(TensorKey.ebdone(e, a.stage, a.mb))
             for a in actions
-            if a.kind == "EB" and a.enc == e and a.k1 == enc.bwd_kernels[a.stage]
+            if a.enc == e and is_stage_backward_end(enc, a)
         ]
 
     # -- where things live ---------------------------------------------------------------------
@@ -196,7 +210,7 @@ class Dataflow:
         if a.kind in ("F", "B"):
             ok = a.stage < meta.pp and a.chunk < meta.vpp and a.mb < meta.num_microbatches
             return a.stage if ok else None
-        if a.kind in ("EF", "EB"):
+        if a.kind in ENCODER_KINDS:
             if a.enc >= len(meta.encoders) or a.mb >= meta.num_microbatches:
                 return None
             enc = meta.encoders[a.enc]
@@ -210,6 +224,14 @@ class Dataflow:
 
     def slot(self, a: Action) -> int | None:
         """The slot an encoder action runs in; None for actions that use the whole rank."""
-        if a.kind in ("EF", "EB"):
+        if a.kind in ENCODER_KINDS:
             return self.meta.encoders[a.enc].placement[a.pipe][a.stage][1]
         return None
+
+
+def is_stage_backward_end(enc, a: Action) -> bool:
+    """Whether `a` ends its encoder stage's backward for its micro-batch (the last EB kernel,
+    or with a split backward the last EW kernel): its gradients are then complete."""
+    if a.kind == "EW":
+        return a.k1 == enc.wgt(a.stage)
+    return a.kind == "EB" and a.k1 == enc.bwd_kernels[a.stage] and not enc.wgt(a.stage)

@@ -10,7 +10,8 @@
     bwd.s{S}v{V}.m{M}        backbone backward done
     ek.e{E}.s{S}.m{M}.k{K}   encoder forward done up to kernel K
     ebk.e{E}.s{S}.m{M}.k{K}  encoder backward done up to kernel K (in backward order)
-    ebdone.e{E}.s{S}.m{M}    encoder stage backward done
+    ewk.e{E}.s{S}.m{M}.k{K}  encoder weight gradients done up to kernel K (split backward)
+    ebdone.e{E}.s{S}.m{M}    encoder stage backward done (with a split one: its weight part)
     params.bb  params.e{E}   a parameter part gathered: the backbone's, encoder E's
 
 `TensorKey` builds keys (`TensorKey.act(stage, chunk, mb)`, ...) and parses them
@@ -49,6 +50,7 @@ _SHAPES = {
     "ebdone": "es",
     "ek": "esk",
     "ebk": "esk",
+    "ewk": "esk",
     "params": "p",
 }
 _FIELDS = {
@@ -173,6 +175,10 @@ class TensorKey:
     @staticmethod
     def ebk(enc: int, stage: int, mb: int, k: int) -> TensorKey:
         return _intern("ebk", enc, stage, None, mb, k)
+
+    @staticmethod
+    def ewk(enc: int, stage: int, mb: int, k: int) -> TensorKey:
+        return _intern("ewk", enc, stage, None, mb, k)
 
     @staticmethod
     def params(enc: int | None = None) -> TensorKey:

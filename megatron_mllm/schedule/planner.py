@@ -4,7 +4,7 @@ micro-batch splits and warm-up variants with the bubble scheduler, keep the fast
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.parallel.plans import ParallelPlan, enumerate_encoder_plans
@@ -81,9 +81,13 @@ def _no_plan_fits(dropped: list[tuple[ParallelPlan, float]], memory: float) -> C
 
 
 def plan_optimus(
-    costs: JobCosts, encoder_plan: ParallelPlan | None = None, refine: int = 1
+    costs: JobCosts,
+    encoder_plan: ParallelPlan | None = None,
+    refine: int = 1,
+    wgrad_split: bool = False,
 ) -> tuple[Planned, list, list]:
-    """Search encoder plans (or just `encoder_plan`) and return the best Optimus schedule."""
+    """Search encoder plans (or just `encoder_plan`) and return the best Optimus schedule;
+    with `wgrad_split` the best one's split-backward variant too (kept where faster)."""
     job = costs.job
     memory = job.hw.memory_gb
     plans = (
@@ -147,6 +151,8 @@ def plan_optimus(
             variants.append(OptimusOptions(p, split="even", extra_warmup=1))
         for v in variants:
             consider(v)
+    if wgrad_split and best is not None and best.options.placement == "colocated":
+        consider(replace(best.options, wgrad_split=True))
     if best is None:
         if not fitting:
             raise _no_plan_fits(dropped, memory)
@@ -160,10 +166,12 @@ def plan_optimus(
     return best, candidates, dropped
 
 
-def plan_all(job_costs: JobCosts, encoder_plan: ParallelPlan | None = None) -> PlanReport:
+def plan_all(
+    job_costs: JobCosts, encoder_plan: ParallelPlan | None = None, wgrad_split: bool = False
+) -> PlanReport:
     """The three schedules for one job, simulated side by side."""
     t0 = time.process_time()
-    optimus, candidates, dropped = plan_optimus(job_costs, encoder_plan)
+    optimus, candidates, dropped = plan_optimus(job_costs, encoder_plan, wgrad_split=wgrad_split)
     planner_seconds = time.process_time() - t0
     return PlanReport(
         megatron=run("megatron", megatron_schedule(job_costs)),

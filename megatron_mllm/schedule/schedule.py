@@ -26,6 +26,13 @@ class EncoderMeta:
     fwd_kernels: tuple[int, ...]  # per encoder stage
     bwd_kernels: tuple[int, ...]  # per encoder stage; 0 where nothing runs backward (frozen)
     placement: tuple[tuple[tuple[int, int], ...], ...]  # [pipe][stage] -> (lane, slot)
+    # A split backward: weight-gradient kernels per stage (EW actions; EB is then the input
+    # gradient only). (): not split.
+    wgt_kernels: tuple[int, ...] = ()
+
+    def wgt(self, stage: int) -> int:
+        """The stage's weight-gradient kernels (0: its EB does all of its backward)."""
+        return self.wgt_kernels[stage] if self.wgt_kernels else 0
 
     @property
     def num_stages(self) -> int:
@@ -85,6 +92,7 @@ class ScheduleMeta:
                 tuple(e["fwd_kernels"]),
                 tuple(e["bwd_kernels"]),
                 tuple(tuple(tuple(ls) for ls in pipe) for pipe in e["placement"]),
+                tuple(e.get("wgt_kernels", ())),
             )
             for e in raw.pop("encoders")
         )

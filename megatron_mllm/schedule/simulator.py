@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.schedule.actions import Action
-from megatron_mllm.schedule.dataflow import Dataflow
+from megatron_mllm.schedule.actions import ENCODER_KINDS, Action
+from megatron_mllm.schedule.dataflow import Dataflow, is_stage_backward_end
 from megatron_mllm.schedule.keys import part_encoder
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.validator import backbone_groups
@@ -129,7 +129,7 @@ def simulate(
             times[(r, i)]
             for i, b in enumerate(schedule.ranks[r][:step])
             if (r, i) in times
-            and ((e is None and b.kind == "B") or (b.kind == "EB" and b.enc == e))
+            and ((e is None and b.kind == "B") or (b.kind in ("EB", "EW") and b.enc == e))
         ]
         return max(spans_of, key=lambda t: t[1], default=None)
 
@@ -161,7 +161,7 @@ def simulate(
             mem_events[r].append((start, slot, share))
             if enc.bwd_kernels[a.stage] == 0:  # nothing will run backward: freed at once
                 mem_events[r].append((t, slot, -share))
-        elif a.k1 == enc.bwd_kernels[a.stage]:
+        elif is_stage_backward_end(enc, a):  # a split one keeps them for its weight gradients
             mem_events[r].append((t, slot, -stage_bytes))
         return compute_end
 
@@ -222,7 +222,7 @@ def simulate(
                     break
                 if a.kind in ("F", "B"):
                     run_backbone(r, group, acts)
-                elif a.kind in ("EF", "EB"):
+                elif a.kind in ENCODER_KINDS:
                     run_encoder(r, group[-1], a, 0.0)
                 elif a.kind == "SEND":
                     t0 = max(cursor[r], avail[r][a.key])

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.schedule.actions import Action
+from megatron_mllm.schedule.actions import ENCODER_KINDS, Action
 from megatron_mllm.schedule.dataflow import RULES, Dataflow
 from megatron_mllm.schedule.keys import TensorKey, part_name
 from megatron_mllm.schedule.schedule import Schedule
@@ -85,11 +85,11 @@ def validate(schedule: Schedule) -> None:
                         "local-transfer",
                         f"{a.key} is made and used on rank {producer}; drop the SEND/RECV pair",
                     )
-            if a.kind in ("EF", "EB") and not meta.has_images(a.mb):
+            if a.kind in ENCODER_KINDS and not meta.has_images(a.mb):
                 fail(r, i, "text-only", f"micro-batch {a.mb} has no image: no encoder work")
             if home != -1 and home != r:
                 fail(r, i, "wrong-rank", f"{a} belongs on rank {home}")
-            if a.fill is not None and a.kind not in ("EF", "EB"):
+            if a.fill is not None and a.kind not in ENCODER_KINDS:
                 fail(r, i, "fill", "only encoder work can fill a TP bubble")
             if a.fill is not None and i == len(actions) - 1:
                 fail(r, i, "fill", "a TP-bubble fill must be followed by a backbone F or B")
@@ -123,7 +123,7 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
     pipes: dict[tuple[int, int], set[int]] = defaultdict(set)
     for r, acts in enumerate(schedule.ranks):
         for i, a in enumerate(acts):
-            if a.kind in ("EF", "EB"):
+            if a.kind in ENCODER_KINDS:
                 cover[(a.kind, a.enc, a.stage, a.mb)].append((a.k0, a.k1, r, i))
                 pipes[(a.enc, a.mb)].add(a.pipe)
     for e, enc in enumerate(meta.encoders):
@@ -139,7 +139,8 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
                     f"{sorted(pipes[(e, m)])}; one pipeline must do all its stages",
                 )
             for s in range(enc.num_stages):
-                for kind, total in (("EF", enc.fwd_kernels[s]), ("EB", enc.bwd_kernels[s])):
+                totals = (("EF", enc.fwd_kernels[s]), ("EB", enc.bwd_kernels[s]))
+                for kind, total in (*totals, ("EW", enc.wgt(s))):
                     chunks = sorted(cover[(kind, e, s, m)])
                     pos = 0
                     for k0, k1, r, i in chunks:

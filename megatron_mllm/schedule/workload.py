@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.schedule.cost_model import Kernel, scaled_kernels
+from megatron_mllm.schedule.cost_model import Kernel, scaled_kernels, split_weight_grads
 from megatron_mllm.schedule.keys import TensorKey
 from megatron_mllm.schedule.schedule import ScheduleMeta
 
@@ -21,6 +21,9 @@ class Workload:
     backbone_bwd: dict[tuple[int, int], list[Kernel]]
     encoder_fwd: list[list[list[Kernel]]] = field(default_factory=list)  # [enc][stage]
     encoder_bwd: list[list[list[Kernel]]] = field(default_factory=list)
+    # A split backward (`with_weight_split`): [enc][stage] weight-gradient kernels (EW), and
+    # encoder_bwd then holds only the input-gradient ones. Empty: not split.
+    encoder_wgt: list[list[list[Kernel]]] = field(default_factory=list)
     transfer_s: dict[str, float] = field(default_factory=dict)  # by TensorKey.cost_name
     dp_s: dict[tuple[int, str, str], float] = field(default_factory=dict)  # (rank, AG|RS, part)
     # (rank, part) -> DDP gradient buckets: each is reduced once the part's last backward has
@@ -55,7 +58,8 @@ class Workload:
             if folded is None or load == 1.0:
                 return kernels
             return _with_encoder_share(kernels, folded[kind == "B"], load)
-        kernels = self.encoder_fwd[enc][stage] if kind == "EF" else self.encoder_bwd[enc][stage]
+        table = {"EF": self.encoder_fwd, "EB": self.encoder_bwd, "EW": self.encoder_wgt}
+        kernels = table[kind][enc][stage]
         load = self.load_of(mb)
         if load == 1.0:
             return kernels
@@ -101,10 +105,16 @@ class Workload:
         for e, enc in enumerate(meta.encoders):
             fwd = [len(k) for k in self.encoder_fwd[e]]
             bwd = [len(k) for k in self.encoder_bwd[e]]
-            if tuple(fwd) != enc.fwd_kernels or tuple(bwd) != enc.bwd_kernels:
+            wgt = [len(k) for k in self.encoder_wgt[e]] if len(self.encoder_wgt) > e else []
+            if (
+                tuple(fwd) != enc.fwd_kernels
+                or tuple(bwd) != enc.bwd_kernels
+                or tuple(wgt) != enc.wgt_kernels
+            ):
                 raise ConfigError(
-                    f"encoder {e}: workload kernel counts fwd {fwd} bwd {bwd} do not match the "
-                    f"schedule's fwd {list(enc.fwd_kernels)} bwd {list(enc.bwd_kernels)}"
+                    f"encoder {e}: workload kernel counts fwd {fwd} bwd {bwd} weight {wgt} do "
+                    f"not match the schedule's fwd {list(enc.fwd_kernels)} bwd "
+                    f"{list(enc.bwd_kernels)} weight {list(enc.wgt_kernels)}"
                 )
 
     def compute_seconds(self, kernels: list[Kernel]) -> float:
@@ -119,3 +129,23 @@ def _with_encoder_share(kernels: list[Kernel], encoder_s: float, load: float) ->
         return kernels
     factor = (total + (load - 1.0) * encoder_s) / total
     return [Kernel(k.name, k.compute_s * factor, k.comm_s) for k in kernels]
+
+
+def with_weight_split(meta: ScheduleMeta, workload: Workload) -> tuple[ScheduleMeta, Workload]:
+    """Every trainable encoder's backward split into input-gradient (EB) and weight-gradient
+    (EW) kernels: the metadata's kernel counts and the workload's kernel lists."""
+    encoders, bwd, wgt = [], [], []
+    for e, enc in enumerate(meta.encoders):
+        split = [split_weight_grads(k) for k in workload.encoder_bwd[e]]
+        if not enc.trainable or not any(dw for _, dw in split):
+            encoders.append(enc)
+            bwd.append(workload.encoder_bwd[e])
+            wgt.append([])
+            continue
+        bwd.append([dx for dx, _ in split])
+        wgt.append([dw for _, dw in split])
+        encoders.append(replace(enc, wgt_kernels=tuple(len(dw) for _, dw in split)))
+    return (
+        replace(meta, encoders=tuple(encoders)),
+        replace(workload, encoder_bwd=bwd, encoder_wgt=wgt),
+    )
