@@ -171,10 +171,10 @@ def test_per_step_plans_keep_the_references_losses(data):
         for k, v in reference[1]["history"][step].items():
             assert after[k] == pytest.approx(v, abs=1e-4)
     stats = [o["step_plans"] for o in outs]
-    assert all(s.planned + s.fallbacks == 2 and not s.failures for s in stats)
-    assert stats[0].planned == stats[1].planned >= 1
+    assert all(s.planned + s.fallbacks == 3 and not s.failures for s in stats)
+    assert stats[0].planned == stats[1].planned >= 2  # the first step is planned before it runs
     orders = outs[0]["step_orders"]
-    assert orders[0] is None and orders == outs[1]["step_orders"]
+    assert orders[0] is not None and orders == outs[1]["step_orders"]
     assert any(o is not None and o != sorted(o) for o in orders), orders  # slots really moved
 
 
@@ -200,4 +200,4 @@ def test_per_step_plans_per_replica_keep_the_references_losses(references, data)
         after = {k: v for o in outs for k, v in o["history"][step].items()}
         for k, v in reference[1]["history"][step].items():
             assert after[k] == pytest.approx(v, abs=1e-4)
-    assert all(o["step_plans"].planned + o["step_plans"].fallbacks == 2 for o in outs)
+    assert all(o["step_plans"].planned + o["step_plans"].fallbacks == 3 for o in outs)

@@ -445,7 +445,8 @@ TWO_ENCODERS = replace(
     "plan, unit",
     [
         pytest.param(ParallelPlan(1, 1, 2), "layer", marks=pytest.mark.slow),
-        (ParallelPlan(1, 2, 1), "kernel"),
+        # make test trains two encoders through pretrain_mllm.py (test_training.py)
+        pytest.param(ParallelPlan(1, 2, 1), "kernel", marks=pytest.mark.slow),
     ],
 )
 def test_two_encoders_agree(plan, unit):
@@ -498,7 +499,11 @@ def test_schedule_metadata_names_the_encoder_placement():
 
 @pytest.mark.parametrize(
     "layout, unit",
-    [("pp2-encoder-dp2", "layer"), pytest.param("tp2", "kernel", marks=pytest.mark.slow)],
+    [
+        # make test overlaps the encoder-DP2 reduction in test_llava_training.py's adaptive run
+        pytest.param("pp2-encoder-dp2", "layer", marks=pytest.mark.slow),
+        pytest.param("tp2", "kernel", marks=pytest.mark.slow),
+    ],
 )
 def test_overlapped_grad_reduce_agrees(layout, unit):
     """megatron-core's DDP with --overlap-grad-reduce and small buckets: each bucket is reduced

@@ -393,6 +393,29 @@ def test_trains_on_llava_conversations_validates_and_resumes_exactly(tmp_path, l
     assert "planned for 1.00 images per sample" in straight.stdout  # the data set's mean
 
 
+@pytest.mark.slow  # two torchrun jobs; make test runs optimus-adaptive in test_llava_training.py
+def test_optimus_adaptive_resumes_with_the_uninterrupted_runs_losses(tmp_path, llava_dataset):
+    """--bubble-schedule optimus-adaptive: every step runs its own plan (the first planned
+    before it runs), the loader position saved is the one before the step read ahead, so a
+    run resumed at iteration 2 sees the same samples and plans, and the same losses."""
+    data, tokenizer = llava_dataset
+    args = [*LLAVA, "--data-path", str(data), "--tokenizer-model", str(tokenizer),
+            "--train-iters", "4", "--global-batch-size", "8", "--bubble-schedule",
+            "optimus-adaptive", "--encoder-tensor-model-parallel-size", "1",
+            "--encoder-pipeline-model-parallel-size", "1"]  # fmt: skip
+    straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "2")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    assert "schedule: optimus-adaptive" in straight.stdout
+    assert re.search(r"step plans: [1-4] planned, \d+ static fallback", straight.stdout)
+    (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("2")
+    resumed = torchrun(*args, "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    ref = losses(straight.stdout)
+    again = losses(resumed.stdout)
+    assert set(again) == {3, 4}
+    assert all(again[i] == pytest.approx(ref[i], rel=1e-5) for i in (3, 4)), (again, ref)
+
+
 def test_bad_conversation_arguments_fail_in_one_line(tmp_path, llava_dataset):
     data, tokenizer = llava_dataset
     hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer)]
@@ -404,6 +427,9 @@ def test_bad_conversation_arguments_fail_in_one_line(tmp_path, llava_dataset):
     ]
     for args, msg in cases:
         assert_refused_in_one_line(args, msg)
+    adaptive = ["--bubble-schedule", "optimus-adaptive"]
+    assert_refused_in_one_line([*adaptive, "--coreset-pool-ratio", "2"], "optimus-adaptive plans")
+    assert_refused_in_one_line([*adaptive, "--replan-after-iters", "1"], "optimus-adaptive plans")
 
 
 @pytest.mark.parametrize(

@@ -127,14 +127,17 @@ class ExecutorRun:
         )
         return None if planner is None else StepPlanner(planner, group)
 
-    def _step_program(self, step: int):
+    def _step_program(self, step: int, data):
         """optimus-adaptive: this step's program, metadata, receive orders and slot order
         (its own plan if every rank has it, else the static one), and the next step's plan
         started in the background."""
         from megatron_mllm.runtime.program import gpu_program
         from megatron_mllm.runtime.step_plans import encoder_counts, slot_order
 
-        planner, job = self.step_planner, self.job
+        planner, job, dp = self.step_planner, self.job, self.groups.coords.dp
+        if not planner.requested(step):  # the first step: nothing planned it ahead
+            planner.request(step, [data(m, dp).num_images for m in range(job.num_microbatches)])
+            planner.wait(step)
         plan = planner.take(step)
         counts = self.data.prefetch(step + 1)[0]
         planner.request(step + 1, counts)
@@ -400,7 +403,7 @@ class ExecutorRun:
 
         program, meta, ordered, order = self.program, job.schedule.meta, self.ordered, None
         if self.step_planner is not None and self.selector is None:
-            program, meta, ordered, order = self._step_program(step)
+            program, meta, ordered, order = self._step_program(step, data)
         slot = order.__getitem__ if order is not None else int
         self.step_orders.append(order)
         executor = self._executor(

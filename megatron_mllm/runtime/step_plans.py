@@ -2,9 +2,11 @@
 path, for the encoder load the step really has.
 
 While step t runs, a background thread plans step t+1 from its micro-batches' image counts
-(read one step ahead; `StepData.prefetch`). At step t+1 every rank asks whether its plan is
-ready; one tiny all-reduce on a CPU (gloo) group makes the answer the same everywhere, so all
-ranks run the planned schedule or all fall back to the static one (counted). A plan only
+(read one step ahead; `StepData.prefetch`); the process's first step (0, or the first after a
+resume) is planned before it runs, so a resumed run plans as the uninterrupted one did. At
+step t+1 every rank asks whether its plan is ready; one tiny all-reduce on a CPU (gloo) group
+makes the answer the same everywhere, so all ranks run the planned schedule or all fall back
+to the static one (counted). A plan only
 reorders the replica's micro-batches into 1F1B slots and re-places encoder work: every
 micro-batch's loss is unchanged and the reduced gradient is their sum in another order.
 """
@@ -48,6 +50,14 @@ class StepPlanner:
     def request(self, step: int, counts: list[int]) -> None:
         """Start planning `step` for its micro-batches' image counts (slot order as loaded)."""
         self._pending[step] = self._pool.submit(self.planner.plan, counts)
+
+    def requested(self, step: int) -> bool:
+        return step in self._pending
+
+    def wait(self, step: int) -> None:
+        """Until `step`'s plan is made (or has failed): the process's first step, which no
+        earlier step planned ahead."""
+        concurrent.futures.wait([self._pending[step]])
 
     def take(self, step: int) -> StepPlan | None:
         """The plan for `step` if every rank has it now, else None (the static schedule runs).
