@@ -90,7 +90,6 @@ def main() -> int:
         DataParts,
         ExecutorSettings,
         ModelParts,
-        OptimizerSettings,
         PlanParts,
         RuntimeJob,
     )
@@ -126,16 +125,9 @@ def main() -> int:
     steps = args.steps + 1
     # Every run: megatron-core's DDP (overlapped, as Megatron jobs run it) and optimizer, the
     # same settings for megatron-core's own 1F1B and for our executor.
-    bf16 = args.precision == "bf16"
-    optim = OptimizerSettings(
-        lr=1e-4,
-        clip_grad=1.0,
-        overlap_grad_reduce=True,
-        ddp_bucket_size=args.ddp_bucket_size,
-        distributed=bf16,
-        overlap_param_gather=bf16,
-        grad_reduce_in_fp32=True,
-    )
+    from bench_common import bench_optimizer
+
+    optim = bench_optimizer(args)
     common = dict(steps=steps, collect=Collect(grads=False), optimizer=optim)
     jobs = {
         "megatron_core_1f1b": RuntimeJob(

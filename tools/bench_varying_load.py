@@ -33,7 +33,6 @@ def varying_load(args) -> int:
         DataParts,
         ExecutorSettings,
         ModelParts,
-        OptimizerSettings,
         PlanParts,
         RuntimeJob,
     )
@@ -60,16 +59,10 @@ def varying_load(args) -> int:
     costs = JobCosts(job_of(cfg, plan, mb, n, images_per_sample=load), measured, unit="layer")
     balanced = megatron_schedule(costs)
     best, _, _ = plan_optimus(costs)
+    from bench_common import bench_optimizer
+
     bf16 = args.precision == "bf16"
-    optim = OptimizerSettings(
-        lr=1e-4,
-        clip_grad=1.0,
-        overlap_grad_reduce=True,
-        ddp_bucket_size=args.ddp_bucket_size,
-        distributed=bf16,
-        overlap_param_gather=bf16,
-        grad_reduce_in_fp32=True,
-    )
+    optim = bench_optimizer(args)
     steps = args.steps + 1
     common = dict(steps=steps, collect=Collect(grads=False), optimizer=optim)
 
