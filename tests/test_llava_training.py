@@ -143,8 +143,6 @@ def test_per_step_plans_keep_the_references_losses(data):
     background one step ahead from its micro-batches' image counts), its micro-batches in
     other 1F1B slots; every micro-batch's loss and, through the next steps' losses, the
     reduced gradient stay the reference's (with overlapped DDP reduction)."""
-    from megatron_mllm.runtime.job import ExecutorSettings
-
     n = 4  # with these data, step 2's plan moves its heaviest micro-batch to the first slot
     state = spawn(make_full_state, 1, CFG, 0)[0]
     one = ParallelPlan(1, 1, 1)
@@ -155,21 +153,7 @@ def test_per_step_plans_keep_the_references_losses(data):
     reference = state, spawn(run_rank, 1, ref_job)[0]
     plan = ParallelPlan(1, 1, 2)
     # The encoder on both stages (the planner keeps it on stage 0 for so few micro-batches).
-    schedule = runtime_schedule(CFG, plan, MB, n, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
-    optimizer = replace(STEPS["optimizer"], overlap_grad_reduce=True, ddp_bucket_size=20_000)
-    job = RuntimeJob(
-        ModelParts(CFG, state),
-        PlanParts(plan, schedule=schedule),
-        DataParts(MB, n, llava=data),
-        executor=ExecutorSettings(adaptive=True),
-        **{**STEPS, "optimizer": optimizer},
-    )
-    outs = spawn(run_rank, plan.world_size, job)
-    check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
-    for step in (1, 2):
-        after = {k: v for o in outs for k, v in o["history"][step].items()}
-        for k, v in reference[1]["history"][step].items():
-            assert after[k] == pytest.approx(v, abs=1e-4)
+    outs = _adaptive_run_agrees(reference, plan, n, data, ddp_bucket_size=20_000)
     stats = [o["step_plans"] for o in outs]
     assert all(s.planned + s.fallbacks == 3 and not s.failures for s in stats)
     assert stats[0].planned == stats[1].planned >= 2  # the first step is planned before it runs
@@ -182,17 +166,24 @@ def test_per_step_plans_keep_the_references_losses(data):
 def test_per_step_plans_per_replica_keep_the_references_losses(references, data):
     """optimus-adaptive at DP 2: each replica plans for its own micro-batches' images (their
     plans may differ); the reduced gradient is the reference's (same losses after it)."""
+    outs = _adaptive_run_agrees(references(2), ParallelPlan(2, 1, 1), N, data)
+    assert all(o["step_plans"].planned + o["step_plans"].fallbacks == 3 for o in outs)
+
+
+def _adaptive_run_agrees(reference, plan, n, data, **optimizer):
+    """An optimus-adaptive run (the encoder colocated: DP 2 TP 1 PP 1 over the plan's ranks,
+    overlapped DDP reduction) against `reference`: step 0's losses and gradients, and every
+    later step's losses. Returns the ranks' results."""
     from megatron_mllm.runtime.job import ExecutorSettings
 
-    reference = references(2)
-    plan = ParallelPlan(2, 1, 1)
-    schedule = runtime_schedule(CFG, plan, MB, N, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
+    schedule = runtime_schedule(CFG, plan, MB, n, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
+    knobs = replace(STEPS["optimizer"], overlap_grad_reduce=True, **optimizer)
     job = RuntimeJob(
         ModelParts(CFG, reference[0]),
         PlanParts(plan, schedule=schedule),
-        DataParts(MB, N, llava=data),
+        DataParts(MB, n, llava=data),
         executor=ExecutorSettings(adaptive=True),
-        **{**STEPS, "optimizer": replace(STEPS["optimizer"], overlap_grad_reduce=True)},
+        **{**STEPS, "optimizer": knobs},
     )
     outs = spawn(run_rank, plan.world_size, job)
     check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
@@ -200,4 +191,4 @@ def test_per_step_plans_per_replica_keep_the_references_losses(references, data)
         after = {k: v for o in outs for k, v in o["history"][step].items()}
         for k, v in reference[1]["history"][step].items():
             assert after[k] == pytest.approx(v, abs=1e-4)
-    assert all(o["step_plans"].planned + o["step_plans"].fallbacks == 3 for o in outs)
+    return outs

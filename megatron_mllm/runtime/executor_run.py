@@ -93,9 +93,11 @@ class ExecutorRun:
         from megatron_mllm.runtime.batches import StepData
 
         self.data = StepData(job, [c.dp])
-        self.step_planner = self._step_planner() if job.executor.adaptive else None
-        self._enc_counts = None  # optimus-adaptive: the encoder pipelines' loads DDP expects
-        self.step_orders: list[list[int] | None] = []  # per step: slot -> micro-batch, if planned
+        self.adaptive = None  # optimus-adaptive: each step's own plan (runtime/step_plans.py)
+        if job.executor.adaptive:
+            from megatron_mllm.runtime.step_plans import AdaptiveSteps
+
+            self.adaptive = AdaptiveSteps(self)
         self.selector = None
         if job.data.coreset is not None:
             from megatron_mllm.data.coreset import CoresetSelector
@@ -104,73 +106,6 @@ class ExecutorRun:
                 gpu_program(job.data.pool_schedule, groups, self.enc_tp)
             )
             self.selector = CoresetSelector(job.data.coreset)
-
-    def _step_planner(self):
-        """optimus-adaptive's per-step planner (None where the schedule keeps the encoder on
-        stage 0: nothing to re-plan). Collective: creates the gloo group plans agree on."""
-        from megatron_mllm.runtime.schedules import adaptive_planner
-        from megatron_mllm.runtime.step_plans import StepPlanner
-
-        job = self.job
-        group = dist.new_group(backend="gloo")
-        planner = adaptive_planner(
-            job.cfg,
-            job.backbone,
-            job.micro_batch,
-            job.schedule,
-            job.plans.encoder_units,
-            job.model.frozen_encoder,
-            job.plans.sequence_parallel,
-            job.model.recompute,
-            job.executor.images_per_sample,
-            job.executor.plan_times,
-        )
-        return None if planner is None else StepPlanner(planner, group)
-
-    def _step_program(self, step: int, data):
-        """optimus-adaptive: this step's program, metadata, receive orders and slot order
-        (its own plan if every rank has it, else the static one), and the next step's plan
-        started in the background."""
-        from megatron_mllm.runtime.program import gpu_program
-        from megatron_mllm.runtime.step_plans import encoder_counts, slot_order
-
-        planner, job, dp = self.step_planner, self.job, self.groups.coords.dp
-        if not planner.requested(step):  # the first step: nothing planned it ahead
-            planner.request(step, [data(m, dp).num_images for m in range(job.num_microbatches)])
-            planner.wait(step)
-        plan = planner.take(step)
-        counts = self.data.prefetch(step + 1)[0]
-        planner.request(step + 1, counts)
-        schedule, order, ordered = job.schedule, None, self.ordered
-        if plan is not None:
-            ordered = self._plan_orders(plan.schedule)
-            if ordered is not False:
-                schedule, order = plan.schedule, slot_order(plan)
-            else:
-                ordered = self.ordered
-                planner.stats.fallbacks += 1
-        if encoder_counts(schedule) != self._enc_counts:  # DDP learns its counts again
-            if self._enc_counts is not None:
-                for sync in self.grad_sync.values():
-                    sync.relearn()
-            self._enc_counts = encoder_counts(schedule)
-        program = self.program if order is None else gpu_program(schedule, self.groups, self.enc_tp)
-        return program, schedule.meta, ordered, order
-
-    def _plan_orders(self, schedule):
-        """Receive orders for `schedule` on the existing message groups (ordered p2p); None
-        without ordered p2p; False where it needs a pair no group serves."""
-        if self.ordered is None:
-            return None
-        from megatron_mllm.runtime.program import all_programs, message_pairs, receive_orders
-
-        plan = self.job.backbone
-        enc_plan, _ = encoder_plan_of(schedule, plan)
-        main = all_programs(schedule, plan, enc_plan, self.enc_tp)
-        groups = self.ordered[1]
-        if not set(message_pairs(main, {})) <= set(groups):
-            return False
-        return receive_orders(main, self.rank), groups
 
     def _encoder_placement(self, enc_plan: ParallelPlan) -> EncoderPlacement | None:
         """This rank's encoder stage: whole on backbone stage 0 (Megatron's placement; other
@@ -402,10 +337,9 @@ class ExecutorRun:
                 return image_then_text(images, text, job.cfg.image_tokens)
 
         program, meta, ordered, order = self.program, job.schedule.meta, self.ordered, None
-        if self.step_planner is not None and self.selector is None:
-            program, meta, ordered, order = self._step_program(step, data)
+        if self.adaptive is not None and self.selector is None:
+            program, meta, ordered, order = self.adaptive.program(step, data)
         slot = order.__getitem__ if order is not None else int
-        self.step_orders.append(order)
         executor = self._executor(
             program,
             meta,
@@ -468,9 +402,6 @@ class ExecutorRun:
 
         return simulate(self.replanned[0], self.replanned[1]).step_time_s
 
-    def _plan_seconds(self) -> list[float]:
-        return list(self.step_planner.planner.seconds)
-
     def _loss_scale_tensor(self) -> torch.Tensor | None:
         """fp16: megatron-core's current loss scale (on the device; not read here)."""
         return None if self.grad_scaler is None else self.grad_scaler.scale
@@ -512,9 +443,7 @@ class ExecutorRun:
             # part -> (DDP buckets, per step: buckets already reducing when its RS action ran)
             "ddp": {k: (s.buckets, s.in_flight_at_rs) for k, s in self.grad_sync.items()},
             "skipped_iterations": self.skipped_iterations,
-            "step_plans": None if self.step_planner is None else self.step_planner.stats,
-            "step_orders": self.step_orders,
-            "step_plan_seconds": [] if self.step_planner is None else self._plan_seconds(),
+            **(self.adaptive.result() if self.adaptive is not None else {}),
             "unit_times": self.unit_times,  # every step's measured unit and collective times
             "coords": self.groups.coords,
         }

@@ -101,3 +101,98 @@ def encoder_counts(schedule) -> list[tuple[int, int]]:
         for pipe in assignment.values():
             counts[(e, pipe)] = counts.get((e, pipe), 0) + 1
     return sorted(counts.items())
+
+
+class AdaptiveSteps:
+    """optimus-adaptive inside one ExecutorRun: each step's program from its own plan (or the
+    static one), the next step planned in the background. Creating it is collective."""
+
+    def __init__(self, run) -> None:
+        from megatron_mllm.runtime.schedules import adaptive_planner
+
+        self.run, job = run, run.job
+        group = dist.new_group(backend="gloo")  # every rank, the plans' agreement
+        planner = adaptive_planner(
+            job.cfg,
+            job.backbone,
+            job.micro_batch,
+            job.schedule,
+            job.plans.encoder_units,
+            job.model.frozen_encoder,
+            job.plans.sequence_parallel,
+            job.model.recompute,
+            job.executor.images_per_sample,
+            job.executor.plan_times,
+        )
+        # None where the schedule keeps the encoder on stage 0: nothing to re-plan
+        self.planner = None if planner is None else StepPlanner(planner, group)
+        self.orders: list[list[int] | None] = []  # per step: slot -> micro-batch, if planned
+        self._enc_counts = None  # the encoder pipelines' micro-batches DDP's counts are for
+
+    def program(self, step: int, data):
+        """This step's program, metadata, receive orders and slot order (None: as loaded);
+        the next step's plan started in the background. `data(m, dp)`: its micro-batches."""
+        run, job = self.run, self.run.job
+        schedule, order, ordered = job.schedule, None, run.ordered
+        plan = self._plan(step, data) if self.planner is not None else None
+        if plan is not None:
+            ordered = self._orders(plan.schedule)
+            if ordered is not False:
+                schedule, order = plan.schedule, slot_order(plan)
+            else:
+                ordered = run.ordered
+                self.planner.stats.fallbacks += 1
+        if encoder_counts(schedule) != self._enc_counts:  # DDP learns its counts again
+            if self._enc_counts is not None:
+                for sync in run.grad_sync.values():
+                    sync.relearn()
+            self._enc_counts = encoder_counts(schedule)
+        self.orders.append(order)
+        if order is None:
+            return run.program, schedule.meta, ordered, None
+        from megatron_mllm.runtime.program import gpu_program
+
+        return gpu_program(schedule, run.groups, run.enc_tp), schedule.meta, ordered, order
+
+    def _plan(self, step: int, data) -> StepPlan | None:
+        """`step`'s plan where every rank has it; the next one requested."""
+        planner, run, n = self.planner, self.run, self.run.job.num_microbatches
+        if not planner.requested(step):  # the first step: nothing planned it ahead
+            dp = run.groups.coords.dp
+            planner.request(step, [data(m, dp).num_images for m in range(n)])
+            planner.wait(step)
+        plan = planner.take(step)
+        planner.request(step + 1, run.data.prefetch(step + 1)[0])
+        return plan
+
+    def _orders(self, schedule):
+        """Receive orders for `schedule` on the existing message groups (ordered p2p); None
+        without ordered p2p; False where it needs a pair no group serves."""
+        run = self.run
+        if run.ordered is None:
+            return None
+        from megatron_mllm.runtime.job import encoder_plan_of
+        from megatron_mllm.runtime.program import all_programs, message_pairs, receive_orders
+
+        plan = run.job.backbone
+        enc_plan, _ = encoder_plan_of(schedule, plan)
+        main = all_programs(schedule, plan, enc_plan, run.enc_tp)
+        groups = run.ordered[1]
+        if not set(message_pairs(main, {})) <= set(groups):
+            return False
+        return receive_orders(main, run.rank), groups
+
+    def result(self) -> dict:
+        planner = self.planner
+        return {
+            "step_plans": None if planner is None else planner.stats,
+            "step_orders": self.orders,
+            "step_plan_seconds": [] if planner is None else list(planner.planner.seconds),
+        }
+
+    def close(self) -> str | None:
+        """Stop the planning thread; the log line of what it did (None if it never ran)."""
+        if self.planner is None:
+            return None
+        self.planner.close()
+        return self.planner.stats.line(self.planner.planner.seconds)

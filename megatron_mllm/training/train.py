@@ -185,10 +185,9 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
         validation.close()
     if args.trace:
         export_trace(args, run.spans, world, rank)
-    if run.step_planner is not None:
-        run.step_planner.close()
-        if rank == 0:
-            print(f" > {run.step_planner.stats.line(run.step_planner.planner.seconds)}")
+    plans = run.adaptive.close() if run.adaptive is not None else None
+    if plans is not None and rank == 0:
+        print(f" > {plans}", flush=True)
     run.data.close()
     dist.barrier()
     dist.destroy_process_group()
