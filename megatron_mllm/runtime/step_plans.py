@@ -6,9 +6,9 @@ While step t runs, a background thread plans step t+1 from its micro-batches' im
 resume) is planned before it runs, so a resumed run plans as the uninterrupted one did. At
 step t+1 every rank asks whether its plan is ready; one tiny all-reduce on a CPU (gloo) group
 makes the answer the same everywhere, so all ranks run the planned schedule or all fall back
-to the static one (counted). A plan only
-reorders the replica's micro-batches into 1F1B slots and re-places encoder work: every
-micro-batch's loss is unchanged and the reduced gradient is their sum in another order.
+to the static one (counted). A plan only reorders the replica's micro-batches into 1F1B slots
+and re-places encoder work: every micro-batch's loss is unchanged and the reduced gradient is
+their sum in another order.
 """
 
 from __future__ import annotations
@@ -63,7 +63,11 @@ class StepPlanner:
         """The plan for `step` if every rank has it now, else None (the static schedule runs).
         Collective: every rank calls it once per step."""
         future = self._pending.pop(step, None)
-        ready = torch.tensor([int(future is not None and future.done())])
+        failed = future is not None and future.done() and future.exception() is not None
+        if failed:  # a failed plan must not stop training: the static schedule runs
+            self.stats.failures.append(f"step {step}: {future.exception()}")
+        ok = future is not None and future.done() and not failed
+        ready = torch.tensor([int(ok)])
         dist.all_reduce(ready, op=dist.ReduceOp.MIN, group=self.group)
         if future is None:
             return None
@@ -71,18 +75,8 @@ class StepPlanner:
             self.stats.fallbacks += 1
             future.cancel()
             return None
-        try:
-            plan = future.result()
-        except Exception as err:  # noqa: BLE001 - a failed plan must not stop training
-            self.stats.failures.append(f"step {step}: {err}")
-            plan = None
-        ok = torch.tensor([int(plan is not None)])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=self.group)
-        if not ok.item():
-            self.stats.fallbacks += 1
-            return None
         self.stats.planned += 1
-        return plan
+        return future.result()
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
@@ -128,31 +122,41 @@ class AdaptiveSteps:
         self.planner = None if planner is None else StepPlanner(planner, group)
         self.orders: list[list[int] | None] = []  # per step: slot -> micro-batch, if planned
         self._enc_counts = None  # the encoder pipelines' micro-batches DDP's counts are for
+        self._built: tuple = (None, None, None)  # the last plan's schedule, program, orders
 
     def program(self, step: int, data):
         """This step's program, metadata, receive orders and slot order (None: as loaded);
         the next step's plan started in the background. `data(m, dp)`: its micro-batches."""
         run, job = self.run, self.run.job
-        schedule, order, ordered = job.schedule, None, run.ordered
+        schedule, program, ordered, order = job.schedule, run.program, run.ordered, None
         plan = self._plan(step, data) if self.planner is not None else None
         if plan is not None:
-            ordered = self._orders(plan.schedule)
-            if ordered is not False:
-                schedule, order = plan.schedule, slot_order(plan)
+            built = self._build(plan.schedule)
+            if built is not None:
+                (schedule, program, ordered), order = built, slot_order(plan)
             else:
-                ordered = run.ordered
                 self.planner.stats.fallbacks += 1
-        if encoder_counts(schedule) != self._enc_counts:  # DDP learns its counts again
+        counts = encoder_counts(schedule)
+        if counts != self._enc_counts:  # DDP learns its counts again
             if self._enc_counts is not None:
                 for sync in run.grad_sync.values():
                     sync.relearn()
-            self._enc_counts = encoder_counts(schedule)
+            self._enc_counts = counts
         self.orders.append(order)
-        if order is None:
-            return run.program, schedule.meta, ordered, None
-        from megatron_mllm.runtime.program import gpu_program
+        return program, schedule.meta, ordered, order
 
-        return gpu_program(schedule, run.groups, run.enc_tp), schedule.meta, ordered, order
+    def _build(self, schedule) -> tuple | None:
+        """`schedule`'s program and receive orders (the last plan's again on a cache hit);
+        None where ordered p2p would need a message pair no group serves."""
+        if self._built[0] is not schedule:
+            from megatron_mllm.runtime.program import gpu_program
+
+            ordered = self._orders(schedule)
+            if ordered is False:
+                return None
+            run = self.run
+            self._built = (schedule, gpu_program(schedule, run.groups, run.enc_tp), ordered)
+        return self._built
 
     def _plan(self, step: int, data) -> StepPlan | None:
         """`step`'s plan where every rank has it; the next one requested."""

@@ -248,25 +248,20 @@ class _Placer:
         return out[::-1]
 
     def place_forwards(self, split: str) -> None:
-        """Micro-batches by decreasing F_i, each to the pipeline that can start it latest.
-        `split`: "greedy" (any pipeline), "even" (equal counts) or "load" (equal encoder load:
-        a pipeline takes no more than its share of the step's images plus one micro-batch)."""
+        """Micro-batches (those with images) by decreasing F_i, each to the pipeline that can
+        start it latest; `split`: "greedy" (any pipeline) or "even" (equal counts), the
+        lightest-loaded free pipeline of each row tried."""
         meta = self.meta
         mbs = [m for m in range(meta.num_microbatches) if meta.has_images(m)]
         for e, enc in enumerate(meta.encoders):
             pipes = enc.num_pipes
             count, load = [0] * pipes, [0.0] * pipes
             quota = math.ceil(len(mbs) / pipes) if split == "even" else len(mbs)
-            share = sum(map(self.wl.load_of, mbs)) / pipes
             slots = meta.slots
             for mb in sorted(mbs, key=lambda m: -self.f_start[m]):
                 best = None
                 for row in range(pipes // slots):
-                    free = [
-                        p
-                        for p in range(row * slots, (row + 1) * slots)
-                        if count[p] < quota and (split != "load" or load[p] < share or not count[p])
-                    ]
+                    free = [p for p in range(row * slots, (row + 1) * slots) if count[p] < quota]
                     if not free:
                         continue
                     pipe = min(free, key=lambda p: load[p])
@@ -274,9 +269,6 @@ class _Placer:
                     score = trial[0][0].start
                     if best is None or score > best[0] + 1e-12:
                         best = (score, pipe, trial)
-                if best is None:  # "load": every pipeline at its share; the lightest takes it
-                    pipe = min(range(pipes), key=lambda p: load[p])
-                    best = (0.0, pipe, self._forward_trial(e, pipe, mb))
                 _, pipe, trial = best
                 count[pipe] += 1
                 load[pipe] += self.wl.load_of(mb)
