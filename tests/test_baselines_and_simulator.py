@@ -125,3 +125,27 @@ def test_bucketed_reduce_scatter_overlaps_the_last_backward():
     assert run(1, 0.4) == pytest.approx(compute + 0.4)
     assert run(4, 0.4) == pytest.approx(compute + 0.1)  # 0.1 s per bucket, each in time
     assert run(4, 8.0) == pytest.approx(compute - 2.0 + 0.5 + 8.0)  # the DP stream limits
+
+
+@pytest.mark.parametrize("pp,vpp,m", [(1, 1, 4), (4, 1, 8), (2, 2, 4), (4, 3, 8)])
+def test_chunk_overhead_is_paid_once_per_backbone_action_and_interleaving_multiplies_it(pp, vpp, m):
+    schedule, wl = uniform(pp, vpp, m)
+    wl.chunk_overhead_s = 0.25
+    res = simulate(schedule, wl)
+    assert res.step_time_s == pytest.approx((vpp * m + pp - 1) * (3.0 / vpp + 2 * 0.25))
+    assert res.limit_s == pytest.approx(m * 3.0)  # the bound counts kernels only
+
+
+def test_the_profiles_chunk_overhead_reaches_analytic_workloads_only():
+    from dataclasses import replace
+
+    from conftest import tiny_job
+
+    from megatron_mllm.schedule.baselines import megatron_schedule
+    from megatron_mllm.schedule.blocks import JobCosts
+
+    job = tiny_job()
+    job = replace(job, hw=job.hw.with_chunk_overhead(1e-3))
+    assert megatron_schedule(JobCosts(job))[1].chunk_overhead_s == 1e-3
+    measured = {job.backbone.name: {"forward": {"layer": 1e-3}, "backward": {"layer": 2e-3}}}
+    assert megatron_schedule(JobCosts(job, measured, unit="layer"))[1].chunk_overhead_s == 0.0

@@ -70,6 +70,8 @@ def assemble(
         backbone_act_bytes={k: b.act_bytes for k, b in backbone.items()},
         encoder_act_bytes=[[b.act_bytes for b in lay.stages] for lay in encoders],
         memory_bytes=job.hw.memory_gb * 1e9,
+        # measured times already hold each chunk's overhead
+        chunk_overhead_s=0.0 if cm.measured else job.hw.chunk_overhead_s,
     )
     wl.transfer_s[cost_name("act")] = wl.transfer_s[cost_name("grad")] = cm.p2p_s(
         llm_h, job.seq_len, plan.tp

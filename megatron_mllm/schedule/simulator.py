@@ -173,7 +173,8 @@ def simulate(
         for i in group[:-1]:
             fills[acts[i].fill].append(i)
         kernels = workload.kernels(a.kind, a.stage, a.chunk, mb=a.mb)
-        t = start = max(cursor[r], max(cfree[r]), ready(r, flow.needs(a)))
+        start = max(cursor[r], max(cfree[r]), ready(r, flow.needs(a)))
+        t = start + workload.chunk_overhead_s
         gap = 0
         for k in kernels:
             if keep_spans:

@@ -39,6 +39,9 @@ class Workload:
     # The balanced baseline folds encoder layers into backbone stages: (stage, chunk) -> the
     # (forward, backward) compute seconds of that stage that are encoder work.
     folded_encoder_s: dict[tuple[int, int], tuple[float, float]] = field(default_factory=dict)
+    # Fixed seconds each backbone action spends before its kernels, which nothing fills
+    # (`HardwareProfile.chunk_overhead_s`).
+    chunk_overhead_s: float = 0.0
     # Kernel lists at a load, made once per workload (each `replace` starts a new one).
     _scaled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
