@@ -108,7 +108,9 @@ def test_resumed_run_selects_identically():
 @pytest.mark.parametrize(
     "kwargs,msg",
     [
-        (dict(batch_size=4, pool_ratio=0.5), "must be >= 1"),
+        (dict(batch_size=4, pool_ratio=0.5), "must be between 1 and 64"),
+        (dict(batch_size=4, pool_ratio=float("nan")), "must be between 1 and 64"),
+        (dict(batch_size=4, pool_ratio=1e9), "must be between 1 and 64"),
         (dict(batch_size=4, num_directions=4), "at least 16"),
         (dict(batch_size=4, features="magic"), "use zo or exact"),
     ],

@@ -25,6 +25,9 @@ from megatron_mllm.errors import ConfigError
 LastLayerLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+MAX_POOL_RATIO = 64.0
+
+
 @dataclass(frozen=True)
 class CoresetConfig:
     """How the selector works. `batch_size` is B; the pool holds `pool_ratio` x B examples."""
@@ -43,10 +46,10 @@ class CoresetConfig:
     def __post_init__(self) -> None:
         if self.batch_size < 1:
             raise ConfigError(f"coreset batch size {self.batch_size} must be at least 1")
-        if self.pool_ratio < 1:
+        if not 1 <= self.pool_ratio <= MAX_POOL_RATIO:  # also refuses NaN
             raise ConfigError(
-                f"--coreset-pool-ratio {self.pool_ratio} must be >= 1 (the pool "
-                "holds ratio x B examples)"
+                f"--coreset-pool-ratio {self.pool_ratio} must be between 1 and "
+                f"{MAX_POOL_RATIO} (the pool holds ratio x B examples and goes forward whole)"
             )
         if self.features not in ("zo", "exact"):
             raise ConfigError(f"--coreset-features {self.features!r}: use zo or exact")

@@ -15,6 +15,11 @@ class _Parser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+def flag(name: str) -> str:
+    """An argument's dest as its flag: min_lr -> --min-lr."""
+    return "--" + name.replace("_", "-")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(description="Train a multimodal LLM (ViT + projector + GPT) on megatron-core.")
     g = p.add_argument_group("parallelism (Megatron names)")
@@ -154,6 +159,16 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lr-warmup-iters", type=int, default=0)
     g.add_argument("--lr-decay-iters", type=int, default=None)
     g.add_argument("--weight-decay", type=float, default=0.0)
+    g.add_argument(
+        "--override-opt_param-scheduler",
+        action="store_true",
+        help="on resume, this run's LR-schedule arguments replace the checkpoint's",
+    )
+    g.add_argument(
+        "--use-checkpoint-opt_param-scheduler",
+        action="store_true",
+        help="on resume, the checkpoint's LR-schedule arguments replace this run's",
+    )
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument(
         "--overlap-grad-reduce",
@@ -413,6 +428,40 @@ def _check_precision_and_recompute(args: argparse.Namespace) -> None:
             )
 
 
+def _check_schedule_and_rates(args: argparse.Namespace) -> None:
+    """Learning-rate schedule, rates and timeouts: finite, in range, a warm-up that ends."""
+    import math
+
+    def in_range(name: str, low: float, high: float = math.inf, below_high=False) -> None:
+        value = getattr(args, name)
+        fits = value < high if below_high else value <= high
+        if math.isfinite(value) and low <= value and fits:
+            return
+        bound = "" if high == math.inf else f" and {'below' if below_high else 'at most'} {high}"
+        raise ConfigError(f"{flag(name)} {value}: give a finite number of at least {low}{bound}")
+
+    in_range("lr", 0.0)
+    in_range("min_lr", 0.0, args.lr)
+    in_range("weight_decay", 0.0)
+    in_range("clip_grad", 0.0)
+    in_range("hidden_dropout", 0.0, 1.0, below_high=True)
+    in_range("attention_dropout", 0.0, 1.0, below_high=True)
+    if not 0 < args.distributed_timeout_minutes < math.inf:
+        raise ConfigError(
+            f"--distributed-timeout-minutes {args.distributed_timeout_minutes}: give a "
+            "positive number of minutes"
+        )
+    if args.lr_decay_iters is not None and args.lr_decay_iters < 1:
+        raise ConfigError(f"--lr-decay-iters {args.lr_decay_iters}: give a positive count")
+    decay = args.lr_decay_iters or args.train_iters
+    if not 0 <= args.lr_warmup_iters < decay:
+        source = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters"
+        raise ConfigError(
+            f"--lr-warmup-iters {args.lr_warmup_iters} must be at least 0 and below the LR "
+            f"decay's {decay} iterations ({source})"
+        )
+
+
 def _check_data(args: argparse.Namespace) -> None:
     """--data-path and its tokenizer, validation and loader arguments; with a tokenizer,
     --vocab-size becomes its size padded as Megatron pads it."""
@@ -500,6 +549,7 @@ def validate_args(args: argparse.Namespace) -> None:
     for spec in args.extra_encoder:
         parse_encoder_spec(spec)
     _check_precision_and_recompute(args)
+    _check_schedule_and_rates(args)
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ConfigError(f"--ddp-bucket-size {args.ddp_bucket_size}: give a positive count")
     dp = world // (tp * pp)
@@ -590,7 +640,7 @@ def validate_args(args: argparse.Namespace) -> None:
             )
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
-    if args.load is not None:
-        from megatron_mllm.training.checkpointing import latest_iteration
+    from megatron_mllm.training.resume_contract import check_resume, check_save
 
-        latest_iteration(args.load)  # a clear error now if there is nothing to resume
+    check_resume(args, MODEL_ARGS)
+    check_save(args)

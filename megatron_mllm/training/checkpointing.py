@@ -13,6 +13,7 @@ and no optimizer, scheduler or RNG state.
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 
 import torch
@@ -45,7 +46,9 @@ def latest_iteration(root: str, flag: str = "--load") -> int:
 def read_common(root: str, flag: str = "--load") -> dict:
     """The common (non-sharded) state of the latest checkpoint under `root`; reads one file."""
     path = checkpoint_dir(root, latest_iteration(root, flag))
-    from megatron.core.dist_checkpointing import load_common_state_dict
+    with warnings.catch_warnings():  # megatron-core's "no Transformer Engine or Apex" on import
+        warnings.simplefilter("ignore", UserWarning)
+        from megatron.core.dist_checkpointing import load_common_state_dict
 
     return load_common_state_dict(str(path))["common"]
 

@@ -224,19 +224,23 @@ def lr_scheduler(args, optimizer):
     """megatron-core's OptimizerParamScheduler as Megatron's arguments configure it."""
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-    decay = args.lr_decay_iters or args.train_iters
+    from megatron_mllm.training.resume_contract import schedule_values
+
+    v = {key: value for key, (_, value) in schedule_values(args).items()}
     return OptimizerParamScheduler(
         optimizer,
         0.0,
-        args.lr,
-        args.min_lr,
-        args.lr_warmup_iters,
-        decay,
-        args.lr_decay_style,
-        args.weight_decay,
-        args.weight_decay,
-        decay,
+        v["max_lr"],
+        v["min_lr"],
+        v["lr_warmup_steps"],
+        v["lr_decay_steps"],
+        v["lr_decay_style"],
+        v["start_wd"],
+        v["start_wd"],  # constant weight decay
+        v["lr_decay_steps"],
         "constant",
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
     )
 
 

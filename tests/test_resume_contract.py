@@ -1,0 +1,78 @@
+"""The resume contract (training/resume_contract.py): what --load and --save refuse, in one line,
+before any process group; and that a run whose schedule is overridden continues by it."""
+
+import re
+
+import pytest
+
+from tests.test_training import assert_refused_in_one_line, torchrun
+
+RUN = ["--global-batch-size", "4", "--lr", "1e-2", "--lr-decay-style", "linear"]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A 2-iteration run of the tiny default model, saved."""
+    root = tmp_path_factory.mktemp("resume") / "ckpt"
+    out = torchrun(*RUN, "--train-iters", "2", "--save", str(root), nproc=1)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return root
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--num-layers", "2"], "holds another model (--num-layers 4; this run: --num-layers 2)"),
+        (["--seq-length", "24"], "holds another model (--seq-length"),
+        (["--train-iters", "2"], "is at iteration 2, not below --train-iters 2"),
+        (["--train-iters", "4"], "trained with --train-iters (the LR decay) 2, this run has 4"),
+        (["--train-iters", "4", "--lr", "1e-3"], "trained with --lr 0.01, this run has 0.001"),
+    ],
+)
+def test_a_resume_that_cannot_continue_faithfully_is_refused(saved, args, msg):
+    assert_refused_in_one_line([*RUN, "--train-iters", "4", "--load", str(saved), *args], msg)
+
+
+def test_save_directories_never_mix_runs(saved, tmp_path):
+    assert_refused_in_one_line(
+        [*RUN, "--save", str(saved)], "already holds a run's checkpoints (latest iteration 2)"
+    )
+    other = tmp_path / "other"
+    (other).mkdir()
+    (other / "latest_checkpointed_iteration.txt").write_text("9")
+    assert_refused_in_one_line(
+        [*RUN, "--train-iters", "4", "--override-opt_param-scheduler", "--load", str(saved),
+         "--save", str(other)],
+        "holds another run's checkpoints (latest iteration 9) than --load",
+    )  # fmt: skip
+    (tmp_path / "file").write_text("x")
+    assert_refused_in_one_line(
+        [*RUN, "--save", str(tmp_path / "file" / "ckpt")], "is a file, not a directory"
+    )
+
+
+def test_both_schedule_overrides_are_refused():
+    assert_refused_in_one_line(
+        ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
+        "both given; choose the side whose LR schedule wins",
+    )
+
+
+def lrs(stdout: str) -> dict[int, float]:
+    pattern = r"iteration\s+(\d+)/\s*\d+ \|.*?learning rate: ([0-9.E+-]+) \|"
+    return {int(m[1]): float(m[2]) for m in re.finditer(pattern, stdout)}
+
+
+@pytest.mark.parametrize(
+    "side,expected",
+    [
+        # this run's 4-iteration linear decay from 1e-2: iteration 3 is at step 2 of 4
+        ("--override-opt_param-scheduler", {3: 5e-3, 4: 2.5e-3}),
+        # the checkpoint's 2-iteration decay has ended: the minimum LR
+        ("--use-checkpoint-opt_param-scheduler", {3: 0.0, 4: 0.0}),
+    ],
+)
+def test_a_longer_resumed_run_follows_the_side_that_wins(saved, side, expected):
+    out = torchrun(*RUN, "--train-iters", "4", "--load", str(saved), side, nproc=1)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert lrs(out.stdout) == pytest.approx(expected)
