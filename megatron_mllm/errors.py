@@ -1,4 +1,4 @@
-"""One error type for bad configuration, and the CLI convention for reporting it."""
+"""Bad configuration, a run that must stop, and the CLI convention for reporting them."""
 
 from __future__ import annotations
 
@@ -14,8 +14,14 @@ class ConfigError(ValueError):
     """Bad user input. The message is one line: what is wrong and what would be right."""
 
 
+class RunStopped(RuntimeError):
+    """A run that cannot go on safely (e.g. NaN steps in a row). One line: what happened and
+    what state is kept."""
+
+
 def exit_on_config_error(main: Callable[..., T]) -> Callable[..., T]:
-    """Wrap a CLI main: a ConfigError prints one line to stderr and exits with code 2."""
+    """Wrap a CLI main: a ConfigError prints one line to stderr and exits with code 2, a
+    RunStopped one line and code 3."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -24,5 +30,8 @@ def exit_on_config_error(main: Callable[..., T]) -> Callable[..., T]:
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(2)
+        except RunStopped as err:
+            print(f"error: {err}", file=sys.stderr)
+            sys.exit(3)
 
     return wrapper

@@ -26,7 +26,7 @@ COMMON = [
 ]
 
 
-def torchrun(*args, nproc=2):
+def torchrun(*args, nproc=2, env: dict | None = None):
     cmd = [
         sys.executable,
         "-m",
@@ -38,7 +38,8 @@ def torchrun(*args, nproc=2):
         str(ROOT / "pretrain_mllm.py"),
         *args,
     ]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    env = {**os.environ, **env} if env else None
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
 
 
 def losses(stdout: str) -> dict[int, float]:

@@ -82,7 +82,8 @@ class ExecutorRun:
         self.history, self.seconds, self.grads, self.spans = [], [], None, []
         self.compute_seconds: list[float] = []  # per step: time this rank computed
         self.dp_seconds: list[float] = []  # per step: time this rank waited for DP collectives
-        self.skipped_iterations = 0  # steps whose gradient norm was NaN or Inf (not applied)
+        self.skipped_iterations = 0  # steps not applied (NaN or Inf; fp16: an overflow)
+        self.last_loss = float("nan")  # the last step's mean loss over every replica
         self.unit_times: dict[tuple[str, str, str], list[float]] = {}
         self.replanned = None  # (schedule, workload, measured times) once re-planned
         self.saved = None
@@ -349,7 +350,7 @@ class ExecutorRun:
             overlap_fills=job.executor.overlap_tp_fills and self.enc_tp == 1,
             max_encoder_ahead=job.executor.max_encoder_ahead,
             grad_sync=self.grad_sync,
-            loss_scale=self._loss_scale_tensor(),
+            loss_scale=self._backward_scale(step),
         )
         if job.faults.fail_rank == self.rank:
             executor.run_step()
@@ -373,23 +374,40 @@ class ExecutorRun:
             ):
                 for encoder in self.encoders:
                     self.grads.update(grad_shards(encoder, c.enc_tp if not self.stage0 else c.tp))
-        self._optimizer_step()
+        self.last_loss = self._mean_loss(self.history[-1])
+        nan_loss = not math.isfinite(self.last_loss)
+        self._optimizer_step(skip=self.job.optimizer.check_nan and nan_loss)
 
-    def _optimizer_step(self) -> None:
-        """Clip by the whole model's norm and step, or skip (and count) a step whose norm is NaN
-        or Inf: the same norm on every rank, so every rank skips."""
+    def _mean_loss(self, losses: dict) -> float:
+        """The step's mean loss over every replica's micro-batches (collective: the last-stage
+        ranks hold the losses; the same value on every rank)."""
+        total = torch.tensor(
+            [sum(losses.values()), float(len(losses))], dtype=torch.float64, device=self.device
+        )
+        dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+    def _optimizer_step(self, skip: bool) -> None:
+        """Clip by the whole model's norm and step, or skip (and count) a step whose loss
+        (`skip`) or norm is NaN or Inf: the same loss and norm on every rank, so every rank
+        skips. Without --check-for-nan-in-loss-and-grad only fp16's overflow skips."""
         from megatron_mllm.runtime.optimizer import clip_by_global_norm, step_megatron_optimizer
 
         opt = self.job.optimizer
         if opt.distributed and self.optimizer is not None:  # its own clipping, on its shards
-            applied, self.last_grad_norm = step_megatron_optimizer(self.optimizer)
+            if skip:
+                applied, self.last_grad_norm = False, float("nan")
+            else:
+                applied, self.last_grad_norm = step_megatron_optimizer(
+                    self.optimizer, opt.check_nan
+                )
             self.skipped_iterations += not applied
             for sync in self.grad_sync.values():
                 sync.stepped()
             return
         clip = opt.clip_grad if self.optimizer is not None else 0.0
         self.last_grad_norm = clip_by_global_norm(self.parts, clip, self.device)
-        if not math.isfinite(self.last_grad_norm):
+        if skip or (opt.check_nan and not math.isfinite(self.last_grad_norm)):
             self.skipped_iterations += 1
         elif self.optimizer is not None:
             self.optimizer.step()
@@ -401,6 +419,15 @@ class ExecutorRun:
         from megatron_mllm.schedule.simulator import simulate
 
         return simulate(self.replanned[0], self.replanned[1]).step_time_s
+
+    def _backward_scale(self, step: int) -> torch.Tensor | None:
+        """What the loss is multiplied by before its backward: fp16's loss scale (else None);
+        NaN in the test hook's steps."""
+        scale = self._loss_scale_tensor()
+        if step not in self.job.faults.nan_loss_steps:
+            return scale
+        nan = torch.tensor(float("nan"), device=self.device)
+        return nan if scale is None else scale * nan
 
     def _loss_scale_tensor(self) -> torch.Tensor | None:
         """fp16: megatron-core's current loss scale (on the device; not read here)."""

@@ -73,6 +73,9 @@ class OptimizerSettings:
     overlap_param_gather: bool = False  # the AG action starts the all-gather, first use waits
     grad_reduce_in_fp32: bool = False  # --accumulate-allreduce-grads-in-fp32 (else: param dtype)
     initial_loss_scale: float = 2.0**32  # fp16: the dynamic loss scale's start (Megatron's)
+    # A step whose loss or gradient norm is NaN or Inf is skipped (--check-for-nan-in-loss-and-
+    # grad); off: applied, as megatron-core's bf16/fp32 optimizers apply it.
+    check_nan: bool = True
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,12 @@ class Collect:
 @dataclass(frozen=True)
 class FaultHooks:
     """Test-only fault injection: `fail_rank` exits mid-step, before its program's op
-    `fail_at_op`."""
+    `fail_at_op`; in the steps `nan_loss_steps` every loss is scaled by NaN before its
+    backward (its gradients become NaN, the logged loss stays what it was)."""
 
     fail_rank: int | None = None
     fail_at_op: int = 0
+    nan_loss_steps: frozenset[int] = frozenset()
 
 
 @dataclass(frozen=True)

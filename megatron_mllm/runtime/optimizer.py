@@ -116,10 +116,11 @@ def clip_by_global_norm(
     return norm
 
 
-def step_megatron_optimizer(optimizer) -> tuple[bool, float]:
+def step_megatron_optimizer(optimizer, skip_nonfinite: bool = True) -> tuple[bool, float]:
     """One step of a megatron-core (chained) optimizer that is skipped, not applied, when the
-    whole model's gradient norm is NaN or Inf: (applied, norm). ChainedOptimizer.step's order
-    (prepare the main grads, the norm, clipping by it, the update and parameter all-gather)."""
+    whole model's gradient norm is NaN or Inf (`skip_nonfinite`): (applied, norm).
+    ChainedOptimizer.step's order (prepare the main grads, the norm, clipping by it, the update
+    and parameter all-gather)."""
     from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
     scaler = optimizer.chained_optimizers[0].grad_scaler if optimizer.chained_optimizers else None
@@ -127,7 +128,7 @@ def step_megatron_optimizer(optimizer) -> tuple[bool, float]:
     if overflow:  # an fp16 overflow: the loss scale backs off, the step is skipped
         return False, float("nan")
     norm = float(optimizer.get_grad_norm())
-    if not math.isfinite(norm):
+    if skip_nonfinite and not math.isfinite(norm):
         return False, norm
     for sub in optimizer.chained_optimizers:
         params = sub.get_parameters()

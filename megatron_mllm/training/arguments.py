@@ -171,6 +171,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument(
+        "--no-check-for-nan-in-loss-and-grad",
+        dest="check_for_nan_in_loss_and_grad",
+        action="store_false",
+        help="apply steps whose loss or gradient norm is NaN or Inf (by default they are "
+        "skipped and counted, and --max-skipped-iterations of them in a row stop the run)",
+    )
+    g.add_argument(
+        "--max-skipped-iterations",
+        type=int,
+        default=10,
+        help="NaN or Inf steps in a row that stop the run (one line; the last checkpoint stays)",
+    )
+    g.add_argument(
         "--overlap-grad-reduce",
         action="store_true",
         help="megatron-core DDP: reduce each gradient bucket as soon as its last backward ran",
@@ -535,6 +548,7 @@ def validate_args(args: argparse.Namespace) -> None:
         "global_batch_size",
         "train_iters",
         "log_interval",
+        "max_skipped_iterations",
     ):
         if getattr(args, name) < 1:
             raise ConfigError(

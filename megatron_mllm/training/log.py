@@ -5,22 +5,8 @@ from __future__ import annotations
 
 import datetime
 
-import torch
-
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan
-
-
-def mean_loss(losses: dict, device: torch.device) -> float:
-    """The step's mean loss over every replica's micro-batches (collective: the last-stage ranks
-    hold the losses), reduced on the ranks' device."""
-    import torch.distributed as dist
-
-    total = torch.tensor(
-        [sum(losses.values()), float(len(losses))], dtype=torch.float64, device=device
-    )
-    dist.all_reduce(total)
-    return float(total[0] / total[1])
 
 
 def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p, load: float = 1.0) -> str:

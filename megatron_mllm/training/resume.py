@@ -9,7 +9,9 @@ layout is the same)."""
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from megatron_mllm.errors import RunStopped
 from megatron_mllm.training import checkpointing
 
 LAYOUT_ARGS = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
@@ -52,7 +54,32 @@ class Checkpointer:
             out["data_loader"] = (state, c.dp, plan.dp, self.data_copy)
         return out
 
+    def latest_saved(self) -> str:
+        """Where the run's last finished checkpoint is, in words."""
+        if self.args.save is None or not (Path(self.args.save) / checkpointing.TRACKER).exists():
+            return "no checkpoint was saved"
+        held = (Path(self.args.save) / checkpointing.TRACKER).read_text().strip()
+        return f"the latest checkpoint stays iteration {held} in {self.args.save}"
+
+    def _finite(self) -> bool:
+        """Every rank's parameters are finite (collective)."""
+        import torch
+        import torch.distributed as dist
+
+        bad = torch.zeros((), device=self.run.device)
+        for module, *_ in self.parts:
+            for p in module.parameters() if module is not None else ():
+                bad += (~torch.isfinite(p)).any()
+        dist.all_reduce(bad)
+        return not bool(bad)
+
     def save(self, iteration: int) -> None:
+        """Save iteration `iteration`, unless a parameter is NaN or Inf (RunStopped)."""
+        if not self._finite():
+            raise RunStopped(
+                f"parameters hold NaN or Inf at iteration {iteration}: not saved; "
+                f"{self.latest_saved()}"
+            )
         args, grad_scaler = self.args, self.run.grad_scaler
         from megatron_mllm.runtime.optimizer import grad_scaler_state
 

@@ -9,13 +9,12 @@ import math
 import os
 import time
 
-from megatron_mllm.errors import ConfigError, exit_on_config_error
+from megatron_mllm.errors import ConfigError, RunStopped, exit_on_config_error
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
 from megatron_mllm.schedule.config import Recompute
 from megatron_mllm.training.log import (
     dry_run_summary,
     log_line,
-    mean_loss,
     startup_summary,
     validation_lines,
 )
@@ -139,7 +138,9 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
             overlap_param_gather=args.overlap_param_gather,
             grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
             initial_loss_scale=args.initial_loss_scale,
+            check_nan=args.check_for_nan_in_loss_and_grad,
         ),
+        faults=test_faults(),
         collect=Collect(grads=False),
         executor=ExecutorSettings(
             overlap_tp_fills=args.overlap_tp_fills,
@@ -148,6 +149,14 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
         ),
         timeout_s=args.distributed_timeout_minutes * 60,
     )
+
+
+def test_faults():
+    """Fault injection for the tests, from the environment (never a command-line flag)."""
+    from megatron_mllm.runtime.job import FaultHooks
+
+    steps = os.environ.get("MEGATRON_MLLM_TEST_NAN_LOSS_STEPS", "")  # e.g. "2,3"
+    return FaultHooks(nan_loss_steps=frozenset(int(s) for s in steps.split(",") if s))
 
 
 def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
@@ -252,16 +261,19 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
 
         writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.log_interval)
     skipped = nan = 0  # since the last log line, as Megatron counts them
+    nan_run = 0  # NaN or Inf steps in a row
     for it in range(start, args.train_iters):
         t0, before = time.perf_counter(), run.skipped_iterations
-        run.step(it)
+        run.step(it)  # its loss reduction ends it
         lr = run.optimizer.param_groups[0]["lr"]
         applied = run.skipped_iterations == before
         if applied:  # Megatron advances the schedule only for applied steps
             scheduler.step(1)
-        mean = mean_loss(run.history[-1], device)  # reads the step's results: ends it
+        mean = run.last_loss
         ms = 1000 * (time.perf_counter() - t0)
-        skipped, nan = skipped + (not applied), nan + (not math.isfinite(mean))
+        not_finite = not_finite_step(mean, run.last_grad_norm, args.fp16)
+        skipped, nan = skipped + (not applied), nan + not_finite
+        nan_run = nan_run + 1 if not_finite else 0
         log_now = (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters
         truncated = truncated_samples(run, device) if log_now and run.data.streams else None
         if args.rank == 0 and log_now:
@@ -285,6 +297,12 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
             print(line, flush=True)
         if (it + 1) % args.log_interval == 0:
             skipped = nan = 0
+        if args.check_for_nan_in_loss_and_grad and nan_run >= args.max_skipped_iterations:
+            raise RunStopped(
+                f"{nan_run} iterations in a row (the last {it + 1}) had a NaN or Inf loss or "
+                f"gradient norm and were skipped (--max-skipped-iterations "
+                f"{args.max_skipped_iterations}); stopped, {checkpointer.latest_saved()}"
+            )
         if writer is not None:
             for name, value in (
                 ("lm loss", mean),
@@ -305,6 +323,12 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
         checkpointer.save(args.train_iters)
     if writer is not None:
         writer.close()
+
+
+def not_finite_step(loss: float, grad_norm: float, fp16: bool) -> bool:
+    """A NaN or Inf loss or gradient norm (under fp16 an overflowing norm is the loss scaler's
+    business: it backs off and skips, and the step is not counted as NaN)."""
+    return not math.isfinite(loss) or (not fp16 and not math.isfinite(grad_norm))
 
 
 def truncated_samples(run, device) -> int:
