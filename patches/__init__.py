@@ -20,7 +20,11 @@ CPU_PATCHES = (
     "cuda_allocations_on_cpu",
     "distributed_optimizer_on_cpu",
 )
-RUNTIME_PATCHES = ("async_tp_collectives", "sequence_parallel_torch_norm")  # on every device
+RUNTIME_PATCHES = (  # on every device
+    "async_tp_collectives",
+    "sequence_parallel_torch_norm",
+    "checkpoint_helpers_die_with_rank",
+)
 
 
 def check_version() -> None:

@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.dry_run:
         print(dry_run_summary(args, cfg, plan, forced, n_mb))
         return 0
+    if args.save and args.rank == 0:  # one run per --save directory (released at exit)
+        from megatron_mllm.training.save_lock import acquire
+
+        acquire(args.save)
     schedule, workload = runtime_plan(
         cfg,
         plan,
