@@ -4,6 +4,8 @@ checkpoint. The NaN comes from the test hook (MEGATRON_MLLM_TEST_NAN_LOSS_STEPS)
 
 import re
 
+import pytest
+
 from tests.test_training import COMMON, assert_same_checkpoint, torchrun
 
 PP2 = ["--pipeline-model-parallel-size", "2", *COMMON[:2], "--lr", "1e-2"]
@@ -37,6 +39,7 @@ def test_nan_steps_in_a_row_stop_the_run_and_keep_the_last_checkpoint(tmp_path):
     assert out.stderr.index(line) < out.stderr.find("Traceback") or "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_without_the_check_a_nan_step_is_applied(tmp_path):
     args = [*PP2, "--train-iters", "3", "--no-check-for-nan-in-loss-and-grad"]
     out = torchrun(*args, "--save", str(tmp_path), env={NAN: "1"})

@@ -69,10 +69,52 @@ def lrs(stdout: str) -> dict[int, float]:
         # this run's 4-iteration linear decay from 1e-2: iteration 3 is at step 2 of 4
         ("--override-opt_param-scheduler", {3: 5e-3, 4: 2.5e-3}),
         # the checkpoint's 2-iteration decay has ended: the minimum LR
-        ("--use-checkpoint-opt_param-scheduler", {3: 0.0, 4: 0.0}),
+        pytest.param(
+            "--use-checkpoint-opt_param-scheduler", {3: 0.0, 4: 0.0}, marks=pytest.mark.slow
+        ),
     ],
 )
 def test_a_longer_resumed_run_follows_the_side_that_wins(saved, side, expected):
     out = torchrun(*RUN, "--train-iters", "4", "--load", str(saved), side, nproc=1)
     assert out.returncode == 0, out.stderr[-2000:]
     assert lrs(out.stdout) == pytest.approx(expected)
+
+
+def copy_of(saved, tmp_path):
+    import shutil
+
+    shutil.copytree(saved, tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+def refused_load(root, msg: str) -> None:
+    assert_refused_in_one_line([*RUN, "--train-iters", "4", "--load", str(root)], msg)
+
+
+def test_a_corrupted_or_truncated_checkpoint_file_is_named_before_loading(saved, tmp_path):
+    import os
+
+    root = copy_of(saved, tmp_path)
+    shard = root / "iter_0000002" / "__0_1.distcp"  # in rank 0's share of the files
+    with open(shard, "r+b") as f:  # 4 KB of random bytes into the middle
+        f.seek(shard.stat().st_size // 2)
+        f.write(os.urandom(4096))
+    refused_load(root, f"checkpoint file {shard} does not match its manifest checksum")
+    os.truncate(shard, 1000)
+    refused_load(root, f"checkpoint file {shard} has 1000 bytes, the manifest")
+    metadata = root / "iter_0000002" / ".metadata"
+    shard.write_bytes((saved / "iter_0000002" / "__0_1.distcp").read_bytes())
+    metadata.write_bytes(b"garbage")
+    refused_load(root, f"checkpoint file {metadata} has 7 bytes")
+
+
+def test_a_directory_mixing_two_runs_is_refused(saved, tmp_path):
+    import json
+    import shutil
+
+    root = copy_of(saved, tmp_path)
+    shutil.copytree(root / "iter_0000002", root / "iter_0000001")
+    held = json.loads((root / "iter_0000001" / "manifest.json").read_text())
+    held["run_id"] = "another-run"
+    (root / "iter_0000001" / "manifest.json").write_text(json.dumps(held))
+    refused_load(root, "mixes checkpoints of 2 runs (iter_0000001 and iter_0000002 differ)")

@@ -4,8 +4,9 @@ Every parameter (its fp32 value: the optimizer's main parameter under bf16) and 
 are saved as ShardedTensors of their full, unsharded shape with this rank's offsets, so a
 checkpoint written under one pair of plans loads under any other, with or without the
 distributed optimizer and under any DP size (optimizer_state.py assembles its shards).
-Layout: <save>/iter_0000100/ and <save>/latest_checkpointed_iteration.txt, which rank 0 writes
-only after every rank finished the save (an interrupted save is never taken as the latest).
+Layout: <save>/iter_0000100/ (with manifest.json: every file's size and CRC-32, training/
+manifest.py) and <save>/latest_checkpointed_iteration.txt, which rank 0 writes only after every
+rank finished the save and the manifest is written (an interrupted save is never the latest).
 A "model only" checkpoint (common["model_only"], e.g. converted from Hugging Face) holds weights
 and no optimizer, scheduler or RNG state.
 """
@@ -20,7 +21,7 @@ import torch
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.weights import canonical_names, gated_names, gated_view, split_dim
-from megatron_mllm.training import optimizer_state
+from megatron_mllm.training import manifest, optimizer_state
 from megatron_mllm.training.optimizer_state import MOMENTS
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -166,6 +167,10 @@ def save(
     state["common"] = common
     dist_checkpointing.save(state, str(path))
     dist.barrier()
+    shares = [None] * dist.get_world_size()
+    dist.all_gather_object(shares, manifest.entries(path, dist.get_rank()))
+    if dist.get_rank() == 0:
+        manifest.write(path, shares, common.get("run_id", ""))
     if dist.get_rank() == 0:  # the tracker last: a half-written checkpoint is never "latest"
         tmp = Path(root) / (TRACKER + ".tmp")
         tmp.write_text(str(iteration))

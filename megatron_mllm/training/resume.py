@@ -22,6 +22,17 @@ def _saved_args(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k not in ("rank", "coreset")}
 
 
+def _new_run_id() -> str:
+    """A fresh run id, rank 0's on every rank (collective)."""
+    import uuid
+
+    import torch.distributed as dist
+
+    box = [uuid.uuid4().hex]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class Checkpointer:
     """Saves and loads one rank's share of a training run (`run`: an ExecutorRun)."""
 
@@ -41,6 +52,7 @@ class Checkpointer:
         self.data_copy = c.stage * plan.tp + c.tp
         self.streams = bool(run.data.streams)
         self.source = None  # a converted model's origin (its LLaVA config), kept when saving
+        self.run_id = _new_run_id()  # the lineage of checkpoints; a resumed run keeps its own
 
     def _objects(self, saving: bool) -> dict:
         """name -> (state or None, index, count) of the per-replica and per-rank objects."""
@@ -89,6 +101,7 @@ class Checkpointer:
             "grad_scaler": grad_scaler_state(grad_scaler) if grad_scaler is not None else None,
             "consumed_samples": iteration * args.global_batch_size,
             "args": _saved_args(args),
+            "run_id": self.run_id,
         }
         if self.source is not None:
             common["source"] = self.source
@@ -123,6 +136,7 @@ class Checkpointer:
         common = checkpointing.load(args.load, self.parts, self.full_shapes, run.optimizer, objects)
         if saved.get("model_only"):
             return 0, "model weights only (no optimizer, scheduler or RNG state)"
+        self.run_id = saved.get("run_id") or self.run_id
         loaded = common["objects"]
         if self.holds_selector:
             run.selector.load_state_dict(loaded["coreset_selector"])

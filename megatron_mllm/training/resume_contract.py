@@ -5,6 +5,7 @@ touched (Megatron's resume contract, plus what keeps a --save directory one run'
 * Its LR-schedule arguments must equal the run's, unless --override-opt_param-scheduler (the
   run's win) or --use-checkpoint-opt_param-scheduler (the checkpoint's win) says which side.
 * A resumed run must have iterations left: --train-iters above the checkpoint's iteration.
+* The checkpoint's files match its manifest (sizes, CRC-32), and --load holds one run's.
 * --save is a writable directory (or one that can be made), and holds no other run's
   checkpoints: a fresh run needs it empty, a resumed one needs it to be --load or empty, so its
   tracker only ever moves forward.
@@ -14,11 +15,18 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from pathlib import Path
 
 from megatron_mllm.errors import ConfigError
+from megatron_mllm.training import manifest
 from megatron_mllm.training.arguments import flag
-from megatron_mllm.training.checkpointing import TRACKER, latest_iteration, read_common
+from megatron_mllm.training.checkpointing import (
+    TRACKER,
+    checkpoint_dir,
+    latest_iteration,
+    read_common,
+)
 
 
 def check_resume(args: argparse.Namespace, model_args: tuple[str, ...]) -> None:
@@ -31,6 +39,14 @@ def check_resume(args: argparse.Namespace, model_args: tuple[str, ...]) -> None:
     if args.load is None:
         return
     iteration = latest_iteration(args.load)
+    _one_run(args.load)
+    if not manifest.verify(checkpoint_dir(args.load, iteration), args.rank, args.world_size):
+        if args.rank == 0:
+            print(
+                f"WARNING: --load {args.load}: iteration {iteration} has no manifest (saved "
+                "before manifests were written); its files are not verified",
+                file=sys.stderr,
+            )
     common = read_common(args.load)
     saved = common.get("args", {})
     _same_model(args, saved, model_args)
@@ -43,6 +59,21 @@ def check_resume(args: argparse.Namespace, model_args: tuple[str, ...]) -> None:
         )
     if "scheduler" in common:
         _same_schedule(args, common["scheduler"])
+
+
+def _one_run(root: str) -> None:
+    """Refuse a directory whose checkpoints belong to different runs (by their manifests)."""
+    runs: dict[str, str] = {}
+    for directory in sorted(Path(root).glob("iter_*")):
+        held = manifest.read(directory) if directory.is_dir() else None
+        if held and held.get("run_id"):
+            runs.setdefault(held["run_id"], directory.name)
+    if len(runs) > 1:
+        first, second = list(runs.values())[:2]
+        raise ConfigError(
+            f"--load {root} mixes checkpoints of {len(runs)} runs ({first} and {second} differ); "
+            "keep one run's checkpoints per directory"
+        )
 
 
 def _same_model(args, saved: dict, model_args: tuple[str, ...]) -> None:
