@@ -49,21 +49,13 @@ def losses(stdout: str) -> dict[int, float]:
     return out
 
 
-def _plain_tensors(rank: int, world: int, path: str) -> dict:
-    """Every tensor a torch_dist checkpoint holds, whole (run in a one-rank gloo process)."""
-    import torch.distributed as dist
-    from megatron.core.dist_checkpointing import load_plain_tensors
-
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    return dict(load_plain_tensors(path))
-
-
 def _tensor_pairs(a, b):
     """(name, tensor in a, tensor in b) for every tensor of two checkpoints holding the same
     names."""
     from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.training.checkpointing import plain_tensors
 
-    x, y = (spawn(_plain_tensors, 1, str(p))[0] for p in (a, b))
+    x, y = (spawn(plain_tensors, 1, str(p))[0] for p in (a, b))
     assert set(x) == set(y) and len(x) > 10
     return [(name, t, y[name]) for name, t in x.items() if hasattr(t, "shape")]
 

@@ -39,6 +39,7 @@ def job_of(
     sequence_parallel: bool = False,
     recompute: Recompute = NO_RECOMPUTE,
     images_per_sample: float = 1.0,
+    backbone_split: tuple[int, ...] = (),
 ) -> MLLMJob:
     """The schedule core's job for the runtime's model (for planning and simulation)."""
     llm = cfg.transformer_specs()[1]
@@ -57,6 +58,7 @@ def job_of(
         frozen_encoders=frozen_encoder,
         recompute=recompute,
         images_per_sample=images_per_sample,
+        backbone_split=backbone_split,
     )
 
 
@@ -78,6 +80,7 @@ def runtime_plan(
     sequence_parallel: bool = False,
     recompute: Recompute = NO_RECOMPUTE,
     images_per_sample: float = 1.0,
+    backbone_split: tuple[int, ...] = (),
     **options,
 ) -> tuple[Schedule, Workload]:
     """A validated schedule and its costs for the runtime's model at layer (or, with
@@ -86,7 +89,8 @@ def runtime_plan(
     balancing first-stage split) or "optimus" (planned, or with `encoder_plan` forced).
     `sequence_parallel`: the backbone's TP collectives are reduce-scatters and all-gathers;
     `recompute`: recomputed layers cost a second forward and keep only their input;
-    `images_per_sample`: the encoders' average load (conversation data)."""
+    `images_per_sample`: the encoders' average load (conversation data); `backbone_split`:
+    layers per stage when the user fixed them (else each schedule chooses)."""
     job = job_of(
         cfg,
         plan,
@@ -96,6 +100,7 @@ def runtime_plan(
         sequence_parallel,
         recompute,
         images_per_sample,
+        backbone_split,
     )
     costs = JobCosts(job, measured, unit=unit)
     if name not in ("megatron", "balanced", "optimus"):
@@ -136,8 +141,17 @@ def adaptive_planner(
     if schedule.meta.encoder_on_stage0 or "encoder_plan" not in notes:
         return None
     n = schedule.meta.num_microbatches
+    split = tuple(schedule.meta.backbone_layers) if plan.vpp == 1 else ()  # the built one
     job = job_of(
-        cfg, plan, micro_batch, n, frozen_encoder, sequence_parallel, recompute, images_per_sample
+        cfg,
+        plan,
+        micro_batch,
+        n,
+        frozen_encoder,
+        sequence_parallel,
+        recompute,
+        images_per_sample,
+        split,
     )
     costs = JobCosts(job, measured, unit=unit)
     opts = OptimusOptions(

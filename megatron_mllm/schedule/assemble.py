@@ -128,14 +128,19 @@ def stages_from_sizes(
 def megatron_backbone(
     costs: JobCosts, first_extra: float, even: bool = False
 ) -> tuple[dict[tuple[int, int], Block], tuple[int, ...]]:
-    """Backbone stages split as a Megatron user would (see `partition.megatron_split`), or
-    evenly; also the layers per virtual stage. The LM head rides with the last stage."""
-    from megatron_mllm.schedule.partition import megatron_split
+    """Backbone stages split as the job fixes them, else as a Megatron user would balance them
+    (see `partition.megatron_split`), or as evenly as megatron-core can build them (`even`);
+    also the layers per virtual stage. The LM head rides with the last stage."""
+    from megatron_mllm.schedule.partition import first_last_split, megatron_split
 
     job, plan = costs.job, costs.job.plan
     layer, head = costs.backbone_layer(plan.tp), costs.head(plan.tp)
     n = job.backbone.num_layers
-    if even:
+    if job.backbone_split:
+        sizes = list(job.backbone_split)
+    elif even and plan.vpp == 1:
+        sizes = first_last_split(n, plan.pp)
+    elif even:
         base, rest = divmod(n, plan.pp * plan.vpp)
         sizes = [base + (1 if i < rest else 0) for i in range(plan.pp * plan.vpp)]
     else:

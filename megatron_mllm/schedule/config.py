@@ -71,6 +71,9 @@ class MLLMJob:
     # The encoders' load: images per sample on average (conversation data: the data set's
     # mean, text-only samples counting 0); a micro-batch's encoder work scales with it.
     images_per_sample: float = 1.0
+    # Backbone layers per pipeline stage when the user fixed them (Megatron's
+    # --decoder-first/last-pipeline-num-layers); empty: the schedule chooses.
+    backbone_split: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         self.validate()
@@ -112,6 +115,14 @@ class MLLMJob:
                 f"{self.backbone.name} has {self.backbone.num_layers} layers; use at most "
                 f"{self.backbone.num_layers} stages"
             )
+        split = self.backbone_split
+        if split and (len(split) != self.pp or sum(split) != self.backbone.num_layers):
+            raise ConfigError(
+                f"backbone split {list(split)} does not give {self.backbone.num_layers} layers "
+                f"to {self.pp} stages"
+            )
+        if split and self.vpp > 1:
+            raise ConfigError("a fixed backbone split needs VPP 1 (an interleaved one is even)")
         if self.backbone.hidden_size % self.tp or self.backbone.num_heads % self.tp:
             raise ConfigError(
                 f"TP {self.tp} does not divide {self.backbone.name}'s hidden size "

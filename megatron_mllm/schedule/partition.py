@@ -34,6 +34,49 @@ def balanced_partition(costs: list[float], parts: int) -> list[int]:
     return sizes[::-1]
 
 
+def first_last_split(
+    num_layers: int, pp: int, first: int | None = None, last: int | None = None
+) -> list[int]:
+    """Layers per stage as megatron-core builds them (the stages other than a given first or
+    last one hold equal shares): Megatron's --decoder-first/last-pipeline-num-layers, or with
+    neither the even split, else the one closest to even (first and last take the remainder).
+    ConfigError if no such split exists."""
+    if pp == 1:
+        return [num_layers]
+    if first is None and last is None and num_layers % pp == 0:
+        return [num_layers // pp] * pp
+    options = []
+    for f in range(1, num_layers) if first is None else [first]:
+        for la in range(1, num_layers - f + 1) if last is None else [last]:
+            sizes = _with_even_middle(num_layers, pp, f, la, (first is None) != (last is None))
+            if sizes:
+                options.append(sizes)
+    if not options:
+        given = (
+            f" (first stage {first}, last stage {last})" if (first, last) != (None, None) else ""
+        )
+        raise ConfigError(
+            f"--num-layers {num_layers} cannot be split over PP {pp} stages{given}: the other "
+            "stages need equal shares; give --decoder-first-pipeline-num-layers / "
+            "--decoder-last-pipeline-num-layers that leave them divisible"
+        )
+    return min(options, key=lambda sizes: (max(sizes) - min(sizes), sizes[0]))
+
+
+def _with_even_middle(n: int, pp: int, first: int, last: int, one_given: bool) -> list[int]:
+    """[first, middle..., last] with equal middle stages, or [] if they cannot be equal.
+    With one side free (`one_given`), Megatron spreads the rest over the other pp - 1 stages."""
+    middle = n - first - last
+    if pp == 2:
+        return [first, last] if middle == 0 else []
+    if middle < pp - 2 or middle % (pp - 2):
+        return []
+    share = middle // (pp - 2)
+    if one_given and share not in (first, last):  # the free side is an even stage too
+        return []
+    return [first, *[share] * (pp - 2), last]
+
+
 def megatron_split(
     num_layers: int, pp: int, vpp: int, layer_cost: float, first_extra: float, last_extra: float
 ) -> list[int]:

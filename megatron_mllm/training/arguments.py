@@ -89,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--coreset-directions", type=int, default=16)
     g = p.add_argument_group("model")
     g.add_argument("--num-layers", type=int, default=4)
+    g.add_argument(
+        "--decoder-first-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="backbone layers on the first pipeline stage (the others even); by default the "
+        "schedule chooses",
+    )
+    g.add_argument(
+        "--decoder-last-pipeline-num-layers",
+        type=int,
+        default=None,
+        help="backbone layers on the last pipeline stage (the others even)",
+    )
     g.add_argument("--hidden-size", type=int, default=64)
     g.add_argument("--num-attention-heads", type=int, default=4)
     g.add_argument("--vocab-size", type=int, default=128)
@@ -441,6 +454,34 @@ def _check_precision_and_recompute(args: argparse.Namespace) -> None:
             )
 
 
+def _check_backbone_split(args: argparse.Namespace, pp: int) -> None:
+    """--decoder-first/last-pipeline-num-layers -> args.backbone_split (layers per stage), or
+    () when the schedule chooses; one line for a split megatron-core cannot build."""
+    from megatron_mllm.schedule.partition import first_last_split
+
+    first, last = args.decoder_first_pipeline_num_layers, args.decoder_last_pipeline_num_layers
+    args.backbone_split = ()
+    if first is None and last is None:
+        first_last_split(args.num_layers, pp)  # refuses only what cannot be split at all
+        return
+    for name, value in (("first", first), ("last", last)):
+        if value is not None and not 1 <= value < args.num_layers:
+            raise ConfigError(
+                f"--decoder-{name}-pipeline-num-layers {value}: give 1 to {args.num_layers - 1}"
+            )
+    if pp == 1 or args.num_layers_per_virtual_pipeline_stage is not None:
+        raise ConfigError(
+            "--decoder-first/last-pipeline-num-layers need PP > 1 and no virtual pipeline "
+            "(an interleaved backbone is split evenly)"
+        )
+    if args.bubble_schedule == "balanced":
+        raise ConfigError(
+            "--bubble-schedule balanced chooses its own uneven split; drop "
+            "--decoder-first/last-pipeline-num-layers or use megatron or optimus"
+        )
+    args.backbone_split = tuple(first_last_split(args.num_layers, pp, first, last))
+
+
 def _check_schedule_and_rates(args: argparse.Namespace) -> None:
     """Learning-rate schedule, rates and timeouts: finite, in range, a warm-up that ends."""
     import math
@@ -583,6 +624,7 @@ def validate_args(args: argparse.Namespace) -> None:
         )
     if args.num_layers < pp:
         raise ConfigError(f"--num-layers {args.num_layers} is fewer than PP {pp} stages")
+    _check_backbone_split(args, pp)
     args.virtual_pipeline_model_parallel_size = 1
     per_chunk = args.num_layers_per_virtual_pipeline_stage
     if per_chunk is not None:

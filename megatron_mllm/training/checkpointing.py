@@ -54,6 +54,16 @@ def read_common(root: str, flag: str = "--load") -> dict:
     return load_common_state_dict(str(path))["common"]
 
 
+def plain_tensors(rank: int, world: int, path: str) -> dict:
+    """Every tensor a torch_dist checkpoint directory holds, whole (for `launch.spawn` with
+    one rank: it opens its own gloo group)."""
+    import torch.distributed as dist
+    from megatron.core.dist_checkpointing import load_plain_tensors
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    return dict(load_plain_tensors(path))
+
+
 def capture_rng_state() -> dict:
     """This rank's RNG streams: Python, NumPy, torch (CPU and CUDA), megatron-core's tracker."""
     import random

@@ -9,9 +9,11 @@ from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan
 
 
-def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p, load: float = 1.0) -> str:
-    """Both plans and the predicted bubble ratio (`p`, the simulator's result) for `load`
-    images per sample, one screen."""
+def startup_summary(
+    args, plan, enc_plan, stage0: bool, n_mb: int, p, load: float = 1.0, layers=()
+) -> str:
+    """Both plans (the backbone's `layers` per virtual stage) and the predicted bubble ratio
+    (`p`, the simulator's result) for `load` images per sample, one screen."""
     where = "whole, on backbone stage 0" if stage0 else "colocated on every backbone stage"
     if args.extra_encoder:
         where = f"{1 + len(args.extra_encoder)} encoders, each " + where
@@ -20,7 +22,8 @@ def startup_summary(args, plan, enc_plan, stage0: bool, n_mb: int, p, load: floa
     return "\n".join(
         [
             f" > backbone plan: {plan} (world size {plan.world_size})"
-            + (", sequence parallel" if args.sequence_parallel else ""),
+            + (", sequence parallel" if args.sequence_parallel else "")
+            + (f"; layers per stage {list(layers)}" if layers else ""),
             f" > encoder plan:  {enc_plan} ({where})",
             f" > schedule: {schedule_name(args)}; {n_mb} micro-batches of "
             f"{args.micro_batch_size} per step and DP replica, planned for {load:.2f} images "

@@ -60,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         sequence_parallel=args.sequence_parallel,
         recompute=recompute_of(args),
         images_per_sample=encoder_load(args),
+        backbone_split=args.backbone_split,
     )
     layers = schedule.meta.backbone_layers
     if plan.vpp > 1 and len(set(layers)) > 1:
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             encoder_plan=None if stage0 else enc_plan,
             frozen_encoder=args.freeze_ViT,
             unit="layer" if stage0 else args.fill_granularity,
+            backbone_split=tuple(layers) if plan.vpp == 1 else (),  # the modules built
         )
     return _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted)
 
@@ -189,7 +191,10 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
         if rank == 0:
             print(f" loaded checkpoint from {args.load}: {what}", flush=True)
     if rank == 0:
-        summary = startup_summary(args, plan, enc_plan, stage0, n_mb, predicted, encoder_load(args))
+        layers = schedule.meta.backbone_layers
+        summary = startup_summary(
+            args, plan, enc_plan, stage0, n_mb, predicted, encoder_load(args), layers
+        )
         print(summary, flush=True)
     validation = Validation(args, run, device) if args.eval_iters and job.data.llava else None
     _loop(args, run, scheduler, checkpointer, validation, start, device)

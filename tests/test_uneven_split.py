@@ -1,0 +1,67 @@
+"""Uneven backbone splits (Megatron's --decoder-first/last-pipeline-num-layers, or the closest
+to even megatron-core can build): the split rule, the refusals, and training under them."""
+
+import pytest
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.schedule.partition import first_last_split
+from tests.test_training import COMMON, assert_refused_in_one_line, losses, torchrun
+
+
+@pytest.mark.parametrize(
+    "layers,pp,first,last,expected",
+    [
+        (8, 4, None, None, [2, 2, 2, 2]),
+        (10, 4, None, None, [2, 3, 3, 2]),  # not divisible: first and last take the rest
+        (5, 2, None, None, [2, 3]),
+        (10, 4, 1, None, [1, 3, 3, 3]),  # Megatron: the rest even over the other stages
+        (9, 4, None, 3, [2, 2, 2, 3]),
+        (10, 4, 3, 3, [3, 2, 2, 3]),
+    ],
+)
+def test_the_split_is_one_megatron_core_can_build(layers, pp, first, last, expected):
+    assert first_last_split(layers, pp, first, last) == expected
+
+
+def test_a_split_that_leaves_the_middle_uneven_is_refused():
+    with pytest.raises(ConfigError, match="cannot be split over PP 4 stages"):
+        first_last_split(10, 4, 1, 2)
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "4"],
+         "--decoder-first-pipeline-num-layers 4: give 1 to 3"),
+        (["--decoder-last-pipeline-num-layers", "1"], "need PP > 1"),
+        (["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
+          "--bubble-schedule", "balanced"], "chooses its own uneven split"),
+    ],
+)  # fmt: skip
+def test_bad_splits_are_refused_in_one_line(args, msg):
+    assert_refused_in_one_line(args, msg)
+
+
+def test_a_fixed_uneven_split_trains_like_one_stage():
+    """PP=2 with one layer on the first stage (megatron schedule) and PP=1: the same model from
+    the same canonical weights, so the same losses."""
+    model = [*COMMON, "--num-layers", "5", "--train-iters", "3"]
+    one = torchrun(*model, nproc=1)
+    assert one.returncode == 0, one.stderr[-2000:]
+    split = torchrun(
+        *model, "--pipeline-model-parallel-size", "2", "--bubble-schedule", "megatron",
+        "--decoder-first-pipeline-num-layers", "1",
+    )  # fmt: skip
+    assert split.returncode == 0, split.stderr[-2000:]
+    ref, got = losses(one.stdout), losses(split.stdout)
+    assert sorted(got) == [1, 2, 3] and all(abs(got[i] - ref[i]) < 1e-4 for i in ref)
+
+
+@pytest.mark.slow  # four ranks
+@pytest.mark.parametrize("schedule", ["megatron", "optimus"])
+def test_layers_that_pp_does_not_divide_train_under_every_schedule(schedule):
+    args = ["--pipeline-model-parallel-size", "4", "--num-layers", "10", "--bubble-schedule",
+            schedule, *COMMON, "--train-iters", "2"]  # fmt: skip
+    out = torchrun(*args, nproc=4)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert sorted(losses(out.stdout)) == [1, 2]
