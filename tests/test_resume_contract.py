@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.test_training import assert_refused_in_one_line, torchrun
+from tests.test_training import assert_refused_in_one_line, refused, torchrun
 
 RUN = ["--global-batch-size", "4", "--lr", "1e-2", "--lr-decay-style", "linear"]
 
@@ -29,32 +29,34 @@ def saved(tmp_path_factory):
         (["--train-iters", "4", "--lr", "1e-3"], "trained with --lr 0.01, this run has 0.001"),
     ],
 )
-def test_a_resume_that_cannot_continue_faithfully_is_refused(saved, args, msg):
-    assert_refused_in_one_line([*RUN, "--train-iters", "4", "--load", str(saved), *args], msg)
+def test_a_resume_that_cannot_continue_faithfully_is_refused(saved, args, msg, monkeypatch):
+    refused([*RUN, "--train-iters", "4", "--load", str(saved), *args], msg, monkeypatch)
 
 
-def test_save_directories_never_mix_runs(saved, tmp_path):
+def test_save_directories_never_mix_runs(saved, tmp_path, monkeypatch):
     assert_refused_in_one_line(
         [*RUN, "--save", str(saved)], "already holds a run's checkpoints (latest iteration 2)"
     )
     other = tmp_path / "other"
     (other).mkdir()
     (other / "latest_checkpointed_iteration.txt").write_text("9")
-    assert_refused_in_one_line(
+    refused(
         [*RUN, "--train-iters", "4", "--override-opt_param-scheduler", "--load", str(saved),
          "--save", str(other)],
         "holds another run's checkpoints (latest iteration 9) than --load",
+        monkeypatch,
     )  # fmt: skip
     (tmp_path / "file").write_text("x")
-    assert_refused_in_one_line(
-        [*RUN, "--save", str(tmp_path / "file" / "ckpt")], "is a file, not a directory"
+    refused(
+        [*RUN, "--save", str(tmp_path / "file" / "ckpt")], "is a file, not a directory", monkeypatch
     )
 
 
-def test_both_schedule_overrides_are_refused():
-    assert_refused_in_one_line(
+def test_both_schedule_overrides_are_refused(monkeypatch):
+    refused(
         ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"],
         "both given; choose the side whose LR schedule wins",
+        monkeypatch,
     )
 
 
@@ -87,11 +89,18 @@ def copy_of(saved, tmp_path):
     return tmp_path / "ckpt"
 
 
-def refused_load(root, msg: str) -> None:
-    assert_refused_in_one_line([*RUN, "--train-iters", "4", "--load", str(root)], msg)
+def refused_load(root, msg: str, monkeypatch=None) -> None:
+    """Refused by the checks (in this process), or, without `monkeypatch`, by the script."""
+    args = [*RUN, "--train-iters", "4", "--load", str(root)]
+    if monkeypatch is None:
+        assert_refused_in_one_line(args, msg)
+    else:
+        refused(args, msg, monkeypatch)
 
 
-def test_a_corrupted_or_truncated_checkpoint_file_is_named_before_loading(saved, tmp_path):
+def test_a_corrupted_or_truncated_checkpoint_file_is_named_before_loading(
+    saved, tmp_path, monkeypatch
+):
     import os
 
     root = copy_of(saved, tmp_path)
@@ -101,14 +110,14 @@ def test_a_corrupted_or_truncated_checkpoint_file_is_named_before_loading(saved,
         f.write(os.urandom(4096))
     refused_load(root, f"checkpoint file {shard} does not match its manifest checksum")
     os.truncate(shard, 1000)
-    refused_load(root, f"checkpoint file {shard} has 1000 bytes, the manifest")
+    refused_load(root, f"checkpoint file {shard} has 1000 bytes, the manifest", monkeypatch)
     metadata = root / "iter_0000002" / ".metadata"
     shard.write_bytes((saved / "iter_0000002" / "__0_1.distcp").read_bytes())
     metadata.write_bytes(b"garbage")
-    refused_load(root, f"checkpoint file {metadata} has 7 bytes")
+    refused_load(root, f"checkpoint file {metadata} has 7 bytes", monkeypatch)
 
 
-def test_a_directory_mixing_two_runs_is_refused(saved, tmp_path):
+def test_a_directory_mixing_two_runs_is_refused(saved, tmp_path, monkeypatch):
     import json
     import shutil
 
@@ -117,4 +126,6 @@ def test_a_directory_mixing_two_runs_is_refused(saved, tmp_path):
     held = json.loads((root / "iter_0000001" / "manifest.json").read_text())
     held["run_id"] = "another-run"
     (root / "iter_0000001" / "manifest.json").write_text(json.dumps(held))
-    refused_load(root, "mixes checkpoints of 2 runs (iter_0000001 and iter_0000002 differ)")
+    refused_load(
+        root, "mixes checkpoints of 2 runs (iter_0000001 and iter_0000002 differ)", monkeypatch
+    )

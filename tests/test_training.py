@@ -312,8 +312,26 @@ def test_log_line_counts_nan_and_skipped_iterations():
         ),
     ],
 )
-def test_bad_arguments_fail_before_any_group(args, msg):
-    assert_refused_in_one_line(args, msg)
+def test_bad_arguments_fail_before_any_group(args, msg, monkeypatch):
+    refused(args, msg, monkeypatch)
+
+
+def test_a_refusal_is_one_line_and_exit_2():
+    assert_refused_in_one_line(["--global-batch-size", "7"], "not divisible by --micro-batch-size")
+
+
+def refused(args: list[str], msg: str, monkeypatch) -> None:
+    """pretrain_mllm.py's argument checks (in this process, as rank 0 of 2) refuse `args`
+    with one line holding `msg` (`assert_refused_in_one_line` runs the script itself)."""
+    from megatron_mllm.errors import ConfigError
+    from megatron_mllm.training.arguments import parse_args
+    from megatron_mllm.training.model_args import model_config
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(ConfigError) as err:
+        model_config(parse_args(args))  # what main checks before anything starts
+    assert msg in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 def assert_refused_in_one_line(args: list[str], msg: str) -> None:
@@ -416,7 +434,7 @@ def test_optimus_adaptive_resumes_with_the_uninterrupted_runs_losses(tmp_path, l
     assert all(again[i] == pytest.approx(ref[i], rel=1e-5) for i in (3, 4)), (again, ref)
 
 
-def test_bad_conversation_arguments_fail_in_one_line(tmp_path, llava_dataset):
+def test_bad_conversation_arguments_fail_in_one_line(tmp_path, llava_dataset, monkeypatch):
     data, tokenizer = llava_dataset
     hf = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tokenizer)]
     cases = [
@@ -425,11 +443,12 @@ def test_bad_conversation_arguments_fail_in_one_line(tmp_path, llava_dataset):
         (["--data-path", str(data), *hf, "--image-token", "<im>"], "no image token '<im>'"),
         (["--data-path", str(data), *hf, "--seq-length", "16"], "shorter than one image's 16"),
     ]
-    for args, msg in cases:
-        assert_refused_in_one_line(args, msg)
+    assert_refused_in_one_line(*cases[0])  # the script itself: one line, exit 2
+    for args, msg in cases[1:]:
+        refused(args, msg, monkeypatch)
     adaptive = ["--bubble-schedule", "optimus-adaptive"]
-    assert_refused_in_one_line([*adaptive, "--coreset-pool-ratio", "2"], "optimus-adaptive plans")
-    assert_refused_in_one_line([*adaptive, "--replan-after-iters", "1"], "optimus-adaptive plans")
+    refused([*adaptive, "--coreset-pool-ratio", "2"], "optimus-adaptive plans", monkeypatch)
+    refused([*adaptive, "--replan-after-iters", "1"], "optimus-adaptive plans", monkeypatch)
 
 
 @pytest.mark.parametrize(

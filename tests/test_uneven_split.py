@@ -5,7 +5,7 @@ import pytest
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.partition import first_last_split
-from tests.test_training import COMMON, assert_refused_in_one_line, losses, torchrun
+from tests.test_training import COMMON, losses, refused, torchrun
 
 
 @pytest.mark.parametrize(
@@ -38,8 +38,8 @@ def test_a_split_that_leaves_the_middle_uneven_is_refused():
           "--bubble-schedule", "balanced"], "chooses its own uneven split"),
     ],
 )  # fmt: skip
-def test_bad_splits_are_refused_in_one_line(args, msg):
-    assert_refused_in_one_line(args, msg)
+def test_bad_splits_are_refused_in_one_line(args, msg, monkeypatch):
+    refused(args, msg, monkeypatch)
 
 
 def test_a_fixed_uneven_split_trains_like_one_stage():
