@@ -89,6 +89,8 @@ BAD = {
     "unknown model": (args_with(encoder="vit-99b"), "unknown model 'vit-99b'"),
     "unknown gpu": (args_with(gpu="tpu"), "unknown GPU 'tpu'"),
     "bad efficiency": (args_with(efficiency="3"), "--efficiency"),
+    "huge global batch": (args_with(global_batch="32000000"), "micro-batches per pipeline, over"),
+    "measured times a directory": (args_with(measured_times="/tmp"), "/tmp is a directory"),
 }
 
 
@@ -128,6 +130,30 @@ def test_malformed_csv(run_tool, tmp_path):
     proc = run_tool("check_schedule.py", str(bad))
     assert proc.returncode == 2 and "first line must be" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def one_line(proc, expected: str) -> None:
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
+
+
+def test_tools_loose_ends_fail_in_one_line(run_tool, tmp_path):
+    """A binary or directory CSV, empty measured times, a CSV whose backbone_layers has the
+    wrong length."""
+    binary = tmp_path / "binary.csv"
+    binary.write_bytes(bytes(range(256)) * 4)
+    one_line(run_tool("check_schedule.py", str(binary)), "is not text (not a schedule CSV)")
+    one_line(run_tool("check_schedule.py", str(tmp_path)), "is a directory")
+    empty = tmp_path / "empty.json"
+    empty.write_text("{}")
+    one_line(run_tool("plan_schedule.py", *SMALL, "--measured-times", str(empty)), "non-empty")
+    csv = tmp_path / "s.csv"
+    assert run_tool("plan_schedule.py", *SMALL, "--save-schedule", str(csv)).returncode == 0
+    text = csv.read_text()
+    meta = json.loads(text.splitlines()[0][len("# meta ") :])
+    meta["backbone_layers"] = meta["backbone_layers"][:-1]
+    csv.write_text("# meta " + json.dumps(meta) + "\n" + text.split("\n", 1)[1])
+    one_line(run_tool("check_schedule.py", str(csv)), "must give each of the 4 virtual stages")
 
 
 def test_encoder_set_and_measured_times_mismatches_fail_clearly(run_tool, tmp_path):

@@ -381,6 +381,9 @@ def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path):
     assert sorted(a) == [1, 2, 3, 4]
     assert all(abs(a[i] - b[i]) < 1e-4 for i in a)
     assert "consumed samples:           64 |" in two.stdout  # 4 iterations x pools of 16
+    from megatron_mllm.training.checkpointing import read_common
+
+    assert read_common(str(tmp_path / "c"))["consumed_samples"] == 64  # as the log says
     # The selector's state (RNG, moments) is in the checkpoint: a resumed run selects the same.
     (tmp_path / "c" / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = torchrun("--pipeline-model-parallel-size", "2", *args, "--load", str(tmp_path / "c"))

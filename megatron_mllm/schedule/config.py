@@ -45,6 +45,9 @@ class Recompute:
 NO_RECOMPUTE = Recompute()
 
 
+MAX_MICROBATCHES = 4096  # per pipeline and step: far above any real job, below what lists hold
+
+
 @dataclass(frozen=True)
 class MLLMJob:
     """One training job: encoders + projector + backbone on `gpus` GPUs.
@@ -108,6 +111,12 @@ class MLLMJob:
                 f"global batch {self.global_batch} is not divisible by micro-batch x DP = "
                 f"{self.micro_batch} x {plan.dp} = {self.micro_batch * plan.dp}; use a multiple "
                 f"of {self.micro_batch * plan.dp}"
+            )
+        if self.num_microbatches > MAX_MICROBATCHES:
+            raise ConfigError(
+                f"global batch {self.global_batch} makes {self.num_microbatches} micro-batches "
+                f"per pipeline, over {MAX_MICROBATCHES} (a schedule lists every one); give a "
+                "smaller global batch or a larger micro-batch"
             )
         if self.pp * self.vpp > self.backbone.num_layers:
             raise ConfigError(

@@ -230,14 +230,19 @@ def load_measured_times(
     a model's TP collectives {model: {"collectives": {kind: seconds}}} (the time one blocks its
     layer; kinds all_reduce, all_gather, reduce_scatter, each also with "_b" for backward)."""
     p = Path(path)
+    if not p.is_file():
+        what = "is a directory" if p.is_dir() else "does not exist"
+        raise ConfigError(f"measured-times file {path} {what}; give a JSON file")
     try:
         raw = json.loads(p.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"measured-times file {path} does not exist") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"measured-times file {path} is not text (not JSON)") from None
     except json.JSONDecodeError as err:
         raise ConfigError(f"{path}: malformed JSON at line {err.lineno}") from None
-    if not isinstance(raw, dict):
-        raise ConfigError(f"{path}: expected {{model: {{forward|backward: {{kernel: seconds}}}}}}")
+    if not isinstance(raw, dict) or not raw:
+        raise ConfigError(
+            f"{path}: expected a non-empty {{model: {{forward|backward: {{kernel: seconds}}}}}}"
+        )
     units = ("embed", "layer", "projector", "head")  # per-unit times (layer-granularity plans)
     names = {
         "forward": set(FORWARD_KERNELS) | set(units),

@@ -136,9 +136,15 @@ class Schedule:
         """Load what `to_csv` wrote (a path, or the text itself)."""
         p = Path(source) if not str(source).lstrip().startswith("#") else None
         if p is not None and not p.is_file():
-            raise ConfigError(f"schedule file {source} does not exist")
-        text = p.read_text() if p is not None else str(source)
+            what = "is a directory" if p.is_dir() else "does not exist"
+            raise ConfigError(f"schedule file {source} {what}; give a CSV written by to_csv")
+        try:
+            text = p.read_text() if p is not None else str(source)
+        except UnicodeDecodeError:
+            raise ConfigError(f"schedule file {source} is not text (not a schedule CSV)") from None
         where = str(p) if p is not None else "schedule CSV"
+        if "\0" in text:
+            raise ConfigError(f"{where} holds NUL bytes (not a schedule CSV)")
         lines = text.splitlines()
         if not lines or not lines[0].startswith("# meta "):
             raise ConfigError(f"{where}: first line must be '# meta {{...}}' as written by to_csv")

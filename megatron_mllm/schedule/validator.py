@@ -51,6 +51,12 @@ def validate(schedule: Schedule) -> None:
 
     if len(schedule.ranks) != meta.pp:
         raise ConfigError(f"invalid schedule: {len(schedule.ranks)} ranks but PP={meta.pp}")
+    layers = meta.backbone_layers
+    if layers and (len(layers) != meta.pp * meta.vpp or min(layers) < 1):
+        raise ConfigError(
+            f"invalid schedule: backbone_layers {list(layers)} must give each of the "
+            f"{meta.pp * meta.vpp} virtual stages (PP {meta.pp} x VPP {meta.vpp}) a layer or more"
+        )
 
     # Each action belongs on one rank, once.
     seen: dict[str, tuple[int, int]] = {}

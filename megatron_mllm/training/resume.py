@@ -22,6 +22,12 @@ def _saved_args(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k not in ("rank", "coreset")}
 
 
+def consumed_samples(args, iteration: int) -> int:
+    """Samples read by `iteration` (coreset: every sample of each pool, as the log line says)."""
+    ratio = args.coreset.pool_ratio if getattr(args, "coreset", None) is not None else 1
+    return int(iteration * args.global_batch_size * ratio)
+
+
 def _new_run_id() -> str:
     """A fresh run id, rank 0's on every rank (collective)."""
     import uuid
@@ -99,7 +105,7 @@ class Checkpointer:
             "iteration": iteration,
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": grad_scaler_state(grad_scaler) if grad_scaler is not None else None,
-            "consumed_samples": iteration * args.global_batch_size,
+            "consumed_samples": consumed_samples(args, iteration),
             "args": _saved_args(args),
             "run_id": self.run_id,
         }

@@ -19,6 +19,7 @@ from megatron_mllm.training.log import (
     validation_lines,
 )
 from megatron_mllm.training.model_args import initial_weights, model_config
+from megatron_mllm.training.resume import consumed_samples
 
 
 @exit_on_config_error
@@ -286,13 +287,10 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
         log_now = (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters
         truncated = truncated_samples(run, device) if log_now and run.data.streams else None
         if args.rank == 0 and log_now:
-            # Coreset: every sample of the pool counts as consumed.
-            ratio = args.coreset.pool_ratio if args.coreset is not None else 1
-            consumed = int((it + 1) * args.global_batch_size * ratio)
             line = log_line(
                 it + 1,
                 args.train_iters,
-                consumed,
+                consumed_samples(args, it + 1),
                 ms,
                 lr,
                 args.global_batch_size,
