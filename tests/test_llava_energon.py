@@ -261,3 +261,25 @@ def test_cli_validates_arguments_and_prints_counts(tmp_path, run_tool):
     )
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == f"wrote 5 train and 1 val records in 3 shards to {tmp_path / 'o'}"
+
+
+def test_a_shard_cut_short_or_missing_is_counted_and_refused(llava_dataset, tmp_path):
+    """energon stops a run at the first sample past a shard's end: refused before it starts,
+    naming the shard and how many samples are lost."""
+    import os
+    import shutil
+
+    from megatron_mllm.errors import ConfigError
+
+    data = shutil.copytree(llava_dataset[0], tmp_path / "data")
+    energon_llava.check_readable(data)  # intact
+    counts = energon_llava.unreadable_samples(data)
+    shard = sorted(name for name in counts if name.startswith("train"))[0]
+    indexed = counts[shard][0]
+    os.truncate(data / shard, (data / shard).stat().st_size // 2)
+    indexed_now, lost = energon_llava.unreadable_samples(data)[shard]
+    assert indexed_now == indexed and 0 < lost < indexed
+    with pytest.raises(ConfigError, match=rf"{lost} of \d+ samples are unreadable.*{shard}"):
+        energon_llava.check_readable(data)
+    (data / shard).unlink()
+    assert energon_llava.unreadable_samples(data)[shard] == (indexed, indexed)

@@ -81,11 +81,13 @@ def test_truncation_never_splits_an_image_and_is_counted(tok):
     assert not cut.image_mask[0, second:].any()  # the cut moved before the second image
     assert (cut.tokens[0, second:] == tok.pad_token_id).all()
     assert (cut.labels[0] == IGNORE_INDEX).all()  # the answer was cut off
+    assert cut.no_answer == 1 and full.no_answer == 0  # and counted as such
     text = encode_record(
         LlavaRecord("d", (), (("human", "What is 4+3?"), ("gpt", "7"))), [], spec(tok)
     )
     both = collate([full, text, full])
     assert both.num_images == 4 and both.tokens.shape == (3, 64) and both.ids == ("c", "d", "c")
+    assert collate([cut, cut]).no_answer == 2
     assert torch.equal(both.select([1, 2], T).images, full.images)
 
 

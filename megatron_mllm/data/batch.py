@@ -24,6 +24,7 @@ class MicroBatch:
     image_mask: torch.Tensor  # [b, s] bool: where image embeddings go
     ids: tuple[str, ...] = field(default=())  # sample ids (real data)
     truncated: int = 0  # samples cut to the sequence length
+    no_answer: int = 0  # of those, samples the cut left without any answer token
     image_tokens: int = 0  # positions per image (checked against the mask on the host)
 
     def __post_init__(self) -> None:
@@ -64,6 +65,7 @@ class MicroBatch:
             image_mask=self.image_mask[index],
             ids=tuple(self.ids[r] for r in rows) if self.ids else (),
             truncated=0,
+            no_answer=0,
         )
 
 
@@ -89,5 +91,6 @@ def collate(samples: list[MicroBatch]) -> MicroBatch:
         image_mask=torch.cat([s.image_mask for s in samples]),
         ids=tuple(i for s in samples for i in s.ids),
         truncated=sum(s.truncated for s in samples),
+        no_answer=sum(s.no_answer for s in samples),
         image_tokens=samples[0].image_tokens,
     )

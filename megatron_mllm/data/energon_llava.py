@@ -300,6 +300,42 @@ def validation_samples(path: str | Path) -> int:
     return sum(n for name, n in counts.items() if Path(name).name.startswith("val-"))
 
 
+def unreadable_samples(path: str | Path) -> dict[str, tuple[int, int]]:
+    """Per shard in energon's index: (samples indexed, samples no longer readable), from each
+    shard's sample offsets (its .tar.idx) against the file's size: a shard cut short after
+    conversion loses the samples past its end (a missing shard, all of them)."""
+    import numpy as np
+
+    root = Path(path)
+    counts = json.loads((root / ".nv-meta" / ".info.json").read_text())["shard_counts"]
+    out = {}
+    for name, n in counts.items():
+        shard, index = root / name, root / (name + ".idx")
+        if not shard.is_file() or not index.is_file():
+            out[name] = (n, n)
+            continue
+        ends = np.fromfile(index, dtype="<u8")[1 : n + 1]  # sample i ends where i + 1 starts
+        out[name] = (n, int(n - np.count_nonzero(ends <= shard.stat().st_size)))
+    return out
+
+
+def check_readable(path: str | Path) -> None:
+    """Refuse, in one line, a data set with unreadable samples (a shard cut short or missing
+    after conversion), naming the worst shard: energon (7.4.1) reads shards by their index and
+    stops the run at the first sample past a shard's end, it does not skip it."""
+    shards = unreadable_samples(path)
+    lost = {name: v for name, v in shards.items() if v[1]}
+    if lost:
+        worst = max(lost, key=lambda name: lost[name][1])
+        n, m = lost[worst]
+        missing, total = sum(m for _, m in lost.values()), sum(n for n, _ in shards.values())
+        raise ConfigError(
+            f"--data-path {path}: {missing} of {total} samples are unreadable, in "
+            f"{len(lost)} shard(s) (most in {worst}: {m} of {n}; cut short or missing); "
+            "restore the shards or convert the data again"
+        )
+
+
 def open_loader(
     path: str | Path,
     split: str,

@@ -80,6 +80,7 @@ class LlavaStream:
         )
         self._it = None
         self.truncated = 0  # samples cut to the sequence length so far
+        self.no_answer = 0  # of those, samples left without an answer token
 
     def next(self) -> MicroBatch:
         """The next micro-batch. A validation stream starts over after its last and skips the
@@ -98,16 +99,21 @@ class LlavaStream:
                 continue
             if batch.num_samples == self.micro_batch:
                 self.truncated += batch.truncated
+                self.no_answer += batch.no_answer
                 return batch
 
     def take(self, n: int) -> list[MicroBatch]:
         return [self.next() for _ in range(n)]
 
     def state(self) -> dict:
-        """The position (energon's per-rank loader state) and the truncation count."""
+        """The position (energon's per-rank loader state) and the truncation counts."""
         from megatron_mllm.data.energon_llava import loader_state
 
-        return {"loader": loader_state(self.loader), "truncated": self.truncated}
+        return {
+            "loader": loader_state(self.loader),
+            "truncated": self.truncated,
+            "no_answer": self.no_answer,
+        }
 
     def restore(self, state: dict) -> None:
         """Continue from `state` (a fresh stream, before its first micro-batch)."""
@@ -115,6 +121,7 @@ class LlavaStream:
 
         restore_loader(self.loader, state["loader"])
         self.truncated = state["truncated"]
+        self.no_answer = state.get("no_answer", 0)  # absent in older checkpoints
 
     def close(self) -> None:
         from megatron_mllm.data.energon_llava import close_loader

@@ -9,7 +9,8 @@ them, labels on the assistant turns, images decoded and normalised, one sequence
 * Labels: `labels[j]` is token j + 1 where that token is in an assistant content (or any text
   token with `loss_on_prompt`), else IGNORE_INDEX.
 * Length: padded to `seq_length`, or cut there; a cut never splits an image (it moves before
-  the image, whose file is then dropped) and is counted in `MicroBatch.truncated`.
+  the image, whose file is then dropped) and is counted in `MicroBatch.truncated` (and in
+  `no_answer` when it removed every answer token).
 * Images: decoded with Pillow, RGB, resized (bicubic) to the encoder's square input and
   normalised per channel with the encoder's mean and std (CLIP's for a CLIP tower).
 """
@@ -124,7 +125,9 @@ def encode_record(record: LlavaRecord, image_bytes: list[bytes], spec: EncodeSpe
     for start in starts:
         if start < cut < start + n_img:
             cut = start  # never split an image: cut before it
+    answered = any(target[1:])
     ids, target = ids[:cut], target[:cut]
+    no_answer = int(truncated and answered and not any(target[1:]))
     kept = sum(start + n_img <= cut for start in starts)
     is_image = [False] * len(ids)
     for start in starts[:kept]:
@@ -144,7 +147,7 @@ def encode_record(record: LlavaRecord, image_bytes: list[bytes], spec: EncodeSpe
     size = spec.image_size
     stacked = torch.stack(images) if images else torch.empty(0, 3, size, size)
     return MicroBatch(
-        stacked, tokens, labels, mask, (record.id,), int(truncated), spec.image_tokens
+        stacked, tokens, labels, mask, (record.id,), int(truncated), no_answer, spec.image_tokens
     )
 
 

@@ -79,13 +79,19 @@ class StepData:
         n = self.job.num_microbatches
         return [[get(m, dp).num_images for m in range(n)] for dp in self.replicas]
 
-    @property
-    def truncated(self) -> int:
-        """Samples cut to the sequence length so far, over this process's replicas (not
-        counting a step read ahead)."""
+    def cut(self) -> tuple[int, int]:
+        """Samples cut to the sequence length so far, and those of them left without an
+        answer token, over this process's replicas (not counting a step read ahead)."""
         if self._ahead is not None and self._ahead[2]:
-            return sum(state["truncated"] for state in self._ahead[2].values())
-        return sum(s.truncated for s in self.streams.values())
+            states = list(self._ahead[2].values())
+        else:
+            states = [
+                {"truncated": s.truncated, "no_answer": s.no_answer} for s in self.streams.values()
+            ]
+        return (
+            sum(state["truncated"] for state in states),
+            sum(state.get("no_answer", 0) for state in states),
+        )
 
     def state(self, dp: int) -> dict | None:
         """Replica `dp`'s stream position for a checkpoint (None for synthetic data): after

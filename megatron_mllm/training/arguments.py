@@ -528,12 +528,14 @@ def _check_data(args: argparse.Namespace) -> None:
     from megatron_mllm.data.energon_llava import (
         check_energon_dataset,
         check_has_validation,
+        check_readable,
         validation_samples,
     )
     from megatron_mllm.data.task_encoder import check_tokenizer
     from megatron_mllm.data.tokenizer import load_tokenizer
 
     check_energon_dataset(args.data_path)
+    check_readable(args.data_path)
     if args.eval_iters:
         check_has_validation(args.data_path)
         share = validation_samples(args.data_path) // (

@@ -96,12 +96,12 @@ def log_line(
     skipped: int = 0,
     nan: int = 0,
     loss_scale: float | None = None,
-    truncated: int | None = None,
+    truncated: tuple[int, int] | None = None,
 ) -> str:
     """Megatron's iteration line; `skipped` / `nan`: iterations since the last line whose step
     was not applied (non-finite gradient norm, fp16 overflow) / whose loss was NaN or Inf;
     `loss_scale`: fp16's current loss scale; `truncated`: conversation data's samples cut to
-    --seq-length so far."""
+    --seq-length so far, and of them those left without an answer token."""
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     scale = f"loss scale: {loss_scale:.1f} | " if loss_scale is not None else ""
     return (
@@ -110,7 +110,11 @@ def log_line(
         f"global batch size: {gbs:5d} | lm loss: {loss:.6E} | {scale}"
         f"grad norm: {grad_norm:.3f} | "
         f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} |"
-        + (f" truncated samples: {truncated} |" if truncated is not None else "")
+        + (
+            f" truncated samples: {truncated[0]} (no answer left: {truncated[1]}) |"
+            if truncated is not None
+            else ""
+        )
     )
 
 

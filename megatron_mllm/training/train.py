@@ -338,17 +338,17 @@ def not_finite_step(loss: float, grad_norm: float, fp16: bool) -> bool:
     return not math.isfinite(loss) or (not fp16 and not math.isfinite(grad_norm))
 
 
-def truncated_samples(run, device) -> int:
-    """Samples cut to --seq-length so far, over every DP replica (collective: each replica's
-    stage-0 TP-rank-0 counts its stream)."""
+def truncated_samples(run, device) -> tuple[int, int]:
+    """Samples cut to --seq-length so far, and of them those left without an answer token, over
+    every DP replica (collective: each replica's stage-0 TP-rank-0 counts its stream)."""
     import torch
     import torch.distributed as dist
 
     c = run.groups.coords
-    mine = run.data.truncated if (c.tp == 0 and c.stage == 0) else 0
-    total = torch.tensor([mine], dtype=torch.long, device=device)
+    mine = run.data.cut() if (c.tp == 0 and c.stage == 0) else (0, 0)
+    total = torch.tensor(mine, dtype=torch.long, device=device)
     dist.all_reduce(total)
-    return int(total)
+    return int(total[0]), int(total[1])
 
 
 def _replan(run, rank: int) -> None:
