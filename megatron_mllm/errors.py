@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import functools
+import os
 import sys
+import traceback
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -21,7 +23,8 @@ class RunStopped(RuntimeError):
 
 def exit_on_config_error(main: Callable[..., T]) -> Callable[..., T]:
     """Wrap a CLI main: a ConfigError prints one line to stderr and exits with code 2, a
-    RunStopped one line and code 3."""
+    RunStopped one line and code 3; any other error its traceback, then one line naming the
+    rank and the error, and code 1."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
@@ -33,5 +36,11 @@ def exit_on_config_error(main: Callable[..., T]) -> Callable[..., T]:
         except RunStopped as err:
             print(f"error: {err}", file=sys.stderr)
             sys.exit(3)
+        except Exception as err:  # anything else: its traceback, then one line that sums it up
+            traceback.print_exc()
+            first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+            where = f"rank {os.environ['RANK']}: " if "RANK" in os.environ else ""
+            print(f"error: {where}{type(err).__name__}: {first} (traceback above)", file=sys.stderr)
+            sys.exit(1)
 
     return wrapper
