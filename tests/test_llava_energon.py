@@ -281,5 +281,7 @@ def test_a_shard_cut_short_or_missing_is_counted_and_refused(llava_dataset, tmp_
     assert indexed_now == indexed and 0 < lost < indexed
     with pytest.raises(ConfigError, match=rf"{lost} of \d+ samples are unreadable.*{shard}"):
         energon_llava.check_readable(data)
+    (data / shard).write_bytes(os.urandom(4096))  # random bytes: not a tar at all
+    assert energon_llava.unreadable_samples(data)[shard] == (indexed, indexed)
     (data / shard).unlink()
     assert energon_llava.unreadable_samples(data)[shard] == (indexed, indexed)

@@ -303,7 +303,7 @@ def validation_samples(path: str | Path) -> int:
 def unreadable_samples(path: str | Path) -> dict[str, tuple[int, int]]:
     """Per shard in energon's index: (samples indexed, samples no longer readable), from each
     shard's sample offsets (its .tar.idx) against the file's size: a shard cut short after
-    conversion loses the samples past its end (a missing shard, all of them)."""
+    conversion loses the samples past its end (a missing one, or one that is not a tar, all)."""
     import numpy as np
 
     root = Path(path)
@@ -314,9 +314,19 @@ def unreadable_samples(path: str | Path) -> dict[str, tuple[int, int]]:
         if not shard.is_file() or not index.is_file():
             out[name] = (n, n)
             continue
+        if not _starts_like_a_tar(shard):  # e.g. overwritten with other bytes
+            out[name] = (n, n)
+            continue
         ends = np.fromfile(index, dtype="<u8")[1 : n + 1]  # sample i ends where i + 1 starts
         out[name] = (n, int(n - np.count_nonzero(ends <= shard.stat().st_size)))
     return out
+
+
+def _starts_like_a_tar(path: Path) -> bool:
+    """The first 512-byte header carries the ustar magic (an empty file does not)."""
+    with open(path, "rb") as f:
+        header = f.read(512)
+    return len(header) == 512 and header[257:262] == b"ustar"
 
 
 def check_readable(path: str | Path) -> None:
