@@ -12,6 +12,11 @@ from typing import TypeVar
 T = TypeVar("T")
 
 
+def flag(dest: str) -> str:
+    """An argument's dest as the flag a message names: min_lr -> --min-lr."""
+    return "--" + dest.replace("_", "-")
+
+
 class ConfigError(ValueError):
     """Bad user input. The message is one line: what is wrong and what would be right."""
 

@@ -6,18 +6,13 @@ import argparse
 import os
 import sys
 
-from megatron_mllm.errors import ConfigError
+from megatron_mllm.errors import ConfigError, flag
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):
         print(f"error: {message}; see --help", file=sys.stderr)
         sys.exit(2)
-
-
-def flag(name: str) -> str:
-    """An argument's dest as its flag: min_lr -> --min-lr."""
-    return "--" + name.replace("_", "-")
 
 
 def build_parser() -> argparse.ArgumentParser:

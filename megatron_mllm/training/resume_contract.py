@@ -18,9 +18,8 @@ import os
 import sys
 from pathlib import Path
 
-from megatron_mllm.errors import ConfigError
+from megatron_mllm.errors import ConfigError, flag
 from megatron_mllm.training import manifest
-from megatron_mllm.training.arguments import flag
 from megatron_mllm.training.checkpointing import (
     TRACKER,
     checkpoint_dir,
