@@ -25,7 +25,10 @@ def saved(tmp_path_factory):
         (["--num-layers", "2"], "holds another model (--num-layers 4; this run: --num-layers 2)"),
         (["--seq-length", "24"], "holds another model (--seq-length"),
         (["--train-iters", "2"], "is at iteration 2, not below --train-iters 2"),
-        (["--train-iters", "4"], "trained with --train-iters (the LR decay) 2, this run has 4"),
+        (
+            ["--train-iters", "4"],
+            "the LR decay length (--lr-decay-iters, else --train-iters) 2, this run has 4",
+        ),
         (["--train-iters", "4", "--lr", "1e-3"], "trained with --lr 0.01, this run has 0.001"),
     ],
 )

@@ -1,34 +1,45 @@
 """One run per --save directory (training/save_lock.py)."""
 
-import json
-import os
-import socket
 import subprocess
-import time
+import sys
 
 from megatron_mllm.training.save_lock import LOCK
 from tests.test_training import assert_refused_in_one_line, torchrun
 
-
-def write_lock(root, pid: int) -> None:
-    root.mkdir(parents=True, exist_ok=True)
-    holder = {"host": socket.gethostname(), "pid": pid, "started": time.time()}
-    (root / LOCK).write_text(json.dumps(holder))
+HOLD = """
+import sys, time
+from megatron_mllm.training.save_lock import acquire
+acquire(sys.argv[1]); print("held", flush=True); time.sleep(60)
+"""
 
 
 def test_a_held_save_directory_is_refused_naming_its_holder(tmp_path):
-    write_lock(tmp_path / "ckpt", os.getpid())  # a live process holds it
-    assert_refused_in_one_line(
-        ["--save", str(tmp_path / "ckpt")], f"is in use by process {os.getpid()} on"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "ckpt")], stdout=subprocess.PIPE, text=True
     )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert_refused_in_one_line(
+            ["--save", str(tmp_path / "ckpt")], f"is in use by process {holder.pid} on"
+        )
+    finally:
+        holder.kill()
+        holder.wait()
 
 
-def test_a_stale_lock_is_taken_over_with_a_warning_and_released_at_exit(tmp_path):
-    gone = subprocess.Popen(["true"])
-    gone.wait()
-    write_lock(tmp_path / "ckpt", gone.pid)
+def test_a_killed_holders_lock_is_taken_over_with_a_warning_and_released_at_exit(tmp_path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(tmp_path / "ckpt")], stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "held"
+    holder.kill()  # -9: the kernel drops its lock, its record stays
+    holder.wait()
     out = torchrun("--train-iters", "1", "--save", str(tmp_path / "ckpt"), nproc=1)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert f"taking over the lock of process {gone.pid}" in out.stderr
-    assert not (tmp_path / "ckpt" / LOCK).exists()
+    assert f"taking over the lock of process {holder.pid}" in out.stderr
+    assert (tmp_path / "ckpt" / LOCK).read_text() == ""  # released cleanly
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == "1"
+    again = torchrun("--train-iters", "2", "--save", str(tmp_path / "ckpt"), "--load",
+                     str(tmp_path / "ckpt"), "--override-opt_param-scheduler", nproc=1)  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "taking over" not in again.stderr  # after a clean release: no warning

@@ -2,11 +2,13 @@
 """Fault injection (a benchmark-style tool, not a test): N cycles of a 2-rank training run killed
 with -9 at random points, each restarted with --load, against one uninterrupted run.
 
-A cycle kills one random rank either inside a save (as soon as a new iteration directory
-appears), inside a step (a random moment after a log line) or between steps (right at a log
-line). At the end the chaotic run is completed without a kill, and compared with the
-uninterrupted one: consumed samples, every logged loss of every cycle, and the final
-checkpoint's tensors bit for bit. Helper processes still alive after their cycle are orphans.
+A cycle kills one random rank either inside a save (as soon as this cycle's new iteration
+directory appears), inside a step (a random moment after a log line) or between steps (right at
+a log line; at a save iteration that moment may fall into the save). At the end the chaotic run
+is completed without a kill, and compared with the uninterrupted one: consumed samples at the
+end (from the iteration reached: skipped or repeated data shows in the losses instead), every
+logged loss of every cycle, and the final checkpoint's tensors bit for bit. Processes of a run
+(watched while it runs) still alive 3 s after it ended are orphans.
 
     python tools/chaos_train.py [--cycles 20] [--train-iters 40] [--seed 0] [--json]
 
@@ -58,7 +60,7 @@ class Cycle:
     """One run: its log lines as they come, its processes, and a kill on a condition."""
 
     def __init__(self, save: Path, iters: int) -> None:
-        self.save = save
+        self.save, self.started = save, time.time()
         self.proc = subprocess.Popen(
             command(save, iters, (save / TRACKER).exists()),
             cwd=ROOT,
@@ -104,21 +106,41 @@ class Cycle:
         return False
 
     def finish(self) -> list[int]:
-        """Wait for the run to end; the pids of its helpers still alive a while after."""
-        self.proc.wait(timeout=300)
+        """Wait for the run to end (watching its processes); the pids of its helpers still
+        alive a while after."""
+        deadline = time.time() + 300
+        while self.proc.poll() is None and time.time() < deadline:
+            self.watch()
+            time.sleep(0.05)
+        self.proc.wait(timeout=10)
         self.reader.join(timeout=10)
         time.sleep(3)
-        alive = [pid for pid in self.seen if psutil.pid_exists(pid)]
-        return [pid for pid in alive if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        return [pid for pid in self.seen if _alive(pid)]
 
 
-def saving(save: Path):
-    """True while a save is under way: an iteration directory newer than the tracker."""
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def tracked(save: Path) -> int:
+    """The iteration the tracker names (0 before the first checkpoint)."""
+    tracker = save / TRACKER
+    return int(tracker.read_text()) if tracker.exists() else 0
+
+
+def saving(cycle: Cycle):
+    """True while this cycle's save is under way: an iteration directory newer than the
+    tracker, made after the cycle started (not one a kill left behind)."""
 
     def check() -> bool:
-        tracker = save / TRACKER
-        done = int(tracker.read_text()) if tracker.exists() else 0
-        return any(int(d.name[5:]) > done for d in save.glob("iter_*"))
+        done = tracked(cycle.save)
+        return any(
+            int(d.name[5:]) > done and d.stat().st_mtime > cycle.started
+            for d in cycle.save.glob("iter_*")
+        )
 
     return check
 
@@ -127,7 +149,7 @@ def kill_condition(kind: str, cycle: Cycle, rng: random.Random):
     """When to kill: "save": a save is under way; "between": at the k-th log line; "step": a
     random 0-50 ms after it (inside the next step)."""
     if kind == "save":
-        return saving(cycle.save)
+        return saving(cycle)
     after, pause, mark = rng.randint(1, 4), rng.uniform(0.0, 0.05), []
 
     def ready() -> bool:
@@ -151,17 +173,28 @@ def chaos(save: Path, cycles: int, iters: int, rng: random.Random) -> dict:
         kinds[kind] += killed
         orphans += len(cycle.finish())
         logged += cycle.lines
-        tracker = save / TRACKER
-        kept = int(tracker.read_text()) if tracker.exists() else 0
+        kept = tracked(save)
         last = max((it for it, _, _ in cycle.lines), default=0)
         redone += max(0, last - kept) * GLOBAL_BATCH
         if not killed:  # the run reached its end: nothing left to break
             break
-    if int((save / TRACKER).read_text()) < iters:  # complete it without a kill
+    if tracked(save) < iters:  # complete it without a kill
         final = Cycle(save, iters)
         orphans += len(final.finish())
         logged += final.lines
     return {"kinds": kinds, "logged": logged, "redone": redone, "orphans": orphans}
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    """Both final checkpoints exist and hold the same tensors, bit for bit."""
+    import torch
+
+    if not (a / "manifest.json").exists() or not (b / "manifest.json").exists():
+        return False
+    x, y = (spawn(plain_tensors, 1, str(p))[0] for p in (a, b))
+    return set(x) == set(y) and all(
+        torch.equal(x[k], y[k]) for k in x if isinstance(x[k], torch.Tensor)
+    )
 
 
 def main() -> int:
@@ -178,16 +211,13 @@ def main() -> int:
     random.seed(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
         straight = Cycle(Path(tmp) / "straight", args.train_iters)
-        straight.finish()
-        reference = {it: loss for it, _, loss in straight.lines}
+        straight_orphans = len(straight.finish())
         result = chaos(Path(tmp) / "chaos", args.cycles, args.train_iters, rng)
+        result["orphans"] += straight_orphans
+        reference = {it: loss for it, _, loss in straight.lines}
         differ = sorted(it for it, _, loss in result["logged"] if reference.get(it) != loss)
-        end = f"iter_{args.train_iters:07d}"
-        a, b = (spawn(plain_tensors, 1, str(Path(tmp) / d / end))[0] for d in ("straight", "chaos"))
-        import torch
-
-        same = set(a) == set(b) and all(
-            torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor)
+        same = same_tensors(
+            *(Path(tmp) / d / f"iter_{args.train_iters:07d}" for d in ("straight", "chaos"))
         )
         consumed = max((c for _, c, _ in result["logged"]), default=0)
         lost = args.train_iters * GLOBAL_BATCH - consumed

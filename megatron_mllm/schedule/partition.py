@@ -48,7 +48,7 @@ def first_last_split(
     options = []
     for f in range(1, num_layers) if first is None else [first]:
         for la in range(1, num_layers - f + 1) if last is None else [last]:
-            sizes = _with_even_middle(num_layers, pp, f, la, (first is None) != (last is None))
+            sizes = _with_even_middle(num_layers, pp, f, la, _free_side(first, last))
             if sizes:
                 options.append(sizes)
     if not options:
@@ -63,16 +63,24 @@ def first_last_split(
     return min(options, key=lambda sizes: (max(sizes) - min(sizes), sizes[0]))
 
 
-def _with_even_middle(n: int, pp: int, first: int, last: int, one_given: bool) -> list[int]:
+def _free_side(first: int | None, last: int | None) -> str:
+    """Which side Megatron treats as an even stage: the one not given when the other is."""
+    if (first is None) == (last is None):
+        return ""
+    return "first" if first is None else "last"
+
+
+def _with_even_middle(n: int, pp: int, first: int, last: int, free: str) -> list[int]:
     """[first, middle..., last] with equal middle stages, or [] if they cannot be equal.
-    With one side free (`one_given`), Megatron spreads the rest over the other pp - 1 stages."""
+    With one side given and the other `free` ("first" or "last"), Megatron spreads the rest
+    over the other pp - 1 stages: the free side is one of them."""
     middle = n - first - last
     if pp == 2:
         return [first, last] if middle == 0 else []
     if middle < pp - 2 or middle % (pp - 2):
         return []
     share = middle // (pp - 2)
-    if one_given and share not in (first, last):  # the free side is an even stage too
+    if (free == "last" and last != share) or (free == "first" and first != share):
         return []
     return [first, *[share] * (pp - 2), last]
 

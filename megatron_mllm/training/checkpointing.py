@@ -14,6 +14,7 @@ and no optimizer, scheduler or RNG state.
 from __future__ import annotations
 
 import os
+import shutil
 import warnings
 from pathlib import Path
 
@@ -169,7 +170,9 @@ def save(
 
     path = checkpoint_dir(root, iteration)
     if dist.get_rank() == 0:
-        path.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # a save of this iteration that a kill cut short (never the latest)
+            shutil.rmtree(path)
+        path.mkdir(parents=True)
     dist.barrier()
     states = optimizer_state.gather(optimizer) if optimizer is not None else {}
     state, _ = sharded_state(parts, full_shapes, states)

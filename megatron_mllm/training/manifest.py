@@ -36,7 +36,7 @@ def own_files(directory: Path, rank: int) -> list[Path]:
         mine += [
             p for p in sorted(directory.iterdir()) if p.is_file() and not p.name.startswith("__")
         ]
-    return [p for p in mine if p.name != MANIFEST]
+    return [p for p in mine if p.name != MANIFEST and not p.name.endswith(".tmp")]
 
 
 def entries(directory: Path, rank: int) -> dict[str, list[int]]:

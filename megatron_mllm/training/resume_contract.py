@@ -54,7 +54,8 @@ def check_resume(args: argparse.Namespace, model_args: tuple[str, ...]) -> None:
     if iteration >= args.train_iters:
         raise ConfigError(
             f"--load {args.load} is at iteration {iteration}, not below --train-iters "
-            f"{args.train_iters}: nothing is left to train; give --train-iters above {iteration}"
+            f"{args.train_iters}: nothing is left to train; give --train-iters above {iteration} "
+            "(with --override-opt_param-scheduler where --train-iters sets the LR decay)"
         )
     if "scheduler" in common:
         _same_schedule(args, common["scheduler"])
@@ -89,7 +90,7 @@ def _same_model(args, saved: dict, model_args: tuple[str, ...]) -> None:
 def schedule_values(args) -> dict[str, tuple[str, object]]:
     """megatron-core's OptimizerParamScheduler state names -> (the flag, this run's value)."""
     decay = args.lr_decay_iters or args.train_iters
-    decay_flag = "--lr-decay-iters" if args.lr_decay_iters else "--train-iters (the LR decay)"
+    decay_flag = "the LR decay length (--lr-decay-iters, else --train-iters)"
     return {
         "max_lr": ("--lr", float(args.lr)),
         "min_lr": ("--min-lr", args.min_lr),

@@ -1,14 +1,16 @@
-"""One run per --save directory: a lock file naming its holder (host, pid, start time).
+"""One run per --save directory: an advisory lock (flock) on a file naming its holder.
 
-Rank 0 takes it before any process group, with O_EXCL so two starting runs cannot both win, and
-removes it when it exits. A lock whose process is gone (killed with -9, its host the same) is
-taken over with a warning line; one held by a live process, or from another host (whose
-processes we cannot see), is refused in one line naming the holder.
+Rank 0 takes it before any process group. The kernel releases a flock when its process ends,
+however it ends (kill -9 included), so a lock is never stale: a run that finds the file
+unlocked takes it, with a warning if the record names a process that did not release it
+cleanly; a run that finds it locked is refused in one line naming the holder (host, pid, start
+time). At a clean exit the holder empties the record, then the kernel drops the lock.
 """
 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import json
 import os
 import socket
@@ -19,68 +21,55 @@ from pathlib import Path
 from megatron_mllm.errors import ConfigError
 
 LOCK = "megatron_mllm.lock"
+_held: dict[str, int] = {}  # lock path -> the open descriptor that holds it
 
 
-def _alive(pid: int) -> bool:
+def _record(fd: int) -> dict:
+    os.lseek(fd, 0, os.SEEK_SET)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
-def _holder(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
+        return json.loads(os.read(fd, 4096) or b"{}")
+    except ValueError:
         return {}
 
 
-def _create(path: Path) -> bool:
-    """Write our holder record into a new lock file; False if the file exists."""
-    try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
-        return False
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
-    with os.fdopen(fd, "w") as f:
-        json.dump(me, f)
-    return True
+def _since(holder: dict) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(holder.get("started", 0)))
 
 
 def acquire(save: str) -> Path:
-    """Take --save's lock for this process (released at exit); ConfigError if it is held."""
+    """Take --save's lock for this process (held until it exits); ConfigError if another
+    process holds it."""
     root = Path(save)
     root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK
-    for _ in range(2):  # once more after removing a stale lock
-        if _create(path):
-            atexit.register(release, path)
-            return path
-        held = _holder(path)
-        host, pid = held.get("host"), held.get("pid")
-        since = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(held.get("started", 0)))
-        if host == socket.gethostname() and isinstance(pid, int) and not _alive(pid):
-            print(
-                f"WARNING: --save {save}: taking over the lock of process {pid} (started "
-                f"{since}), which is gone",
-                file=sys.stderr,
-            )
-            path.unlink(missing_ok=True)
-            continue
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _record(fd)
+        os.close(fd)
         raise ConfigError(
-            f"--save {save} is in use by process {pid} on {host} since {since} (lock {path}); "
-            "wait for that run, give another --save, or remove the lock if that run is gone"
+            f"--save {save} is in use by process {holder.get('pid')} on {holder.get('host')} "
+            f"since {_since(holder)} (lock {path}); wait for that run or give another --save"
+        ) from None
+    before = _record(fd)
+    if before.get("pid"):
+        print(
+            f"WARNING: --save {save}: taking over the lock of process {before['pid']} on "
+            f"{before.get('host')} (started {_since(before)}), which ended without releasing it",
+            file=sys.stderr,
         )
-    raise ConfigError(f"--save {save}: another run took the lock {path} while we started")
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.time()}
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps(me).encode(), 0)
+    _held[str(path)] = fd
+    atexit.register(release, path)
+    return path
 
 
 def release(path: Path) -> None:
-    """Remove the lock if this process holds it."""
-    if (
-        _holder(path).get("pid") == os.getpid()
-        and _holder(path).get("host") == socket.gethostname()
-    ):
-        path.unlink(missing_ok=True)
+    """Empty the record (a clean release) and drop the lock, if this process holds it."""
+    fd = _held.pop(str(path), None)
+    if fd is not None:
+        os.ftruncate(fd, 0)
+        os.close(fd)  # closing the descriptor drops the flock
