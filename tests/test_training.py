@@ -348,6 +348,7 @@ def assert_refused_in_one_line(args: list[str], msg: str) -> None:
     assert msg in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
 
 
+@pytest.mark.slow  # the selection itself: tests/test_coreset*.py in make test
 def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path):
     """PP=2: the pool goes forward through the pipeline, the last stage selects, every stage
     gets the indices; the result must match a one-process run, and consumed samples count the
