@@ -110,7 +110,15 @@ def test_distributed_optimizer_resumes_bit_exactly_and_reshards(tmp_path):
         )
 
 
-@pytest.mark.parametrize("precision", ["--bf16", pytest.param("--fp16", marks=pytest.mark.slow)])
+# bf16 with the distributed optimizer also trains and checkpoints in make test
+# (test_nan_steps, bit for bit across a skipped step); the resume comparisons run in CI's slow set
+@pytest.mark.parametrize(
+    "precision",
+    [
+        pytest.param("--bf16", marks=pytest.mark.slow),
+        pytest.param("--fp16", marks=pytest.mark.slow),
+    ],
+)
 def test_low_precision_distributed_optimizer_resumes_bit_exactly(tmp_path, precision):
     """bf16 (fp16, with its loss scale) with the distributed optimizer and overlapped parameter
     gathering on PP=2: the checkpoint holds the fp32 main parameters, moments and the loss
