@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from megatron_mllm.runtime.launch import free_port, spawn  # noqa: E402
-from megatron_mllm.training.checkpointing import TRACKER, plain_tensors  # noqa: E402
+from megatron_mllm.training.checkpointing import TRACKER, plain_tensors, tracked  # noqa: E402
 
 LINE = re.compile(
     r"iteration\s+(\d+)/\s*\d+ \| consumed samples:\s+(\d+) \|.*?lm loss: ([0-9.E+-]+) \|"
@@ -125,10 +125,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def tracked(save: Path) -> int:
+def tracked_iteration(save: Path) -> int:
     """The iteration the tracker names (0 before the first checkpoint)."""
-    tracker = save / TRACKER
-    return int(tracker.read_text()) if tracker.exists() else 0
+    return int(tracked(save) or 0)
 
 
 def saving(cycle: Cycle):
@@ -136,7 +135,7 @@ def saving(cycle: Cycle):
     tracker, made after the cycle started (not one a kill left behind)."""
 
     def check() -> bool:
-        done = tracked(cycle.save)
+        done = tracked_iteration(cycle.save)
         return any(
             int(d.name[5:]) > done and d.stat().st_mtime > cycle.started
             for d in cycle.save.glob("iter_*")
@@ -173,12 +172,12 @@ def chaos(save: Path, cycles: int, iters: int, rng: random.Random) -> dict:
         kinds[kind] += killed
         orphans += len(cycle.finish())
         logged += cycle.lines
-        kept = tracked(save)
+        kept = tracked_iteration(save)
         last = max((it for it, _, _ in cycle.lines), default=0)
         redone += max(0, last - kept) * GLOBAL_BATCH
         if not killed:  # the run reached its end: nothing left to break
             break
-    if tracked(save) < iters:  # complete it without a kill
+    if tracked_iteration(save) < iters:  # complete it without a kill
         final = Cycle(save, iters)
         orphans += len(final.finish())
         logged += final.lines

@@ -32,6 +32,12 @@ def checkpoint_dir(root: str, iteration: int) -> Path:
     return Path(root) / f"iter_{iteration:07d}"
 
 
+def tracked(root: str | Path) -> str | None:
+    """What the tracker under `root` says (stripped), or None where there is none."""
+    tracker = Path(root) / TRACKER
+    return tracker.read_text().strip() if tracker.is_file() else None
+
+
 def latest_iteration(root: str, flag: str = "--load") -> int:
     tracker = Path(root) / TRACKER
     if not tracker.is_file():

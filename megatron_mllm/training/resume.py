@@ -9,7 +9,6 @@ layout is the same)."""
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from megatron_mllm.errors import RunStopped
 from megatron_mllm.training import checkpointing
@@ -74,9 +73,9 @@ class Checkpointer:
 
     def latest_saved(self) -> str:
         """Where the run's last finished checkpoint is, in words."""
-        if self.args.save is None or not (Path(self.args.save) / checkpointing.TRACKER).exists():
+        held = checkpointing.tracked(self.args.save) if self.args.save else None
+        if held is None:
             return "no checkpoint was saved"
-        held = (Path(self.args.save) / checkpointing.TRACKER).read_text().strip()
         return f"the latest checkpoint stays iteration {held} in {self.args.save}"
 
     def _finite(self) -> bool:

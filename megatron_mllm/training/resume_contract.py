@@ -21,10 +21,10 @@ from pathlib import Path
 from megatron_mllm.errors import ConfigError, flag
 from megatron_mllm.training import manifest
 from megatron_mllm.training.checkpointing import (
-    TRACKER,
     checkpoint_dir,
     latest_iteration,
     read_common,
+    tracked,
 )
 
 
@@ -125,9 +125,9 @@ def check_save(args: argparse.Namespace) -> None:
         raise ConfigError(f"--save {args.save}: {existing} is a file, not a directory")
     if not os.access(existing, os.W_OK | os.X_OK):
         raise ConfigError(f"--save {args.save}: {existing} is not writable; give another path")
-    if not (path / TRACKER).exists():
+    held = tracked(path)
+    if held is None:
         return
-    held = (path / TRACKER).read_text().strip()
     if args.load is None:
         raise ConfigError(
             f"--save {args.save} already holds a run's checkpoints (latest iteration {held}); "
