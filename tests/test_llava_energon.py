@@ -263,25 +263,41 @@ def test_cli_validates_arguments_and_prints_counts(tmp_path, run_tool):
     assert ok.stdout.strip() == f"wrote 5 train and 1 val records in 3 shards to {tmp_path / 'o'}"
 
 
-def test_a_shard_cut_short_or_missing_is_counted_and_refused(llava_dataset, tmp_path):
-    """energon stops a run at the first sample past a shard's end: refused before it starts,
-    naming the shard and how many samples are lost."""
+def test_a_damaged_shard_is_counted_left_out_whole_or_refused(digits, tmp_path):
+    """energon stops a run at the first sample past a shard's end: a shard cut short (or
+    missing, or not a tar) is counted, and left out whole while the samples left out stay
+    within the fraction; above it, or with a split left empty, refused in one line."""
     import os
     import shutil
 
-    from megatron_mllm.errors import ConfigError
-
-    data = shutil.copytree(llava_dataset[0], tmp_path / "data")
-    energon_llava.check_readable(data)  # intact
+    data = shutil.copytree(digits[1], tmp_path / "data")
+    assert energon_llava.account_samples(data, 0.0).left_out == ()  # intact
     counts = energon_llava.unreadable_samples(data)
     shard = sorted(name for name in counts if name.startswith("train"))[0]
     indexed = counts[shard][0]
     os.truncate(data / shard, (data / shard).stat().st_size // 2)
     indexed_now, lost = energon_llava.unreadable_samples(data)[shard]
     assert indexed_now == indexed and 0 < lost < indexed
-    with pytest.raises(ConfigError, match=rf"{lost} of \d+ samples are unreadable.*{shard}"):
-        energon_llava.check_readable(data)
+    total = sum(n for n, _ in counts.values())
+    with pytest.raises(
+        ConfigError,
+        match=rf"{shard} \({lost} of {indexed} unreadable\).*"
+        rf"skips {indexed} of {total} samples.*fraction 0.1;",
+    ) as err:
+        energon_llava.account_samples(data, 0.1)
+    assert "\n" not in str(err.value)
+    account = energon_llava.account_samples(data, 0.5)
+    assert account.left_out == (shard,) and account.dropped == indexed
+    kept = read_all(data, "train", IdsTaskEncoder(), epochs=1, exclude_shards=(shard,))
+    every = read_all(digits[1], "train", IdsTaskEncoder(), epochs=1)
+    assert len(kept) == len(every) - indexed and set(kept) < set(every)
+    assert not list(tmp_path.glob("data/.nv-meta/*split_*"))  # the data set is left as it was
     (data / shard).write_bytes(os.urandom(4096))  # random bytes: not a tar at all
     assert energon_llava.unreadable_samples(data)[shard] == (indexed, indexed)
     (data / shard).unlink()
     assert energon_llava.unreadable_samples(data)[shard] == (indexed, indexed)
+    for name in counts:
+        if name.startswith("val"):
+            (data / name).unlink()
+    with pytest.raises(ConfigError, match="every val shard is damaged"):
+        energon_llava.account_samples(data, 0.9)

@@ -480,3 +480,44 @@ def test_gpu_recipes_pass_argument_checks(model, world):
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"arguments checked for world size {world}" in out.stdout
     assert "sequence parallel" in out.stdout  # as Megatron users run TP
+
+
+def test_damaged_shards_are_left_out_within_the_fraction(tmp_path, llava_dataset, monkeypatch):
+    """A train shard cut short: refused at the default --max-skipped-samples-fraction (one
+    line naming it); within a larger fraction the run starts, warns, and its loader leaves the
+    shard out (test_llava_energon reads such a loader)."""
+    import shutil
+
+    from megatron_mllm.training.arguments import parse_args
+    from megatron_mllm.training.model_args import model_config
+    from megatron_mllm.training.train import llava_data
+
+    data = shutil.copytree(llava_dataset[0], tmp_path / "data")
+    shard = sorted(p.name for p in data.glob("train-*.tar"))[0]
+    os.truncate(data / shard, 1000)
+    args = [*LLAVA, "--data-path", str(data), "--tokenizer-model", str(llava_dataset[1])]
+    refused(args, f"{shard} (", monkeypatch)
+    refused([*args, "--max-skipped-samples-fraction", "nan"], "from 0 up to", monkeypatch)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    parsed = parse_args([*args, "--max-skipped-samples-fraction", "0.5"])
+    model_config(parsed)
+    assert parsed.data_left_out == [shard]
+    assert llava_data(parsed).exclude_shards == (shard,)
+
+
+def test_a_loader_position_fits_only_the_same_damaged_shards():
+    """A checkpoint's loader position is dropped (the loader starts anew) when the shards left
+    out differ; checkpoints from before data accounting left none out."""
+    import argparse
+
+    from megatron_mllm.training.resume import loader_position_fits
+
+    same = {"data_parallel_size": 1, "data_path": "d", "micro_batch_size": 2, "num_workers": 1}
+    saved = {**same, "seed": 3, "data_left_out": ["train-000000.tar"]}
+    args = argparse.Namespace(**saved)
+    assert loader_position_fits(saved, args)
+    assert not loader_position_fits({**saved, "data_left_out": []}, args)
+    args.data_left_out = []
+    assert loader_position_fits({k: v for k, v in saved.items() if k != "data_left_out"}, args)
+    assert not loader_position_fits({**saved, "seed": 4}, args)

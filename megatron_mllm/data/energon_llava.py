@@ -39,9 +39,13 @@ import random
 import re
 import shutil
 import tarfile
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+from braceexpand import braceexpand
 from megatron.energon import Cooker, Sample, TaskEncoder, basic_sample_keys, edataclass, stateless
 
 from megatron_mllm.data.llava import LlavaRecord, check_images, load_raw, parse_record
@@ -294,10 +298,15 @@ def images_per_sample(path: str | Path) -> float:
     return json.loads(stats.read_text())["images_per_sample"] if stats.is_file() else 1.0
 
 
-def validation_samples(path: str | Path) -> int:
-    """How many samples the validation split holds (energon's index of the shards)."""
+def validation_samples(path: str | Path, exclude_shards: tuple[str, ...] = ()) -> int:
+    """How many samples the validation split holds (energon's index of the shards), less those
+    of `exclude_shards`."""
     counts = json.loads((Path(path) / ".nv-meta" / ".info.json").read_text())["shard_counts"]
-    return sum(n for name, n in counts.items() if Path(name).name.startswith("val-"))
+    return sum(
+        n
+        for name, n in counts.items()
+        if Path(name).name.startswith("val-") and name not in exclude_shards
+    )
 
 
 def unreadable_samples(path: str | Path) -> dict[str, tuple[int, int]]:
@@ -329,21 +338,73 @@ def _starts_like_a_tar(path: Path) -> bool:
     return len(header) == 512 and header[257:262] == b"ustar"
 
 
-def check_readable(path: str | Path) -> None:
-    """Refuse, in one line, a data set with unreadable samples (a shard cut short or missing
-    after conversion), naming the worst shard: energon (7.4.1) reads shards by their index and
-    stops the run at the first sample past a shard's end, it does not skip it."""
-    shards = unreadable_samples(path)
-    lost = {name: v for name, v in shards.items() if v[1]}
-    if lost:
-        worst = max(lost, key=lambda name: lost[name][1])
-        n, m = lost[worst]
-        missing, total = sum(m for _, m in lost.values()), sum(n for n, _ in shards.values())
-        raise ConfigError(
-            f"--data-path {path}: {missing} of {total} samples are unreadable, in "
-            f"{len(lost)} shard(s) (most in {worst}: {m} of {n}; cut short or missing); "
-            "restore the shards or convert the data again"
+@dataclass(frozen=True)
+class DataAccount:
+    """The shards a run leaves out of a data set and what that costs. energon (7.4.1) reads a
+    shard by its index and stops the run at the first sample past the shard's end instead of
+    skipping it, so a shard with unreadable samples is left out whole: `dropped` counts its
+    readable samples too, and is what --max-skipped-samples-fraction bounds."""
+
+    path: str
+    shards: dict[str, tuple[int, int]]  # every indexed shard: (samples, unreadable samples)
+
+    @property
+    def left_out(self) -> tuple[str, ...]:
+        return tuple(sorted(name for name, (_, lost) in self.shards.items() if lost))
+
+    @property
+    def dropped(self) -> int:
+        return sum(self.shards[name][0] for name in self.left_out)
+
+    @property
+    def total(self) -> int:
+        return sum(n for n, _ in self.shards.values())
+
+    def summary(self) -> str:
+        """One line: the shards left out (unreadable of indexed samples) and the share."""
+        named = ", ".join(
+            f"{name} ({self.shards[name][1]} of {self.shards[name][0]} unreadable)"
+            for name in self.left_out[:3]
         )
+        more = f" and {len(self.left_out) - 3} more" if len(self.left_out) > 3 else ""
+        return (
+            f"{len(self.left_out)} damaged shard(s): {named}{more}; leaving them out skips "
+            f"{self.dropped} of {self.total} samples ({self.dropped / self.total:.1%})"
+        )
+
+
+def account_samples(path: str | Path, max_fraction: float) -> DataAccount:
+    """Count the unreadable samples of the data set at `path` per shard (cut short, missing or
+    not a tar since conversion) and refuse, in one line, to leave out more than `max_fraction`
+    of its samples or every shard of a split."""
+    account = DataAccount(str(path), unreadable_samples(path))
+    if account.dropped > max_fraction * account.total:
+        raise ConfigError(
+            f"--data-path {path}: {account.summary()}, over --max-skipped-samples-fraction "
+            f"{max_fraction:g}; restore the shards, convert the data again, or raise the fraction"
+        )
+    split = yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text())
+    for name, patterns in split["split_parts"].items():
+        shards = {shard for pattern in patterns for shard in braceexpand(pattern)}
+        if shards and shards <= set(account.left_out):
+            raise ConfigError(
+                f"--data-path {path}: every {name} shard is damaged ({account.summary()}); "
+                "restore the shards or convert the data again"
+            )
+    return account
+
+
+def _split_config(path: str | Path, exclude: tuple[str, ...]) -> str | None:
+    """A copy of the data set's split.yaml that also excludes `exclude`, in a temporary file
+    (the data set's folder is left as it is); None when nothing is excluded."""
+    if not exclude:
+        return None
+    split = yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text())
+    split["exclude"] = sorted(set(split.get("exclude") or []) | set(exclude))
+    fd, name = tempfile.mkstemp(prefix="megatron_mllm_split_", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(split, f)
+    return name
 
 
 def open_loader(
@@ -359,6 +420,7 @@ def open_loader(
     shuffle_buffer_size: int | None = None,
     max_samples_per_sequence: int | None = None,
     epochs: int | None = None,
+    exclude_shards: tuple[str, ...] = (),
 ):
     """energon's savable loader over `split` of the dataset at `path`, for data-parallel rank
     `dp_rank` of `dp_size` (ranks read disjoint parts), batched by `task_encoder`.
@@ -366,14 +428,9 @@ def open_loader(
     "train": shuffled (shards, slices of at most `max_samples_per_sequence` samples, and a
     `shuffle_buffer_size` sample buffer) deterministically from `seed`; endless unless `epochs`
     is given (then that many passes, after which iteration stops). "val": in order, one pass per
-    `iter(loader)` (or `epochs` passes). Call `close_loader` when done to end the workers."""
-    from megatron.energon import (
-        RepeatDataset,
-        WorkerConfig,
-        get_savable_loader,
-        get_train_dataset,
-        get_val_dataset,
-    )
+    `iter(loader)` (or `epochs` passes). Shards named in `exclude_shards` (`DataAccount.left_out`)
+    are not read. Call `close_loader` when done to end the workers."""
+    from megatron.energon import RepeatDataset, WorkerConfig, get_savable_loader
 
     if split not in SPLITS:
         raise ConfigError(f"split {split!r}: give one of {', '.join(SPLITS)}")
@@ -385,28 +442,36 @@ def open_loader(
     worker_config = WorkerConfig(
         rank=dp_rank, world_size=dp_size, num_workers=num_workers, seed_offset=seed
     )
-    if split == "train":
-        dataset = get_train_dataset(
-            path,
-            split_part="train",
-            worker_config=worker_config,
-            batch_size=batch_size,
-            shuffle_buffer_size=shuffle_buffer_size,
-            max_samples_per_sequence=max_samples_per_sequence,
-            task_encoder=task_encoder,
-            repeat=epochs is None,
-        )
-    else:
-        dataset = get_val_dataset(
-            path,
-            split_part="val",
-            worker_config=worker_config,
-            batch_size=batch_size,
-            task_encoder=task_encoder,
-        )
+    common = dict(worker_config=worker_config, batch_size=batch_size, task_encoder=task_encoder)
+    common["split_config"] = _split_config(path, exclude_shards)
+    try:
+        if split == "train":
+            dataset = _train_dataset(
+                path, common, shuffle_buffer_size, max_samples_per_sequence, epochs is None
+            )
+        else:
+            from megatron.energon import get_val_dataset
+
+            dataset = get_val_dataset(path, split_part="val", **common)
+    finally:  # energon reads the split config once, as the dataset is built
+        if common["split_config"] is not None:
+            os.unlink(common["split_config"])
     if epochs is not None and epochs > 1:
         dataset = RepeatDataset(dataset, repeats=epochs, worker_config=worker_config)
     return get_savable_loader(dataset)
+
+
+def _train_dataset(path, common: dict, shuffle_buffer_size, max_samples_per_sequence, repeat):
+    from megatron.energon import get_train_dataset
+
+    return get_train_dataset(
+        path,
+        split_part="train",
+        shuffle_buffer_size=shuffle_buffer_size,
+        max_samples_per_sequence=max_samples_per_sequence,
+        repeat=repeat,
+        **common,
+    )
 
 
 def loader_state(loader) -> Any:

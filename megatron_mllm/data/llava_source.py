@@ -33,6 +33,7 @@ class LlavaData:
     clip_normalisation: bool = False  # CLIP's mean and std (a CLIP tower), else [-1, 1]
     shuffle_buffer_size: int | None = 64
     max_samples_per_sequence: int | None = 16
+    exclude_shards: tuple[str, ...] = ()  # damaged shards left out (energon_llava.DataAccount)
 
     def spec(self, image_tokens: int, image_size: int) -> EncodeSpec:
         from megatron_mllm.data.tokenizer import load_tokenizer
@@ -77,6 +78,7 @@ class LlavaStream:
             seed=seed,
             shuffle_buffer_size=data.shuffle_buffer_size if split == "train" else None,
             max_samples_per_sequence=data.max_samples_per_sequence if split == "train" else None,
+            exclude_shards=data.exclude_shards,
         )
         self._it = None
         self.truncated = 0  # samples cut to the sequence length so far

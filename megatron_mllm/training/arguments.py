@@ -154,6 +154,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--loss-on-prompt", action="store_true", help="labels on every turn, not only answers"
     )
     g.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes")
+    g.add_argument(
+        "--max-skipped-samples-fraction",
+        type=float,
+        default=0.01,
+        help="start when damaged shards (cut short, missing; left out whole) hold at most this "
+        "share of --data-path's samples, else refuse (default 0.01)",
+    )
     g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     g.add_argument("--eval-interval", type=int, default=None, help="validate every N iterations")
     g.add_argument("--eval-iters", type=int, default=0, help="validation steps per validation")
@@ -514,6 +521,12 @@ def _check_schedule_and_rates(args: argparse.Namespace) -> None:
 def _check_data(args: argparse.Namespace) -> None:
     """--data-path and its tokenizer, validation and loader arguments; with a tokenizer,
     --vocab-size becomes its size padded as Megatron pads it."""
+    args.data_left_out = []
+    if not 0 <= args.max_skipped_samples_fraction < 1:  # NaN fails too
+        raise ConfigError(
+            f"--max-skipped-samples-fraction {args.max_skipped_samples_fraction}: give a "
+            "fraction from 0 up to (not including) 1"
+        )
     if args.data_path is None:
         if args.tokenizer_model or args.eval_iters:
             raise ConfigError(
@@ -521,19 +534,26 @@ def _check_data(args: argparse.Namespace) -> None:
             )
         return
     from megatron_mllm.data.energon_llava import (
+        account_samples,
         check_energon_dataset,
         check_has_validation,
-        check_readable,
         validation_samples,
     )
     from megatron_mllm.data.task_encoder import check_tokenizer
     from megatron_mllm.data.tokenizer import load_tokenizer
 
     check_energon_dataset(args.data_path)
-    check_readable(args.data_path)
+    account = account_samples(args.data_path, args.max_skipped_samples_fraction)
+    args.data_left_out = list(account.left_out)
+    if account.left_out and args.rank == 0:
+        print(
+            f"WARNING: --data-path {args.data_path}: {account.summary()}, within "
+            f"--max-skipped-samples-fraction {args.max_skipped_samples_fraction:g}",
+            file=sys.stderr,
+        )
     if args.eval_iters:
         check_has_validation(args.data_path)
-        share = validation_samples(args.data_path) // (
+        share = validation_samples(args.data_path, account.left_out) // (
             args.data_parallel_size * max(1, args.num_workers)
         )
         if share < args.micro_batch_size:

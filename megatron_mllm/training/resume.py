@@ -21,6 +21,15 @@ def _saved_args(args: argparse.Namespace) -> dict:
     return {k: v for k, v in vars(args).items() if k not in ("rank", "coreset")}
 
 
+def loader_position_fits(saved_args: dict, args: argparse.Namespace) -> bool:
+    """A saved loader position fits only a loader opened the same way: the same data (and
+    damaged shards left out), DP size, micro-batch, workers and seed."""
+    keys = ("data_parallel_size", "data_path", "micro_batch_size", "num_workers", "seed")
+    left_out = saved_args.get("data_left_out", [])  # absent before data accounting
+    same = all(saved_args.get(k) == getattr(args, k) for k in keys)
+    return same and left_out == getattr(args, "data_left_out", [])
+
+
 def consumed_samples(args, iteration: int) -> int:
     """Samples read by `iteration` (coreset: every sample of each pool, as the log line says)."""
     ratio = args.coreset.pool_ratio if getattr(args, "coreset", None) is not None else 1
@@ -130,12 +139,7 @@ class Checkpointer:
         same_layout = all(saved_args.get(k) == getattr(args, k) for k in LAYOUT_ARGS)
         if not same_layout:  # resharded: RNG streams belong to ranks that no longer exist
             objects.pop("rng_state")
-        same_data = all(  # a loader position only fits a loader opened the same way
-            saved_args.get(k) == getattr(args, k)
-            for k in (
-                "data_parallel_size", "data_path", "micro_batch_size", "num_workers", "seed"
-            )
-        )  # fmt: skip
+        same_data = loader_position_fits(saved_args, args)
         if not same_data:  # loader positions belong to other DP ranks (or other data)
             objects.pop("data_loader", None)
         common = checkpointing.load(args.load, self.parts, self.full_shapes, run.optimizer, objects)
@@ -159,6 +163,7 @@ class Checkpointer:
         what += "" if same_layout else ", resharded; fresh RNG"
         if self.streams and not same_data:
             what += (
-                "; the data loader starts anew (other DP size, data, micro-batch, workers or seed)"
+                "; the data loader starts anew (other DP size, data, damaged shards, micro-batch, "
+                "workers or seed)"
             )
         return common["iteration"], what

@@ -236,6 +236,7 @@ def llava_data(args):
         loss_on_prompt=args.loss_on_prompt,
         num_workers=args.num_workers,
         clip_normalisation=args.encoder_arch == "clip",
+        exclude_shards=tuple(args.data_left_out),
     )
 
 
