@@ -301,3 +301,18 @@ def test_a_damaged_shard_is_counted_left_out_whole_or_refused(digits, tmp_path):
             (data / name).unlink()
     with pytest.raises(ConfigError, match="every val shard is damaged"):
         energon_llava.account_samples(data, 0.9)
+
+
+def test_sources_are_counted_and_a_record_without_one_is_named(digits, tmp_path):
+    """The coreset's sources are the records' "source" field, counted at conversion; a data set
+    where some record has none is refused in one line."""
+    json_path, out, counts = digits
+    assert energon_llava.train_sources(out) == ("compare", "count", "digit", "math")
+    records = json.loads(Path(json_path).read_text())
+    del records[3]["source"]
+    (tmp_path / "some.json").write_text(json.dumps(records))
+    images = Path(json_path).parent / "images"
+    convert_llava(tmp_path / "some.json", images, tmp_path / "o", 8, 0.25, progress=False)
+    with pytest.raises(ConfigError, match='1 of 30 training records have no "source"') as err:
+        energon_llava.train_sources(tmp_path / "o")
+    assert "\n" not in str(err.value)

@@ -26,6 +26,7 @@ class MicroBatch:
     truncated: int = 0  # samples cut to the sequence length
     no_answer: int = 0  # of those, samples the cut left without any answer token
     image_tokens: int = 0  # positions per image (checked against the mask on the host)
+    sources: tuple[int, ...] = field(default=())  # each sample's source id (coreset budgets)
 
     def __post_init__(self) -> None:
         if self.image_tokens and self.image_mask.device.type == "cpu":
@@ -56,14 +57,15 @@ class MicroBatch:
         per_sample = (self.image_mask.sum(1) // image_tokens).tolist()
         starts = [sum(per_sample[:r]) for r in range(len(per_sample))]
         picked = [i for r in rows for i in range(starts[r], starts[r] + per_sample[r])]
-        index = torch.tensor(rows, dtype=torch.long)
+        index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
         return replace(
             self,
-            images=self.images[torch.tensor(picked, dtype=torch.long)],
+            images=self.images[torch.tensor(picked, dtype=torch.long, device=self.images.device)],
             tokens=self.tokens[index],
             labels=self.labels[index],
             image_mask=self.image_mask[index],
             ids=tuple(self.ids[r] for r in rows) if self.ids else (),
+            sources=tuple(self.sources[r] for r in rows) if self.sources else (),
             truncated=0,
             no_answer=0,
         )
@@ -93,4 +95,5 @@ def collate(samples: list[MicroBatch]) -> MicroBatch:
         truncated=sum(s.truncated for s in samples),
         no_answer=sum(s.no_answer for s in samples),
         image_tokens=samples[0].image_tokens,
+        sources=tuple(i for s in samples for i in s.sources),
     )

@@ -40,7 +40,7 @@ import re
 import shutil
 import tarfile
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -61,8 +61,9 @@ subflavors:
 """
 SUBFLAVORS = {"format": "megatron_mllm.llava"}
 SPLITS = ("train", "val")
-STATS = ".nv-meta/megatron_mllm.json"  # ours beside energon's index: the encoder's load
+STATS = ".nv-meta/megatron_mllm.json"  # ours beside energon's: encoder load, source counts
 TOOL = "tools/llava_to_energon.py"
+NO_SOURCE = ""  # the source count key of records without a "source" field
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9_-]+")
 _IMAGE_PART = re.compile(r"^img(\d+)\.[^.]+$")
@@ -166,7 +167,11 @@ def convert_llava(
                     shards.append(name)
         _prepare(tmp, shards, has_val=bool(val))
         load = sum(len(records[i].images) for i in train) / max(1, len(train))
-        stats = {"train_samples": len(train), "images_per_sample": load}
+        stats = {
+            "train_samples": len(train),
+            "images_per_sample": load,
+            "sources": _count_sources(sources[i] for i in train),
+        }
         (tmp / STATS).write_text(json.dumps(stats) + "\n")
         if out.exists():
             out.rmdir()
@@ -175,6 +180,15 @@ def convert_llava(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"train": len(train), "val": len(val), "shards": len(shards)}
+
+
+def _count_sources(sources) -> dict[str, int]:
+    """Training records per "source" field; those without one under NO_SOURCE."""
+    counts: dict[str, int] = {}
+    for source in sources:
+        key = NO_SOURCE if source is None else str(source)
+        counts[key] = counts.get(key, 0) + 1
+    return dict(sorted(counts.items()))
 
 
 def _write_sample(
@@ -296,6 +310,27 @@ def images_per_sample(path: str | Path) -> float:
     `convert_llava`; 1.0 for a dataset converted without it."""
     stats = Path(path) / STATS
     return json.loads(stats.read_text())["images_per_sample"] if stats.is_file() else 1.0
+
+
+def train_sources(path: str | Path) -> tuple[str, ...]:
+    """The training split's source names (each record's "source" field), sorted: a sample's
+    source id is its name's index. Refused in one line where a record has none, or where the
+    data set was converted before sources were counted."""
+    stats = Path(path) / STATS
+    counts = json.loads(stats.read_text()).get("sources") if stats.is_file() else None
+    if counts is None:
+        raise ConfigError(
+            f"--data-path {path}: converted without source counts; convert it again with "
+            f"{TOOL} (the coreset's budgets are per source)"
+        )
+    if NO_SOURCE in counts:
+        total = sum(counts.values())
+        raise ConfigError(
+            f"--data-path {path}: {counts[NO_SOURCE]} of {total} training records have no "
+            '"source" field; give every record one (the coreset keeps a budget per source) '
+            "and convert again"
+        )
+    return tuple(counts)
 
 
 def validation_samples(path: str | Path, exclude_shards: tuple[str, ...] = ()) -> int:
@@ -521,7 +556,10 @@ class LlavaTaskEncoder(TaskEncoder):
     def encode_sample(self, sample: LlavaRawSample):
         from megatron_mllm.data.task_encoder import encode_record
 
-        return encode_record(sample.record, sample.image_bytes, self.spec)
+        encoded = encode_record(sample.record, sample.image_bytes, self.spec)
+        if not self.spec.sources:
+            return encoded
+        return replace(encoded, sources=(self.spec.sources.index(sample.source),))
 
     @stateless
     def batch(self, samples: list):

@@ -34,6 +34,7 @@ class LlavaData:
     shuffle_buffer_size: int | None = 64
     max_samples_per_sequence: int | None = 16
     exclude_shards: tuple[str, ...] = ()  # damaged shards left out (energon_llava.DataAccount)
+    sources: tuple[str, ...] = ()  # source names, where samples carry source ids (coreset)
 
     def spec(self, image_tokens: int, image_size: int) -> EncodeSpec:
         from megatron_mllm.data.tokenizer import load_tokenizer
@@ -46,6 +47,7 @@ class LlavaData:
             CLIP_MEAN if self.clip_normalisation else PLAIN_MEAN,
             CLIP_STD if self.clip_normalisation else PLAIN_STD,
             self.loss_on_prompt,
+            self.sources,
         )
 
 

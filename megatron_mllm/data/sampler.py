@@ -132,16 +132,19 @@ def broadcast_selection(
     return buf
 
 
-def caption_replay_loss(num_patches: int):
-    """The MLLM's last-layer replay for selection features: per-example mean next-token loss on
-    the caption, from output-layer inputs `h` [n, image tokens + text, hidden] and a candidate
-    output-layer weight `block` [vocab, hidden] (the backbone's last stage, TP 1)."""
+def label_replay_loss():
+    """The MLLM's last-layer replay for selection features: each example's mean next-token loss
+    over its labelled positions, from output-layer inputs `h` [n, s, hidden], labels [n, s]
+    (`IGNORE_INDEX` where none) and a candidate output-layer weight `block` [vocab, hidden]
+    (the backbone's last stage, TP 1). Synthetic and LLaVA micro-batches alike."""
+    from megatron_mllm.data.batch import IGNORE_INDEX
 
-    def loss(h: torch.Tensor, t: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-        logits = h[..., num_patches - 1 : num_patches - 1 + t.shape[-1], :] @ block.T
+    def loss(h: torch.Tensor, labels: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
+        logits = h @ block.T
+        keep = labels != IGNORE_INDEX
         ce = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), t.reshape(-1), reduction="none"
+            logits.reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1), reduction="none"
         )
-        return ce.view(t.shape).mean(-1)
+        return (ce.view(labels.shape) * keep).sum(-1) / keep.sum(-1).clamp(min=1)
 
     return loss

@@ -44,6 +44,7 @@ class EncodeSpec:
     mean: tuple[float, float, float] = PLAIN_MEAN
     std: tuple[float, float, float] = PLAIN_STD
     loss_on_prompt: bool = False
+    sources: tuple[str, ...] = ()  # the data set's source names; a sample's id is its index
 
     def check(self) -> None:
         if self.seq_length < self.image_tokens:

@@ -24,6 +24,24 @@ def batches(job, step: int) -> Callable[..., MicroBatch]:
     return synthetic
 
 
+def pool_batches(job, step: int) -> Callable[..., MicroBatch]:
+    """Synthetic coreset pools: `get(mb, dp=0)`, micro-batch `mb` of replica `dp`'s pool of
+    r x B individually indexed samples at step `step`, each with its class as source id."""
+    from dataclasses import replace
+
+    from megatron_mllm.data.synthetic import samples
+
+    size, b = job.data.coreset.pool_size, job.micro_batch
+
+    def pool(mb: int, dp: int = 0) -> MicroBatch:
+        start = (step * job.backbone.dp + dp) * size + mb * b
+        images, text, source = samples(job.cfg, list(range(start, start + b)), job.data.seed)
+        batch = image_then_text(images, text, job.cfg.image_tokens)
+        return replace(batch, sources=tuple(source.tolist()))
+
+    return pool
+
+
 class StepData:
     """The micro-batches of DP replicas `replicas`, step after step (`step(i)` once per step, in
     order). Every rank of a replica reads the same stream, so all of them know each
@@ -69,6 +87,13 @@ class StepData:
             return taken[dp][mb]
 
         return get
+
+    def pool(self, step: int) -> Callable[..., MicroBatch]:
+        """Coreset: `get(mb, dp)` for `step`'s pool of r x B samples per replica (source ids
+        included), in micro-batches of the job's size."""
+        if not self.streams:
+            return pool_batches(self.job, step)
+        return self.step(step, self.job.data.coreset.pool_size // self.job.micro_batch)
 
     def prefetch(self, step: int) -> list[list[int]]:
         """Read `step`'s micro-batches now, one step ahead; each replica's image count per

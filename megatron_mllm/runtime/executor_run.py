@@ -7,11 +7,13 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
+from megatron_mllm.data.batch import MicroBatch
 from megatron_mllm.models.weights import open_full_state
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of, layer_overrides
@@ -246,52 +248,42 @@ class ExecutorRun:
             **options,
         )
 
-    def select(self, step: int) -> list[int]:
-        """Coreset: the pool's forward pass without gradients through the whole pipeline; the
-        last stage computes features on its output layer and selects; every rank of the
-        pipeline gets the chosen sample ids."""
-        import torch.distributed as dist
-
-        from megatron_mllm.data.batch import image_then_text
-        from megatron_mllm.data.sampler import broadcast_selection
-        from megatron_mllm.data.synthetic import samples
+    def select(self, pool) -> Callable[..., MicroBatch]:
+        """Coreset: the pool `pool(mb, dp)` goes forward without gradients through the whole
+        pipeline; the last stage computes features on its output layer and selects B samples,
+        every rank of the pipeline gets their positions; returns `get(mb, dp)` over them."""
+        from megatron_mllm.data.batch import collate
+        from megatron_mllm.data.sampler import broadcast_selection, label_replay_loss
         from megatron_mllm.parallel.groups import backbone_rank
 
         job, c, mb = self.job, self.groups.coords, self.job.micro_batch
-        size = job.data.coreset.pool_size
-        ids = [(step * job.backbone.dp + c.dp) * size + j for j in range(size)]
+        batches = [pool(m, c.dp) for m in range(job.data.coreset.pool_size // mb)]
         self.sync_params()  # the pool pass has no AG actions
         executor = self._executor(
             self.pool_program,
             job.data.pool_schedule.meta,
-            lambda m: image_then_text(
-                *samples(job.cfg, ids[m * mb : (m + 1) * mb], job.data.seed)[:2],
-                job.cfg.image_tokens,
-            ),
+            batches.__getitem__,
             forward_only=True,
             ordered=self.pool_ordered,
         )
         executor.run_step()
-        chosen = None
+        whole, picked = collate(batches), None
         if self.backbone.post_process:
-            hidden = torch.cat([executor.last_layer_inputs[m] for m in range(size // mb)])
-            _, text, source = samples(job.cfg, ids, job.data.seed)
-            from megatron_mllm.data.sampler import caption_replay_loss
-
+            hidden = torch.cat([executor.last_layer_inputs[m] for m in range(len(batches))])
             picked = self.selector.select(
-                source,
-                caption_replay_loss(job.cfg.image_tokens),
+                torch.tensor(whole.sources, device="cpu"),
+                label_replay_loss(),
                 hidden,
-                text,
+                whole.labels.to(hidden.device),
                 self.backbone.gpt.output_layer.weight.detach(),
-            )
-            chosen = torch.tensor(ids, device="cpu")[picked].to(self.device)
-        last = backbone_rank(job.backbone, 0, c.dp, job.backbone.pp - 1)
-        group = self.groups.backbone.mp
-        if dist.get_world_size(group) == 1:
-            return chosen.tolist()
-        size = job.data.coreset.batch_size
-        return broadcast_selection(chosen, size, group, last, self.device).tolist()
+            ).to(self.device)
+        group, size = self.groups.backbone.mp, job.data.coreset.batch_size
+        if dist.get_world_size(group) > 1:
+            last = backbone_rank(job.backbone, 0, c.dp, job.backbone.pp - 1)
+            picked = broadcast_selection(picked, size, group, last, self.device)
+        rows = picked.tolist()
+        chosen = [whole.select(rows[m : m + mb], job.cfg.image_tokens) for m in range(0, size, mb)]
+        return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
 
     def evaluate(self, data) -> dict:
         """One forward-only pass of the training schedule over `data(mb, dp)` (validation);
@@ -326,16 +318,10 @@ class ExecutorRun:
             sync.zero()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
-        data = self.data.step(step)
         if self.selector is not None:
-            from megatron_mllm.data.batch import image_then_text
-            from megatron_mllm.data.synthetic import samples
-
-            chosen, mb = self.select(step), job.micro_batch
-
-            def data(m, dp, chosen=chosen):  # noqa: ARG001 - every replica has its own pool
-                images, text = samples(job.cfg, chosen[m * mb : (m + 1) * mb], job.data.seed)[:2]
-                return image_then_text(images, text, job.cfg.image_tokens)
+            data = self.select(self.data.pool(step))
+        else:
+            data = self.data.step(step)
 
         program, meta, ordered, order = self.program, job.schedule.meta, self.ordered, None
         if self.adaptive is not None and self.selector is None:

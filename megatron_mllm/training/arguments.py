@@ -521,7 +521,7 @@ def _check_schedule_and_rates(args: argparse.Namespace) -> None:
 def _check_data(args: argparse.Namespace) -> None:
     """--data-path and its tokenizer, validation and loader arguments; with a tokenizer,
     --vocab-size becomes its size padded as Megatron pads it."""
-    args.data_left_out = []
+    args.data_left_out, args.data_sources = [], []
     if not 0 <= args.max_skipped_samples_fraction < 1:  # NaN fails too
         raise ConfigError(
             f"--max-skipped-samples-fraction {args.max_skipped_samples_fraction}: give a "
@@ -581,11 +581,10 @@ def _check_data(args: argparse.Namespace) -> None:
         raise ConfigError(f"--num-workers {args.num_workers}: give 0 or more")
     if args.eval_iters < 0 or (args.eval_interval is not None and args.eval_interval < 1):
         raise ConfigError("--eval-iters must be >= 0 and --eval-interval >= 1")
-    if args.coreset_pool_ratio is not None:
-        raise ConfigError(
-            "--coreset-pool-ratio works on the synthetic data for now; drop "
-            "--data-path or the coreset options"
-        )
+    if args.coreset is not None:
+        from megatron_mllm.data.energon_llava import train_sources
+
+        args.data_sources = list(train_sources(args.data_path))
 
 
 def validate_args(args: argparse.Namespace) -> None:

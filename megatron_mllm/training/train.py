@@ -237,6 +237,7 @@ def llava_data(args):
         num_workers=args.num_workers,
         clip_normalisation=args.encoder_arch == "clip",
         exclude_shards=tuple(args.data_left_out),
+        sources=tuple(args.data_sources),
     )
 
 
