@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 from megatron_mllm.data.coreset import (
     CoresetConfig,
     CoresetSelector,
+    LossReplay,
     exact_features,
     facility_location,
     facility_location_brute_force,
@@ -64,7 +65,7 @@ def test_zeroth_order_approaches_the_directional_derivative():
     errors = []
     for eps in (1e-1, 1e-2, 1e-3, 1e-4):
         gen = torch.Generator().manual_seed(7)
-        zo = zeroth_order_features(linear_ce, hidden, targets, block, 16, eps, gen)
+        zo = zeroth_order_features(LossReplay(linear_ce), hidden, targets, block, 16, eps, gen)
         gen = torch.Generator().manual_seed(7)
         dirs = torch.randn((16, *block.shape), generator=gen, dtype=block.dtype)
         dirs = dirs.reshape(16, -1).T

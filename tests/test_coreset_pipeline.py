@@ -123,3 +123,65 @@ def test_megatron_energon_reads_the_digit_shards(tmp_path):
         seen += [(c, bytes(i.tobytes())) for c, i in zip(batch.caption, batch.image, strict=True)]
     expected = [(c, i.tobytes()) for c, i in zip(ours.captions, ours.images, strict=True)]
     assert sorted(seen) == sorted(expected)
+
+
+def _pool(n=24, s=6, h=8, vocab=16):
+    """A pool's output-layer inputs, labels (some positions unlabelled), sources and weight."""
+    from megatron_mllm.data.batch import IGNORE_INDEX
+
+    g = torch.Generator().manual_seed(5)
+    hidden = torch.randn(n, s, h, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, vocab, (n, s), generator=g)
+    labels[:, :2] = IGNORE_INDEX
+    sources = torch.randint(0, 3, (n,), generator=g)
+    weight = torch.randn(vocab, h, generator=g, dtype=torch.float64)
+    return hidden, labels, sources, weight
+
+
+def _tp_selection(rank, world, features):
+    """Each TP rank holds half of the output layer's vocabulary rows; selects with them."""
+    import torch.distributed as dist
+
+    from megatron_mllm.data.coreset import CoresetSelector
+    from megatron_mllm.data.sampler import VocabParallelReplay
+
+    dist.init_process_group("gloo")
+    hidden, labels, sources, weight = _pool()
+    rows = weight.shape[0] // world
+    replay = VocabParallelReplay(dist.group.WORLD, rank * rows, weight.shape[0])
+    selector = CoresetSelector(CoresetConfig(batch_size=10, features=features, seed=2))
+    shard = weight[rank * rows : (rank + 1) * rows]
+    feats = selector.features(replay, hidden, labels, shard)
+    selector = CoresetSelector(CoresetConfig(batch_size=10, features=features, seed=2))
+    return selector.select(sources, replay, hidden, labels, shard).tolist(), feats
+
+
+@pytest.mark.parametrize("features", ["zo", "exact"])
+def test_tp2_selection_equals_tp1_selection(features):
+    """Under a vocabulary-parallel output layer (TP 2, the softmax reduced over the TP group)
+    the features and the selection equal TP 1's; TP 1's replay reproduces the plain loss and
+    autograd's per-example gradients."""
+    from megatron_mllm.data.coreset import CoresetSelector, LossReplay
+    from megatron_mllm.data.sampler import VocabParallelReplay
+    from megatron_mllm.runtime.launch import spawn
+
+    hidden, labels, sources, weight = _pool()
+    replay = VocabParallelReplay()
+
+    def plain(h, t, block):  # the same loss, written the obvious way
+        keep = t != -100
+        ce = torch.nn.functional.cross_entropy(
+            (h @ block.T).transpose(1, 2), t.clamp(min=0), reduction="none"
+        )
+        return (ce * keep).sum(-1) / keep.sum(-1)
+
+    torch.testing.assert_close(replay.losses(hidden, labels, weight[None])[0],
+                               plain(hidden, labels, weight))  # fmt: skip
+    torch.testing.assert_close(replay.gradients(hidden, labels, weight),
+                               LossReplay(plain).gradients(hidden, labels, weight))  # fmt: skip
+    config = CoresetConfig(batch_size=10, features=features, seed=2)
+    tp1_feats = CoresetSelector(config).features(replay, hidden, labels, weight)
+    tp1 = CoresetSelector(config).select(sources, replay, hidden, labels, weight).tolist()
+    for picked, feats in spawn(_tp_selection, 2, features):
+        torch.testing.assert_close(feats, tp1_feats)
+        assert picked == tp1

@@ -357,10 +357,19 @@ def assert_refused_in_one_line(args: list[str], msg: str) -> None:
 
 
 @pytest.mark.slow  # the selection itself: tests/test_coreset*.py in make test
-def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--pipeline-model-parallel-size", "2"],
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+    ],
+    ids=["pp2", "tp2-sp"],
+)
+def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path, layout):
     """PP=2: the pool goes forward through the pipeline, the last stage selects, every stage
-    gets the indices; the result must match a one-process run, and consumed samples count the
-    pools."""
+    gets the indices; TP=2: both ranks of the vocabulary-parallel output layer select alike.
+    The result must match a one-process run, consumed samples count the pools, and a resumed
+    run selects the same (both TP ranks load the selector's state)."""
     args = [
         *COMMON[:2],
         "--train-iters",
@@ -376,8 +385,7 @@ def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path):
     ]
     one = torchrun(*args, nproc=1)
     two = torchrun(
-        "--pipeline-model-parallel-size",
-        "2",
+        *layout,
         *args,
         "--save",
         str(tmp_path / "c"),
@@ -395,7 +403,7 @@ def test_coreset_training_selects_the_same_on_one_or_two_stages(tmp_path):
     assert read_common(str(tmp_path / "c"))["consumed_samples"] == 64  # as the log says
     # The selector's state (RNG, moments) is in the checkpoint: a resumed run selects the same.
     (tmp_path / "c" / "latest_checkpointed_iteration.txt").write_text("2")
-    resumed = torchrun("--pipeline-model-parallel-size", "2", *args, "--load", str(tmp_path / "c"))
+    resumed = torchrun(*layout, *args, "--load", str(tmp_path / "c"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     again = losses(resumed.stdout)
     assert sorted(again) == [3, 4] and all(again[i] == b[i] for i in (3, 4))

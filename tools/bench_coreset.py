@@ -126,7 +126,7 @@ def run_mllm(rank: int, world: int, args) -> dict:
 
     from megatron_mllm.data.batch import image_then_text
     from megatron_mllm.data.coreset import CoresetSelector
-    from megatron_mllm.data.sampler import label_replay_loss
+    from megatron_mllm.data.sampler import VocabParallelReplay
     from megatron_mllm.data.webdataset import ImageCaptionShards, write_digit_shards
     from megatron_mllm.models.config import MLLMConfig
     from megatron_mllm.runtime.bootstrap import init_rank, seed_model_parallel
@@ -206,7 +206,7 @@ def run_mllm(rank: int, world: int, args) -> dict:
         handle.remove()
         block = out.weight.detach()
         hidden, labels = captured[0], image_then_text(images[pool], text[pool], n).labels
-        return selector.select(sources[pool], label_replay_loss(), hidden, labels, block)
+        return selector.select(sources[pool], VocabParallelReplay(), hidden, labels, block)
 
     def make_selector(model, config):
         return CoresetSelector(config)

@@ -147,9 +147,39 @@ def facility_location_brute_force(features: torch.Tensor, k: int) -> list[int]:
     return chosen
 
 
+class LossReplay:
+    """A last-layer loss `loss(hidden, targets, block) -> [n]` replayed for features: losses for
+    a batch of blocks by vmap, exact per-example gradients by vmap(grad), directions of the
+    block's own shape. (`sampler.VocabParallelReplay` is the same interface under TP.)"""
+
+    def __init__(self, loss: LastLayerLoss) -> None:
+        self.loss = loss
+
+    def losses(self, hidden: torch.Tensor, targets, blocks: torch.Tensor) -> torch.Tensor:
+        """[K, n]: every example's loss under each of the K blocks."""
+        from torch.func import vmap
+
+        return vmap(self.loss, in_dims=(None, None, 0))(hidden, targets, blocks)
+
+    def gradients(self, hidden: torch.Tensor, targets, block: torch.Tensor) -> torch.Tensor:
+        """[n, block.numel()]: per-example gradients of the loss with respect to `block`."""
+        from torch.func import grad, vmap
+
+        def one(h, t, b):
+            return self.loss(h.unsqueeze(0), t.unsqueeze(0), b).sum()
+
+        g = vmap(grad(one, argnums=2), in_dims=(0, 0, None))(hidden, targets, block.detach())
+        return g.reshape(hidden.shape[0], -1)
+
+    def directions(self, k: int, block: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """[k, *block.shape] standard normal directions from `generator` (on the host)."""
+        shape = (k, *block.shape)
+        return torch.randn(shape, generator=generator, dtype=block.dtype, device="cpu")
+
+
 @torch.no_grad()
 def zeroth_order_features(
-    loss: LastLayerLoss,
+    replay,
     hidden: torch.Tensor,
     targets: torch.Tensor,
     block: torch.Tensor,
@@ -158,14 +188,11 @@ def zeroth_order_features(
     generator: torch.Generator,
 ) -> torch.Tensor:
     """[n, k] directional derivatives of each example's loss along k fresh random directions,
-    by two-sided perturbation of `block` (only the last layer is replayed; no autograd). The k
-    directions are evaluated together (vmap over the perturbed blocks)."""
-    from torch.func import vmap
-
-    z = torch.randn((num_directions, *block.shape), generator=generator, dtype=block.dtype)
-    z = z.to(block.device)
+    by two-sided perturbation of `block` (only the last layer is replayed; no autograd). The 2k
+    perturbed blocks are evaluated together (`replay.losses`)."""
+    z = replay.directions(num_directions, block, generator).to(block.device)
     blocks = torch.cat([block + epsilon * z, block - epsilon * z])  # [2k, ...]
-    losses = vmap(loss, in_dims=(None, None, 0))(hidden, targets, blocks)  # [2k, n]
+    losses = replay.losses(hidden, targets, blocks)  # [2k, n]
     plus, minus = losses[:num_directions], losses[num_directions:]
     return ((plus - minus) / (2 * epsilon)).T
 
@@ -174,13 +201,7 @@ def exact_features(
     loss: LastLayerLoss, hidden: torch.Tensor, targets: torch.Tensor, block: torch.Tensor
 ) -> torch.Tensor:
     """[n, block.numel()] per-example gradients of the loss with respect to `block`."""
-    from torch.func import grad, vmap
-
-    def one(h, t, b):
-        return loss(h.unsqueeze(0), t.unsqueeze(0), b).sum()
-
-    g = vmap(grad(one, argnums=2), in_dims=(0, 0, None))(hidden, targets, block.detach())
-    return g.reshape(hidden.shape[0], -1)
+    return LossReplay(loss).gradients(hidden, targets, block)
 
 
 class CoresetSelector:
@@ -194,15 +215,16 @@ class CoresetSelector:
         self.v: torch.Tensor | None = None
         self.t = 0
 
-    def features(
-        self, loss: LastLayerLoss, hidden: torch.Tensor, targets: torch.Tensor, block: torch.Tensor
-    ) -> torch.Tensor:
+    def features(self, loss, hidden: torch.Tensor, targets, block: torch.Tensor) -> torch.Tensor:
+        """Each example's feature row; `loss` is a LastLayerLoss or a replay (`LossReplay`,
+        `sampler.VocabParallelReplay`)."""
         c = self.config
+        replay = loss if hasattr(loss, "losses") else LossReplay(loss)
         if c.features == "zo":
             return zeroth_order_features(
-                loss, hidden, targets, block, c.num_directions, c.epsilon, self.generator
+                replay, hidden, targets, block, c.num_directions, c.epsilon, self.generator
             )
-        return exact_features(loss, hidden, targets, block)
+        return replay.gradients(hidden, targets, block)
 
     def normalise(self, feats: torch.Tensor) -> torch.Tensor:
         """Adam-style: divide by the bias-corrected running RMS of each coordinate."""

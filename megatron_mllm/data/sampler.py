@@ -132,19 +132,74 @@ def broadcast_selection(
     return buf
 
 
-def label_replay_loss():
-    """The MLLM's last-layer replay for selection features: each example's mean next-token loss
-    over its labelled positions, from output-layer inputs `h` [n, s, hidden], labels [n, s]
-    (`IGNORE_INDEX` where none) and a candidate output-layer weight `block` [vocab, hidden]
-    (the backbone's last stage, TP 1). Synthetic and LLaVA micro-batches alike."""
-    from megatron_mllm.data.batch import IGNORE_INDEX
+class VocabParallelReplay:
+    """The MLLM's last-layer replay for selection features (`coreset.LossReplay`'s interface):
+    each example's mean next-token loss over its labelled positions, from the output layer's
+    inputs `hidden` [n, s, h] (the same on every TP rank) and labels [n, s] (`IGNORE_INDEX`
+    where none). The output layer may be vocabulary-parallel, as megatron-core's is: this
+    rank's block holds vocabulary rows [vocab_start, vocab_start + block rows) of `vocab_size`,
+    and the softmax's max, sum of exponentials and target logit are reduced over `group` (None:
+    TP 1, the whole vocabulary here). Every TP rank gets the same losses and features."""
 
-    def loss(h: torch.Tensor, labels: torch.Tensor, block: torch.Tensor) -> torch.Tensor:
-        logits = h @ block.T
+    def __init__(self, group=None, vocab_start: int = 0, vocab_size: int | None = None) -> None:
+        self.group, self.vocab_start, self.vocab_size = group, vocab_start, vocab_size
+
+    def _reduce(self, t: torch.Tensor, op) -> torch.Tensor:
+        import torch.distributed as dist
+
+        if self.group is not None:
+            dist.all_reduce(t, op=op, group=self.group)
+        return t
+
+    def _softmax_parts(self, hidden, labels, blocks):
+        """Per block: logits [K, n, s, v] and the reduced max, sum of exponentials, target
+        logit [K, n, s]; the labelled positions [n, s]; the target's local column [n, s]."""
+        import torch.distributed as dist
+
+        from megatron_mllm.data.batch import IGNORE_INDEX
+
+        logits = torch.einsum("nsh,kvh->knsv", hidden, blocks)
+        top = self._reduce(logits.amax(-1), dist.ReduceOp.MAX)
+        sum_exp = self._reduce((logits - top[..., None]).exp().sum(-1), dist.ReduceOp.SUM)
         keep = labels != IGNORE_INDEX
-        ce = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), labels.clamp(min=0).reshape(-1), reduction="none"
-        )
-        return (ce.view(labels.shape) * keep).sum(-1) / keep.sum(-1).clamp(min=1)
+        local = labels - self.vocab_start
+        here = keep & (local >= 0) & (local < blocks.shape[1])
+        local = local.clamp(0, blocks.shape[1] - 1)
+        index = local.expand(blocks.shape[0], *local.shape)[..., None]
+        target = logits.gather(-1, index).squeeze(-1) * here
+        target = self._reduce(target, dist.ReduceOp.SUM)
+        return logits, top, sum_exp, target, keep, local, here
 
-    return loss
+    def losses(self, hidden, labels, blocks: torch.Tensor) -> torch.Tensor:
+        """[K, n]: every example's loss under each of the K blocks [K, v, h]."""
+        _, top, sum_exp, target, keep, _, _ = self._softmax_parts(hidden, labels, blocks)
+        ce = sum_exp.log() + top - target
+        return (ce * keep).sum(-1) / keep.sum(-1).clamp(min=1)
+
+    @torch.no_grad()
+    def gradients(self, hidden, labels, block: torch.Tensor) -> torch.Tensor:
+        """[n, vocab_size * h]: per-example gradients of the loss with respect to the whole
+        output weight, in closed form (softmax minus one-hot, times the inputs), gathered over
+        the vocabulary shards in rank order."""
+        import torch.distributed as dist
+
+        logits, top, sum_exp, _, keep, local, here = self._softmax_parts(
+            hidden, labels, block[None]
+        )
+        p = (logits[0] - top[0][..., None]).exp() / sum_exp[0][..., None]
+        p = p - torch.nn.functional.one_hot(local, block.shape[0]).to(p.dtype) * here[..., None]
+        weight = keep / keep.sum(-1, keepdim=True).clamp(min=1)
+        g = torch.einsum("nsv,nsh->nvh", p * weight[..., None], hidden)  # [n, v, h]
+        if self.group is not None:
+            shards = [torch.empty_like(g) for _ in range(dist.get_world_size(self.group))]
+            dist.all_gather(shards, g.contiguous(), group=self.group)
+            g = torch.cat(shards, dim=1)
+        return g.reshape(g.shape[0], -1)
+
+    def directions(self, k: int, block: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        """[k, v, h]: this shard's rows of k standard normal directions over the whole
+        vocabulary, drawn alike on every TP rank (the same as TP 1 draws)."""
+        rows = self.vocab_size or block.shape[0]
+        shape = (k, rows, block.shape[1])
+        z = torch.randn(shape, generator=generator, dtype=block.dtype, device="cpu")
+        return z[:, self.vocab_start : self.vocab_start + block.shape[0]]

@@ -253,7 +253,7 @@ class ExecutorRun:
         pipeline; the last stage computes features on its output layer and selects B samples,
         every rank of the pipeline gets their positions; returns `get(mb, dp)` over them."""
         from megatron_mllm.data.batch import collate
-        from megatron_mllm.data.sampler import broadcast_selection, label_replay_loss
+        from megatron_mllm.data.sampler import broadcast_selection
         from megatron_mllm.parallel.groups import backbone_rank
 
         job, c, mb = self.job, self.groups.coords, self.job.micro_batch
@@ -270,12 +270,13 @@ class ExecutorRun:
         whole, picked = collate(batches), None
         if self.backbone.post_process:
             hidden = torch.cat([executor.last_layer_inputs[m] for m in range(len(batches))])
+            weight = self.backbone.gpt.output_layer.weight.detach()
             picked = self.selector.select(
                 torch.tensor(whole.sources, device="cpu"),
-                label_replay_loss(),
-                hidden,
+                self._replay(weight.shape[0]),
+                self._whole_sequence(hidden),
                 whole.labels.to(hidden.device),
-                self.backbone.gpt.output_layer.weight.detach(),
+                weight,
             ).to(self.device)
         group, size = self.groups.backbone.mp, job.data.coreset.batch_size
         if dist.get_world_size(group) > 1:
@@ -284,6 +285,26 @@ class ExecutorRun:
         rows = picked.tolist()
         chosen = [whole.select(rows[m : m + mb], job.cfg.image_tokens) for m in range(0, size, mb)]
         return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
+
+    def _replay(self, rows: int):
+        """The selection's last-layer replay for this rank's `rows` of the output layer."""
+        from megatron_mllm.data.sampler import VocabParallelReplay
+
+        tp = self.job.backbone.tp
+        if tp == 1:
+            return VocabParallelReplay()
+        start = self.groups.coords.tp * rows
+        return VocabParallelReplay(self.groups.backbone.tp, start, rows * tp)
+
+    def _whole_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's inputs [n, s, h] over the whole sequence: sequence parallelism
+        hands each TP rank its slice of s."""
+        if not (self.job.plans.sequence_parallel and self.job.backbone.tp > 1):
+            return hidden
+        group = self.groups.backbone.tp
+        parts = [torch.empty_like(hidden) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, hidden.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
 
     def evaluate(self, data) -> dict:
         """One forward-only pass of the training schedule over `data(mb, dp)` (validation);

@@ -291,11 +291,6 @@ def check_job(job: RuntimeJob, world: int) -> None:
                 f"encoder {e}'s {layers} layers do not split evenly over encoder PP {enc_plan.pp}"
             )
     if job.data.coreset is not None:
-        if job.backbone.tp != 1:
-            raise ConfigError(
-                "coreset selection runs with TP 1 for now (its features replay a "
-                "vocabulary-parallel output layer otherwise)"
-            )
         size = job.data.coreset.pool_size
         if job.data.coreset.batch_size != job.num_microbatches * job.micro_batch:
             raise ConfigError(

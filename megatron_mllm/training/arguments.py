@@ -692,10 +692,6 @@ def validate_args(args: argparse.Namespace) -> None:
                 f"coreset pool of {args.coreset.pool_size} is not a multiple of "
                 f"--micro-batch-size {args.micro_batch_size}"
             )
-        if tp != 1:
-            raise ConfigError(
-                "--coreset-pool-ratio runs with --tensor-model-parallel-size 1 for now"
-            )
     else:
         args.coreset = None
     _check_data(args)

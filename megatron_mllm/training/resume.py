@@ -60,8 +60,8 @@ class Checkpointer:
         )
         self.parts = [(chunk, c.tp, plan.tp, c.dp) for chunk in run.chunks]
         self.parts += [(encoder, enc_tp, run.enc_tp, enc_replica) for encoder in run.encoders]
-        # The coreset selector lives on the last stage's TP rank 0 of each replica.
-        self.holds_selector = run.selector is not None and run.backbone.post_process and c.tp == 0
+        # The coreset selector lives on the last stage's TP ranks (alike); TP rank 0 writes it.
+        self.holds_selector = run.selector is not None and run.backbone.post_process
         # Every rank of a replica holds its loader's state; stage 0's TP rank 0 writes it.
         self.data_copy = c.stage * plan.tp + c.tp
         self.streams = bool(run.data.streams)
@@ -74,7 +74,8 @@ class Checkpointer:
         rng = checkpointing.capture_rng_state() if saving else None
         out = {"rng_state": (rng, self.args.rank, self.args.world_size)}
         if self.holds_selector:
-            out["coreset_selector"] = (run.selector.state_dict() if saving else None, c.dp, plan.dp)
+            state = run.selector.state_dict() if saving else None
+            out["coreset_selector"] = (state, c.dp, plan.dp, c.tp)
         if self.streams:
             state = run.data.state(c.dp) if saving else None
             out["data_loader"] = (state, c.dp, plan.dp, self.data_copy)
