@@ -269,8 +269,10 @@ class ExecutorRun:
         executor.run_step()
         whole, picked = collate(batches), None
         if self.backbone.post_process:
+            # The replay runs in fp32 on what the pipeline computed (bf16 inputs and weights).
             hidden = torch.cat([executor.last_layer_inputs[m] for m in range(len(batches))])
-            weight = self.backbone.gpt.output_layer.weight.detach()
+            hidden = hidden.float()
+            weight = self.backbone.gpt.output_layer.weight.detach().float()
             picked = self.selector.select(
                 torch.tensor(whole.sources, device="cpu"),
                 self._replay(weight.shape[0]),

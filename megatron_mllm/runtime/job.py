@@ -242,10 +242,6 @@ def check_job(job: RuntimeJob, world: int) -> None:
             "overlapped parameter all-gather needs the distributed optimizer (without it the "
             "parameters are never sharded); add --use-distributed-optimizer"
         )
-    if low and job.data.coreset is not None:
-        raise ConfigError(
-            f"coreset selection runs in fp32 for now; drop {job.model.precision} or the coreset"
-        )
     if job.mode == "megatron_core" and job.cfg.num_encoders > 1:
         raise ConfigError("the megatron-core baseline runs one encoder; use the executor")
     if job.mode != "executor":

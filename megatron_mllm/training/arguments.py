@@ -403,10 +403,6 @@ def _check_precision_and_recompute(args: argparse.Namespace) -> None:
             f"{half} keeps its fp32 main parameters in the distributed optimizer for now; add "
             "--use-distributed-optimizer"
         )
-    if (args.bf16 or args.fp16) and args.coreset_pool_ratio is not None:
-        raise ConfigError(
-            "coreset selection runs in fp32 for now; drop --bf16/--fp16 or the coreset"
-        )
     if not args.initial_loss_scale > 0 or args.initial_loss_scale == float("inf"):
         raise ConfigError(
             f"--initial-loss-scale {args.initial_loss_scale}: give a positive finite number"
