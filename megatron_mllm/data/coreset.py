@@ -186,15 +186,21 @@ def zeroth_order_features(
     num_directions: int,
     epsilon: float,
     generator: torch.Generator,
+    chunk: int = 4,
 ) -> torch.Tensor:
     """[n, k] directional derivatives of each example's loss along k fresh random directions,
-    by two-sided perturbation of `block` (only the last layer is replayed; no autograd). The 2k
-    perturbed blocks are evaluated together (`replay.losses`)."""
-    z = replay.directions(num_directions, block, generator).to(block.device)
-    blocks = torch.cat([block + epsilon * z, block - epsilon * z])  # [2k, ...]
-    losses = replay.losses(hidden, targets, blocks)  # [2k, n]
-    plus, minus = losses[:num_directions], losses[num_directions:]
-    return ((plus - minus) / (2 * epsilon)).T
+    by two-sided perturbation of `block` (only the last layer is replayed; no autograd). The
+    directions go `chunk` at a time, each chunk's 2 x chunk perturbed blocks evaluated together
+    (`replay.losses`), so the replay's memory is a chunk's, not k's."""
+    out = []
+    for start in range(0, num_directions, chunk):
+        c = min(chunk, num_directions - start)
+        z = replay.directions(c, block, generator).to(block.device)
+        losses = replay.losses(
+            hidden, targets, torch.cat([block + epsilon * z, block - epsilon * z])
+        )
+        out.append((losses[:c] - losses[c:]) / (2 * epsilon))  # [c, n]
+    return torch.cat(out).T
 
 
 def exact_features(

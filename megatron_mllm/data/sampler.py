@@ -132,6 +132,19 @@ def broadcast_selection(
     return buf
 
 
+def labelled_positions(hidden: torch.Tensor, labels: torch.Tensor):
+    """Only the positions that carry a label, each example's in order and padded (with
+    `IGNORE_INDEX`) to the most any example has: hidden [n, m, h], labels [n, m]. The replay
+    then costs m positions, not the whole sequence (a LLaVA answer is a few tokens of it)."""
+    from megatron_mllm.data.batch import IGNORE_INDEX
+
+    keep = labels != IGNORE_INDEX
+    m = max(1, int(keep.sum(1).max()))
+    order = torch.argsort((~keep).to(torch.int8), dim=1, stable=True)[:, :m]
+    picked = hidden.gather(1, order[..., None].expand(-1, -1, hidden.shape[-1]))
+    return picked, labels.gather(1, order)
+
+
 class VocabParallelReplay:
     """The MLLM's last-layer replay for selection features (`coreset.LossReplay`'s interface):
     each example's mean next-token loss over its labelled positions, from the output layer's
@@ -172,6 +185,7 @@ class VocabParallelReplay:
 
     def losses(self, hidden, labels, blocks: torch.Tensor) -> torch.Tensor:
         """[K, n]: every example's loss under each of the K blocks [K, v, h]."""
+        hidden, labels = labelled_positions(hidden, labels)
         _, top, sum_exp, target, keep, _, _ = self._softmax_parts(hidden, labels, blocks)
         ce = sum_exp.log() + top - target
         return (ce * keep).sum(-1) / keep.sum(-1).clamp(min=1)
@@ -183,6 +197,7 @@ class VocabParallelReplay:
         the vocabulary shards in rank order."""
         import torch.distributed as dist
 
+        hidden, labels = labelled_positions(hidden, labels)
         logits, top, sum_exp, _, keep, local, here = self._softmax_parts(
             hidden, labels, block[None]
         )
