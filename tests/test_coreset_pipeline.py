@@ -185,3 +185,56 @@ def test_tp2_selection_equals_tp1_selection(features):
     for picked, feats in spawn(_tp_selection, 2, features):
         torch.testing.assert_close(feats, tp1_feats)
         assert picked == tp1
+
+
+def _chunked_and_whole(rank, world):
+    """The tiny MLLM's pool of 16 goes forward whole and in chunks of 4 (no gradients)."""
+    from megatron_mllm.data.batch import collate, image_then_text
+    from megatron_mllm.data.coreset import CoresetSelector
+    from megatron_mllm.data.sampler import VocabParallelReplay
+    from megatron_mllm.data.synthetic import samples
+    from megatron_mllm.models.config import MLLMConfig
+    from megatron_mllm.runtime.bootstrap import init_rank, seed_model_parallel
+    from megatron_mllm.runtime.model_builder import build_full_model
+
+    init_rank(rank, world, 0, 60.0)
+    cfg = MLLMConfig(llm_layers=2)
+    torch.manual_seed(0)
+    seed_model_parallel(0)
+    built = build_full_model(cfg)
+    encoder, bb = built.encoders[0], built.backbone
+    images, text, source = samples(cfg, list(range(16)))
+    batch = image_then_text(images, text, cfg.image_tokens)
+    captured = []
+    bb.gpt.output_layer.register_forward_pre_hook(lambda m, a: captured.append(a[0].detach()))
+
+    def hidden(b):
+        with torch.no_grad():
+            bb(None, bb.decoder_input([encoder(b.images)], b))
+        return captured.pop().transpose(0, 1)
+
+    whole = hidden(batch)
+    chunks = [batch.select(list(range(i, i + 4)), cfg.image_tokens) for i in range(0, 16, 4)]
+    chunked = torch.cat([hidden(c) for c in chunks])
+    labels = collate(chunks).labels
+    weight = bb.gpt.output_layer.weight.detach()
+    out = []
+    for h in (whole, chunked):
+        replay = VocabParallelReplay()
+        feats = CoresetSelector(CoresetConfig(batch_size=8, seed=1)).features(
+            replay, h, labels, weight
+        )
+        selector = CoresetSelector(CoresetConfig(batch_size=8, seed=1))
+        out.append((feats, selector.select(source, replay, h, labels, weight).tolist()))
+    return whole, chunked, out
+
+
+def test_chunked_pool_forward_gives_the_features_of_one_pass():
+    """The pool's gradient-free forward in chunks of B (its memory B's) gives the output-layer
+    inputs, zeroth-order features and selection of one pass over the whole pool."""
+    from megatron_mllm.runtime.launch import spawn
+
+    whole, chunked, ((f1, s1), (f2, s2)) = spawn(_chunked_and_whole, 1)[0]
+    torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(f2, f1, rtol=1e-3, atol=1e-3)
+    assert s1 == s2

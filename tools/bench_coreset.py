@@ -490,6 +490,7 @@ def run(rank: int, world: int, args) -> dict:
     for seed in range(args.seeds):
         for method in METHODS:
             results[method].append(train_one(args, task, method, seed))
+        print(f"seed {seed + 1}/{args.seeds} done", file=sys.stderr, flush=True)
     return {"describe": task.describe, "results": results}
 
 
