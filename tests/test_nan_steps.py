@@ -25,6 +25,7 @@ def test_a_nan_step_is_skipped_counted_and_leaves_the_state_unchanged(tmp_path):
     assert_same_checkpoint(tmp_path / "iter_0000001", tmp_path / "iter_0000002")
 
 
+@pytest.mark.slow  # the skip itself runs in make test (above)
 def test_nan_steps_in_a_row_stop_the_run_and_keep_the_last_checkpoint(tmp_path):
     args = [*PP2, "--train-iters", "8", "--max-skipped-iterations", "3"]
     out = torchrun(*args, "--save", str(tmp_path), "--save-interval", "1", env={NAN: "2,3,4,5,6,7"})

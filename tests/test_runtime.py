@@ -81,7 +81,8 @@ LAYOUTS = {  # name: (backbone plan, forced encoder plan, sequence parallelism)
     "pp2-vpp2": (ParallelPlan(1, 1, 2, vpp=2), None, False),  # two model chunks per rank
     "pp2-tp2-sp": (ParallelPlan(1, 2, 2), None, True),  # [s/tp, b, h] between the stages
 }
-SLOW_LAYOUTS = {"pp2-tp2-sp", "tp2"}  # four ranks; tp2 without SP (tp2-sp runs in make test)
+# four ranks; tp2 without SP (tp2-sp runs in make test); pp2 (pp2-vpp2 does, and more)
+SLOW_LAYOUTS = {"pp2-tp2-sp", "tp2", "pp2"}
 
 
 @pytest.mark.parametrize(
@@ -297,7 +298,9 @@ def test_ordered_p2p_without_tags_agrees(reference, layout, tmp_path):
     [
         pytest.param("megatron", None, "layer", marks=pytest.mark.slow),
         ("optimus", None, "layer"),
-        ("optimus", ParallelPlan(2, 1, 1), "kernel"),  # the projector halves: units of their own
+        pytest.param(  # the projector halves: units of their own
+            "optimus", ParallelPlan(2, 1, 1), "kernel", marks=pytest.mark.slow
+        ),
         pytest.param("optimus", ParallelPlan(1, 1, 2), "layer", marks=pytest.mark.slow),
     ],
 )

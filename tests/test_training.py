@@ -222,6 +222,7 @@ def test_kernel_granularity_frozen_encoder_and_online_replanning(tmp_path):
     assert sorted(got) == [1, 2, 3] and got[3] < got[1]
 
 
+@pytest.mark.slow  # resumes bit-exact: test_trains_on_llava_conversations... in make test
 def test_two_encoders_train_and_resume_from_checkpoint_args(tmp_path):
     """--extra-encoder: a second ViT (half the width, its own resolution) beside the first under
     PP=2 Optimus, with --overlap-grad-reduce; a resume that takes the model from the checkpoint
@@ -531,6 +532,7 @@ def test_a_loader_position_fits_only_the_same_damaged_shards():
     assert not loader_position_fits({**saved, "seed": 4}, args)
 
 
+@pytest.mark.slow  # three torchrun jobs; the selection's pieces run in test_coreset*.py
 def test_coreset_selects_from_energon_pools_and_resumes_exactly(tmp_path, llava_dataset):
     """--coreset-pool-ratio 2 on the LLaVA digits, bf16 with the distributed optimizer: each
     step's pool of 2B comes from energon's loader (sources: the records' "source" field) and
