@@ -139,7 +139,6 @@ def tiny_mllm(cfg):
     [b, s, V], with the output layer's input captured when asked."""
     import torch
 
-    from megatron_mllm.models.config import MLLMConfig  # noqa: F401 - cfg's type
     from megatron_mllm.runtime.model_builder import build_full_model
 
     class TinyMLLM(torch.nn.Module):
@@ -369,8 +368,6 @@ def timed_selector(config):
     from megatron_mllm.data.coreset import CoresetSelector
 
     class Timed(CoresetSelector):
-        spent = {"features_s": 0.0}
-
         def features(self, *a, **kw):
             t0 = time.perf_counter()
             out = super().features(*a, **kw)

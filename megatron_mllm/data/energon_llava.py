@@ -418,8 +418,7 @@ def account_samples(path: str | Path, max_fraction: float) -> DataAccount:
             f"--data-path {path}: {account.summary()}, over --max-skipped-samples-fraction "
             f"{max_fraction:g}; restore the shards, convert the data again, or raise the fraction"
         )
-    split = yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text())
-    for name, patterns in split["split_parts"].items():
+    for name, patterns in _read_split(path)["split_parts"].items():
         shards = {shard for pattern in patterns for shard in braceexpand(pattern)}
         if shards and shards <= set(account.left_out):
             raise ConfigError(
@@ -429,12 +428,17 @@ def account_samples(path: str | Path, max_fraction: float) -> DataAccount:
     return account
 
 
+def _read_split(path: str | Path) -> dict:
+    """The data set's energon split assignment (`.nv-meta/split.yaml`)."""
+    return yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text())
+
+
 def _split_config(path: str | Path, exclude: tuple[str, ...]) -> str | None:
     """A copy of the data set's split.yaml that also excludes `exclude`, in a temporary file
     (the data set's folder is left as it is); None when nothing is excluded."""
     if not exclude:
         return None
-    split = yaml.safe_load((Path(path) / ".nv-meta" / "split.yaml").read_text())
+    split = _read_split(path)
     split["exclude"] = sorted(set(split.get("exclude") or []) | set(exclude))
     fd, name = tempfile.mkstemp(prefix="megatron_mllm_split_", suffix=".yaml")
     with os.fdopen(fd, "w") as f:
