@@ -15,8 +15,9 @@ Sends keep their tensor until they complete; completed ones are dropped as the s
 
 from __future__ import annotations
 
+import contextlib
 import datetime
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -29,6 +30,18 @@ RECV_LOOKAHEAD = 2
 
 class PeerFailure(RuntimeError):
     """A message did not arrive: names this rank, the action waited on and the peer."""
+
+
+@contextlib.contextmanager
+def naming_peer(rank: int, op: Op, what: str = "failed") -> Iterator[None]:
+    """Turn a transport error raised inside into a PeerFailure naming rank, op and peer."""
+    try:
+        yield
+    except PeerFailure:
+        raise
+    except RuntimeError as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise PeerFailure(f"rank {rank}: {op} {what} on rank {op.peer}: {first}") from None
 
 
 class Messages:
@@ -62,18 +75,21 @@ class Messages:
     def send(self, op: Op, tensor: torch.Tensor) -> None:
         """Post a send; the message keeps `tensor` alive until it completes."""
         tensor = tensor.contiguous()
-        if self.ordered is not None:
-            group = self.ordered[1][(self.rank, op.peer)]
-            work = dist.isend(tensor, op.peer, group=group, tag=0)
-        else:
-            work = dist.isend(tensor, op.peer, tag=op.tag)
+        with naming_peer(self.rank, op, "could not be posted to"):
+            if self.ordered is not None:
+                group = self.ordered[1][(self.rank, op.peer)]
+                work = dist.isend(tensor, op.peer, group=group, tag=0)
+            else:
+                work = dist.isend(tensor, op.peer, tag=op.tag)
         self.pending.append((work, op, tensor))
 
     def reap(self) -> None:
         """Drop the sends that have completed (and their tensors)."""
         still = []
         for work, op, tensor in self.pending:
-            if work.is_completed():
+            with naming_peer(self.rank, op):
+                done = work.is_completed()
+            if done:
                 self.wait(work, op)  # returns at once; raises what the send ran into
             else:
                 still.append((work, op, tensor))
@@ -90,16 +106,18 @@ class Messages:
         """(work, buffer) of the message `op` waits for, posted if it was not yet."""
         if self.ordered is None:
             buf = torch.empty(self.shape_of(op.key), dtype=self.dtype, device=self.device)
-            return dist.irecv(buf, op.peer, tag=op.tag), buf
+            with naming_peer(self.rank, op, "could not be posted for"):
+                return dist.irecv(buf, op.peer, tag=op.tag), buf
         keys, want = self.ordered[0][op.peer], self._index[op.peer][op.key]
-        while self._next[op.peer] <= want:  # what the sender sends first is received first
-            self._post_next(op.peer, keys)
-        while (
-            self._next[op.peer] < len(keys)
-            and self._next[op.peer] <= want + self.lookahead
-            and self._outstanding[op.peer] <= self.lookahead
-        ):
-            self._post_next(op.peer, keys)
+        with naming_peer(self.rank, op, "could not be posted for"):
+            while self._next[op.peer] <= want:  # what the sender sends first is received first
+                self._post_next(op.peer, keys)
+            while (
+                self._next[op.peer] < len(keys)
+                and self._next[op.peer] <= want + self.lookahead
+                and self._outstanding[op.peer] <= self.lookahead
+            ):
+                self._post_next(op.peer, keys)
         return self._posted.pop((op.key, op.peer))
 
     def arrived(self, op: Op) -> None:
@@ -120,13 +138,8 @@ class Messages:
     def wait(self, work, op: Op) -> None:
         """Wait for a message: on NCCL the process group's timeout applies (a timed-out wait
         raises); on gloo our own host timeout. Either way a failure names rank, op and peer."""
-        try:
+        with naming_peer(self.rank, op, "failed while waiting"):
             ok = work.wait() if self.device.type == "cuda" else work.wait(self.timeout)
-        except RuntimeError as err:
-            raise PeerFailure(
-                f"rank {self.rank}: {op} failed while waiting on rank {op.peer}: "
-                f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
-            ) from None
         if ok is False:
             raise PeerFailure(
                 f"rank {self.rank}: timed out after {self.timeout.total_seconds():.0f}"
