@@ -533,14 +533,16 @@ def test_a_loader_position_fits_only_the_same_damaged_shards():
 
 
 @pytest.mark.slow  # three torchrun jobs; the selection's pieces run in test_coreset*.py
-def test_coreset_selects_from_energon_pools_and_resumes_exactly(tmp_path, llava_dataset):
+@pytest.mark.parametrize("lookahead", [[], ["--coreset-lookahead"]], ids=["now", "lookahead"])
+def test_coreset_selects_from_energon_pools_and_resumes_exactly(tmp_path, llava_dataset, lookahead):
     """--coreset-pool-ratio 2 on the LLaVA digits, bf16 with the distributed optimizer: each
     step's pool of 2B comes from energon's loader (sources: the records' "source" field) and
     goes forward in bf16, and a run resumed at iteration 2 (loader position and selector state
-    in the checkpoint) selects and trains exactly the same."""
+    in the checkpoint) selects and trains exactly the same; with look-ahead the checkpoint holds
+    the position before the next step's pool, read again on resume, and the rows chosen."""
     data, tokenizer = llava_dataset
     args = [*LLAVA, "--data-path", str(data), "--tokenizer-model", str(tokenizer),
             "--train-iters", "4", "--coreset-pool-ratio", "2", "--bf16",
-            "--use-distributed-optimizer"]  # fmt: skip
+            "--use-distributed-optimizer", *lookahead]  # fmt: skip
     straight, _, _ = resumed_at_2_is_bit_exact(tmp_path, args)
     assert "consumed samples:           16 |" in straight.stdout  # 4 iterations x pools of 8

@@ -95,6 +95,14 @@ class StepData:
             return pool_batches(self.job, step)
         return self.step(step, self.job.data.coreset.pool_size // self.job.micro_batch)
 
+    def prefetch_pool(self, step: int) -> Callable[..., MicroBatch]:
+        """Coreset look-ahead: read `step`'s pool now, one step ahead; checkpoints until `step`
+        runs save the position before it (a resumed run reads it again)."""
+        before = {dp: s.state() for dp, s in self.streams.items()}
+        get = self.pool(step)
+        self._ahead = (step, get, before)
+        return get
+
     def prefetch(self, step: int) -> list[list[int]]:
         """Read `step`'s micro-batches now, one step ahead; each replica's image count per
         micro-batch. Checkpoints until `step` runs save the position before them."""

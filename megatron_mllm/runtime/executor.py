@@ -187,6 +187,7 @@ class Executor:
         self._fill_marks: list[tuple] = []  # (start, end) marks of fills inside collectives
         self._ahead: dict[tuple[int, int], int] = {}  # dynamic: (enc, mb) -> op index moved
         self._later: list[Callable[[], None]] = []  # read marks after clock.finish()
+        self._capture_next = False  # the next output-layer call is a pool micro-batch's
         self.clock = StepClock(self.device)
         self.messages = Messages(
             self.rank,
@@ -199,13 +200,16 @@ class Executor:
         )
 
     def _capture_hook(self):
-        """Forward-only on the last stage: keep the output layer's input per micro-batch."""
-        if not (self.forward_only and self.backbone.post_process) or self.evaluate:
+        """On the last stage, for a coreset pool's forward (a forward-only pass, or look-ahead
+        micro-batches): keep the output layer's input per micro-batch."""
+        pool = (self.forward_only and not self.evaluate) or self.meta.lookahead
+        if not (pool and self.backbone.post_process):
             return None
         self._captured: list[torch.Tensor] = []
 
         def capture(module, args):
-            self._captured.append(args[0].transpose(0, 1).detach())  # [b, s, h]
+            if self._capture_next:
+                self._captured.append(args[0].transpose(0, 1).detach())  # [b, s, h]
 
         return self.backbone.gpt.output_layer.register_forward_pre_hook(capture)
 
@@ -423,11 +427,16 @@ class Executor:
             self._gathered(action)
         start, first_fill = self.clock.mark(), len(self._fill_marks)
         backbone = action.kind in ("F", "B")
+        ahead = action.kind in ("F", "EF") and not self.meta.trains(action.mb)
         if backbone:
             from megatron_mllm_patches.async_tp_collectives import observing
 
             blocked: list[tuple] = []
             with observing(self._observer(action, blocked), mark=self.clock.mark):
+                with torch.no_grad() if ahead else contextlib.nullcontext():
+                    self.handlers[action.kind](action)
+        elif ahead:
+            with torch.no_grad():
                 self.handlers[action.kind](action)
         else:
             self.handlers[action.kind](action)
@@ -463,14 +472,18 @@ class Executor:
         meta = self.meta
         v = meta.virtual_index(a.stage, a.chunk)
         last = v == meta.num_virtual_stages - 1
+        trains = meta.trains(a.mb) and not self.forward_only  # else nothing runs backward
         # The encoders' outputs (first virtual stage) or the previous stage's activation.
-        inputs = [self._take(k).detach().requires_grad_() for k in self._needs(a)]
+        inputs = [self._take(k).detach().requires_grad_(trains) for k in self._needs(a)]
+        pool = last and not self.evaluate and (self.forward_only or not meta.trains(a.mb))
+        self._capture_next = pool
         if v == 0:
             first = self.chunks[a.chunk]
             out = first(None, first.decoder_input(inputs, self._batch(a.mb)))
         else:
             out = self.chunks[a.chunk](inputs[0])
-        if last and self.forward_only and not self.evaluate:
+        self._capture_next = False
+        if pool:  # a coreset pool's micro-batch: the selection reads the output layer's input
             self.last_layer_inputs[a.mb] = self._captured.pop()
         elif last:
             if self.evaluate:
@@ -480,7 +493,7 @@ class Executor:
         else:
             s, c = meta.stage_chunk(v + 1)
             self._put(str(TensorKey.act(s, c, a.mb)), out.detach())
-        if not self.forward_only:  # a forward-only pass has no backward to keep it for
+        if trains:  # a forward-only pass has no backward to keep it for
             self.bb_ctx[(a.stage, a.chunk, a.mb)] = (inputs, out)
 
     def _backward(self, a: Action) -> None:
@@ -537,8 +550,13 @@ class Executor:
             nxt = TensorKey.eout(a.enc, a.mb) if last else TensorKey.eact(a.enc, a.stage + 1, a.mb)
             (out,) = (t.detach() for t in state)
             self._put(str(nxt), out)
-            if self.forward_only or enc_meta.bwd_kernels[a.stage] == 0:
+            if not self._encoder_backward_follows(a):
                 del self.enc_units[(a.enc, a.stage, a.mb)]  # no backward will read its units
+
+    def _encoder_backward_follows(self, a: Action) -> bool:
+        """Whether an encoder stage's forward of `a`'s micro-batch is read by a backward."""
+        trained = self.meta.encoders[a.enc].bwd_kernels[a.stage] > 0
+        return trained and self.meta.trains(a.mb) and not self.forward_only
 
     def _wants_input_grad(self, a: Action, u: int) -> bool:
         """Whether unit u's input needs a gradient: something before it trains. In a frozen
@@ -574,7 +592,7 @@ class Executor:
         if nxt is not None:
             shape = self._shape(str(nxt))
             self._put(str(nxt), torch.empty(shape, dtype=self.dtype, device=self.device))
-        if not forward or self.forward_only or enc_meta.bwd_kernels[a.stage] == 0:
+        if not forward or not self._encoder_backward_follows(a):
             self.enc_units.pop(key, None)
 
     def _encoder_backward(self, a: Action) -> None:
@@ -635,8 +653,7 @@ def planned_encoder_live(program: list[Op], meta: ScheduleMeta) -> int:
                 live.add(key)
                 peak = max(peak, len(live))
             last_fwd = a.kind == "EF" and a.k1 == enc.fwd_kernels[a.stage]
-            if (a.kind == "EB" and a.k1 == enc.bwd_kernels[a.stage]) or (
-                last_fwd and enc.bwd_kernels[a.stage] == 0
-            ):
+            no_backward = enc.bwd_kernels[a.stage] == 0 or not meta.trains(a.mb)
+            if (a.kind == "EB" and a.k1 == enc.bwd_kernels[a.stage]) or (last_fwd and no_backward):
                 live.discard(key)
     return max(peak, 1)

@@ -63,7 +63,7 @@ class ExecutorRun:
         self.enc_tp = plan.tp if self.stage0 else enc_plan.tp
         self.program = gpu_program(job.schedule, groups, self.enc_tp)
         self.eval_program = forward_only_program(self.program)
-        self.ordered = self.pool_ordered = self.eval_ordered = None
+        self.ordered = self.pool_ordered = self.eval_ordered = self.ahead_ordered = None
         if job.executor.ordered_p2p or dist.get_backend() == "nccl":
             self._ordered_p2p(plan, plan if self.stage0 else enc_plan)
         if job.faults.fail_rank == rank:
@@ -102,6 +102,7 @@ class ExecutorRun:
 
             self.adaptive = AdaptiveSteps(self)
         self.selector = None
+        self.pending: tuple[int, list[int]] | None = None  # look-ahead: (step, chosen rows)
         if job.data.coreset is not None:
             from megatron_mllm.data.coreset import CoresetSelector
 
@@ -109,6 +110,9 @@ class ExecutorRun:
                 gpu_program(job.data.pool_schedule, groups, self.enc_tp)
             )
             self.selector = CoresetSelector(job.data.coreset)
+        self.ahead_program = None  # look-ahead: the step with the next step's pool forward
+        if job.data.lookahead_schedule is not None:
+            self.ahead_program = gpu_program(job.data.lookahead_schedule, groups, self.enc_tp)
 
     def _encoder_placement(self, enc_plan: ParallelPlan) -> EncoderPlacement | None:
         """This rank's encoder stage: whole on backbone stage 0 (Megatron's placement; other
@@ -180,14 +184,17 @@ class ExecutorRun:
 
         job = self.job
         main = all_programs(job.schedule, plan, enc_plan, self.enc_tp)
-        pool = {}
+        pool, ahead = {}, {}
         if job.data.coreset is not None:
             pool = all_programs(job.data.pool_schedule, plan, enc_plan, self.enc_tp)
             pool = {r: forward_only_program(p) for r, p in pool.items()}
+        if job.data.lookahead_schedule is not None:
+            ahead = all_programs(job.data.lookahead_schedule, plan, enc_plan, self.enc_tp)
         # new_group is collective: every rank creates every pair's group, in the same order.
-        groups = {pair: dist.new_group(list(pair)) for pair in message_pairs(main, pool)}
+        groups = {pair: dist.new_group(list(pair)) for pair in message_pairs(main, pool, ahead)}
         self.ordered = (receive_orders(main, self.rank), groups)
         self.pool_ordered = (receive_orders(pool, self.rank), groups)
+        self.ahead_ordered = (receive_orders(ahead, self.rank), groups)
         evaluation = {r: forward_only_program(p) for r, p in main.items()}
         self.eval_ordered = (receive_orders(evaluation, self.rank), groups)
 
@@ -248,30 +255,53 @@ class ExecutorRun:
             **options,
         )
 
+    def selection(self, step: int) -> Callable[..., MicroBatch]:
+        """Coreset: `get(mb, dp)` over the B samples step `step` trains on: chosen one step
+        ahead (look-ahead), or now from the step's pool (`select`)."""
+        pool = self.data.pool(step)  # read one step ahead under look-ahead
+        if self.pending is None or self.pending[0] != step:
+            return self.select(pool)
+        return self._chosen(self.pool_list(pool), self.pending[1])
+
+    def pool_list(self, pool) -> list[MicroBatch]:
+        """This replica's pool micro-batches."""
+        n = self.job.data.coreset.pool_size // self.job.micro_batch
+        return [pool(m, self.groups.coords.dp) for m in range(n)]
+
     def select(self, pool) -> Callable[..., MicroBatch]:
         """Coreset: the pool `pool(mb, dp)` goes forward without gradients through the whole
         pipeline; the last stage computes features on its output layer and selects B samples,
         every rank of the pipeline gets their positions; returns `get(mb, dp)` over them."""
-        from megatron_mllm.data.batch import collate
-        from megatron_mllm.data.sampler import broadcast_selection
-        from megatron_mllm.parallel.groups import backbone_rank
+        batches = self.pool_list(pool)
+        return self._chosen(batches, self.pool_rows(batches))
 
-        job, c, mb = self.job, self.groups.coords, self.job.micro_batch
-        batches = [pool(m, c.dp) for m in range(job.data.coreset.pool_size // mb)]
+    def pool_rows(self, batches: list[MicroBatch]) -> list[int]:
+        """The rows of the pool `batches` to train on, chosen now with the current weights
+        (collective: a forward-only pass through the pipeline, then `_choose`)."""
         self.sync_params()  # the pool pass has no AG actions
         executor = self._executor(
             self.pool_program,
-            job.data.pool_schedule.meta,
+            self.job.data.pool_schedule.meta,
             batches.__getitem__,
             forward_only=True,
             ordered=self.pool_ordered,
         )
         executor.run_step()
+        return self._choose(batches, executor.last_layer_inputs)
+
+    def _choose(self, batches: list[MicroBatch], hidden_of: dict) -> list[int]:
+        """The pool's rows to train on (collective over the backbone's model-parallel group):
+        the last stage selects from its output layer's inputs `hidden_of[mb]` and the current
+        output layer, and every stage gets the rows."""
+        from megatron_mllm.data.batch import collate
+        from megatron_mllm.data.sampler import broadcast_selection
+        from megatron_mllm.parallel.groups import backbone_rank
+
+        job, c = self.job, self.groups.coords
         whole, picked = collate(batches), None
         if self.backbone.post_process:
             # The replay runs in fp32 on what the pipeline computed (bf16 inputs and weights).
-            hidden = torch.cat([executor.last_layer_inputs[m] for m in range(len(batches))])
-            hidden = hidden.float()
+            hidden = torch.cat([hidden_of[m] for m in range(len(batches))]).float()
             weight = self.backbone.gpt.output_layer.weight.detach().float()
             picked = self.selector.select(
                 torch.tensor(whole.sources, device="cpu"),
@@ -284,8 +314,14 @@ class ExecutorRun:
         if dist.get_world_size(group) > 1:
             last = backbone_rank(job.backbone, 0, c.dp, job.backbone.pp - 1)
             picked = broadcast_selection(picked, size, group, last, self.device)
-        rows = picked.tolist()
-        chosen = [whole.select(rows[m : m + mb], job.cfg.image_tokens) for m in range(0, size, mb)]
+        return picked.tolist()
+
+    def _chosen(self, batches: list[MicroBatch], rows: list[int]) -> Callable[..., MicroBatch]:
+        """`get(mb, dp)` over the pool's `rows`, in micro-batches of the job's size."""
+        from megatron_mllm.data.batch import collate
+
+        whole, mb, tokens = collate(batches), self.job.micro_batch, self.job.cfg.image_tokens
+        chosen = [whole.select(rows[m : m + mb], tokens) for m in range(0, len(rows), mb)]
         return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
 
     def _replay(self, rows: int):
@@ -341,19 +377,22 @@ class ExecutorRun:
             sync.zero()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
-        if self.selector is not None:
-            data = self.select(self.data.pool(step))
-        else:
-            data = self.data.step(step)
+        data = self.selection(step) if self.selector is not None else self.data.step(step)
 
         program, meta, ordered, order = self.program, job.schedule.meta, self.ordered, None
         if self.adaptive is not None and self.selector is None:
             program, meta, ordered, order = self.adaptive.program(step, data)
         slot = order.__getitem__ if order is not None else int
+        get, ahead = (lambda m: data(slot(m), c.dp)), None
+        if self.ahead_program is not None:  # the next step's pool goes forward in this one
+            program, ordered = self.ahead_program, self.ahead_ordered
+            meta = job.data.lookahead_schedule.meta
+            ahead = self.pool_list(self.data.prefetch_pool(step + 1))
+            get = _with_lookahead(get, ahead, job.num_microbatches)
         executor = self._executor(
             program,
             meta,
-            lambda m: data(slot(m), c.dp),
+            get,
             dynamic=job.executor.dynamic,
             ordered=ordered,
             overlap_fills=job.executor.overlap_tp_fills and self.enc_tp == 1,
@@ -367,6 +406,10 @@ class ExecutorRun:
         with self.saved.tracking() if self.saved is not None else contextlib.nullcontext():
             result = executor.run_step()
         allreduce_sequence_parallel_grads(self.chunks, self.groups.backbone.tp)
+        if ahead is not None:  # before the update: the step's own weights select
+            n = job.num_microbatches
+            hidden = {m - n: h for m, h in executor.last_layer_inputs.items()}
+            self.pending = (step + 1, self._choose(ahead, hidden))
         for key, values in result.unit_times.items():
             self.unit_times.setdefault(key, []).extend(values)
         self.seconds.append(result.seconds)
@@ -503,6 +546,11 @@ class ExecutorRun:
             for encoder in (e for e in self.encoders if e is not None):
                 out["params"].update(param_shards(encoder, enc_tp))
         return out
+
+
+def _with_lookahead(get: Callable, pool: list[MicroBatch], n: int) -> Callable:
+    """Micro-batch m of a look-ahead step: the step's own below `n`, the pool's from there."""
+    return lambda m: get(m) if m < n else pool[m - n]
 
 
 def forward_only_program(program):

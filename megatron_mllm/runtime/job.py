@@ -60,6 +60,9 @@ class DataParts:
     seed: int = 0
     coreset: object = None  # a CoresetConfig
     pool_schedule: Schedule | None = None
+    # Look-ahead (--coreset-lookahead): the step's schedule with the next step's pool going
+    # forward in its bubbles (`schedule/lookahead.py`); selection then uses the step's weights.
+    lookahead_schedule: Schedule | None = None
 
 
 @dataclass(frozen=True)
@@ -302,6 +305,7 @@ def check_job(job: RuntimeJob, world: int) -> None:
                 f"the coreset pool of {size} needs a pool schedule of "
                 f"{size // job.micro_batch} micro-batches of {job.micro_batch}"
             )
+    _check_lookahead(job)
     if job.plans.encoder_units not in ("layer", "kernel"):
         raise ConfigError(f"encoder units {job.plans.encoder_units!r}: use 'layer' or 'kernel'")
     per_layer, tail = (8, 2) if job.plans.encoder_units == "kernel" else (1, 1)
@@ -322,3 +326,27 @@ def check_job(job: RuntimeJob, world: int) -> None:
                     f"model's has {units} at {job.plans.encoder_units} granularity (plan with "
                     f"unit='{job.plans.encoder_units}')"
                 )
+
+
+def _check_lookahead(job: RuntimeJob) -> None:
+    """A look-ahead schedule is the job's step with its coreset pool's micro-batches."""
+    ahead = job.data.lookahead_schedule
+    if ahead is None:
+        return
+    pool = job.data.pool_schedule
+    if job.data.coreset is None or pool is None:
+        raise ConfigError("coreset look-ahead needs a coreset (--coreset-pool-ratio)")
+    meta = ahead.meta
+    if (meta.num_microbatches, meta.lookahead) != (
+        job.num_microbatches,
+        pool.meta.num_microbatches,
+    ):
+        raise ConfigError(
+            f"the look-ahead schedule has {meta.num_microbatches} + {meta.lookahead} "
+            f"micro-batches; the job needs {job.num_microbatches} + {pool.meta.num_microbatches}"
+        )
+    if job.executor.adaptive or job.executor.replan_after is not None:
+        raise ConfigError(
+            "coreset look-ahead runs one fixed merged schedule: drop optimus-adaptive and "
+            "--replan-after-iters"
+        )

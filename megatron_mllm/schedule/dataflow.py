@@ -183,8 +183,11 @@ class Dataflow:
         if k is None or not k.is_transfer:
             return None, None
         meta = self.meta
+        backward = k.kind in ("grad", "egrad", "egin")
+        if k.mb >= (meta.num_microbatches if backward else meta.total_microbatches):
+            return None, None  # look-ahead micro-batches send nothing backward
         if k.kind in ("act", "grad"):
-            if k.stage >= meta.pp or k.chunk >= meta.vpp or k.mb >= meta.num_microbatches:
+            if k.stage >= meta.pp or k.chunk >= meta.vpp:
                 return None, None
             v = meta.virtual_index(k.stage, k.chunk)
             other = v - 1 if k.kind == "act" else v + 1
@@ -208,10 +211,10 @@ class Dataflow:
         """The rank an action must be on (None: it belongs nowhere)."""
         meta = self.meta
         if a.kind in ("F", "B"):
-            ok = a.stage < meta.pp and a.chunk < meta.vpp and a.mb < meta.num_microbatches
+            ok = a.stage < meta.pp and a.chunk < meta.vpp and a.mb < meta.total_microbatches
             return a.stage if ok else None
         if a.kind in ENCODER_KINDS:
-            if a.enc >= len(meta.encoders) or a.mb >= meta.num_microbatches:
+            if a.enc >= len(meta.encoders) or a.mb >= meta.total_microbatches:
                 return None
             enc = meta.encoders[a.enc]
             if a.pipe >= enc.num_pipes or a.stage >= enc.num_stages:

@@ -66,9 +66,22 @@ class ScheduleMeta:
     # Micro-batches without an image: no encoder action runs for them, backbone stage 0 takes
     # no encoder output for them and sends no gradient back (text-only samples skip the encoder).
     text_only: tuple[int, ...] = ()
+    # Look-ahead micro-batches (the next step's coreset pool, `schedule/lookahead.py`): numbered
+    # after the step's own, num_microbatches .. num_microbatches + lookahead - 1; forward only
+    # (F and EF, no loss, no backward), they fill this step's bubbles.
+    lookahead: int = 0
 
     def has_images(self, mb: int) -> bool:
         return mb not in self.text_only
+
+    @property
+    def total_microbatches(self) -> int:
+        """The step's micro-batches and its look-ahead ones."""
+        return self.num_microbatches + self.lookahead
+
+    def trains(self, mb: int) -> bool:
+        """Whether micro-batch `mb` runs backward (False for a look-ahead micro-batch)."""
+        return mb < self.num_microbatches
 
     @property
     def num_virtual_stages(self) -> int:

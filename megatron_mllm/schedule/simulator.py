@@ -156,6 +156,8 @@ def simulate(
         times[(r, step)] = (start, t)
         enc = meta.encoders[a.enc]
         stage_bytes = workload.encoder_stage_bytes(a.enc, a.stage, a.mb)
+        if not meta.trains(a.mb):  # a look-ahead forward saves nothing for a backward
+            return compute_end
         if a.kind == "EF":
             share = stage_bytes * (a.k1 - a.k0) / enc.fwd_kernels[a.stage]
             mem_events[r].append((start, slot, share))
@@ -209,7 +211,8 @@ def simulate(
         first_bb[r] = min(first_bb[r], start)
         last_bb[r] = max(last_bb[r], t)
         nbytes = workload.backbone_act_bytes.get((a.stage, a.chunk), 0.0)
-        mem_events[r].append((start, None, nbytes) if a.kind == "F" else (t, None, -nbytes))
+        if meta.trains(a.mb):  # a look-ahead forward saves nothing for a backward
+            mem_events[r].append((start, None, nbytes) if a.kind == "F" else (t, None, -nbytes))
 
     groups = [backbone_groups(acts) for acts in schedule.ranks]
     ptr = [0] * n

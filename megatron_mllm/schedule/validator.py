@@ -91,6 +91,8 @@ def validate(schedule: Schedule) -> None:
                         "local-transfer",
                         f"{a.key} is made and used on rank {producer}; drop the SEND/RECV pair",
                     )
+            if a.kind in ("B", "EB", "EW") and not meta.trains(a.mb):
+                fail(r, i, "lookahead", f"micro-batch {a.mb} is a look-ahead one: forward only")
             if a.kind in ENCODER_KINDS and not meta.has_images(a.mb):
                 fail(r, i, "text-only", f"micro-batch {a.mb} has no image: no encoder work")
             if home != -1 and home != r:
@@ -119,8 +121,8 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
     last_step = {r: max(len(acts) - 1, 0) for r, acts in enumerate(schedule.ranks)}
     for s in range(meta.pp):
         for v in range(meta.vpp):
-            for m in range(meta.num_microbatches):
-                for kind in ("F", "B"):
+            for m in range(meta.total_microbatches):
+                for kind in ("F", "B") if meta.trains(m) else ("F",):
                     if f"{kind}:s{s}v{v}m{m}" not in where:
                         fail(s, last_step[s], "missing", f"no {kind}:s{s}v{v}m{m} on rank {s}")
 
@@ -134,7 +136,7 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
                 pipes[(a.enc, a.mb)].add(a.pipe)
     for e, enc in enumerate(meta.encoders):
         host = enc.placement[0][0][0]
-        for m in filter(meta.has_images, range(meta.num_microbatches)):
+        for m in filter(meta.has_images, range(meta.total_microbatches)):
             if len(pipes[(e, m)]) > 1:
                 r, i = min((c[2], c[3]) for c in cover[("EF", e, 0, m)] or [(0, 0, host, 0)])
                 fail(
@@ -145,8 +147,10 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
                     f"{sorted(pipes[(e, m)])}; one pipeline must do all its stages",
                 )
             for s in range(enc.num_stages):
-                totals = (("EF", enc.fwd_kernels[s]), ("EB", enc.bwd_kernels[s]))
-                for kind, total in (*totals, ("EW", enc.wgt(s))):
+                totals = [("EF", enc.fwd_kernels[s])]
+                if meta.trains(m):
+                    totals += [("EB", enc.bwd_kernels[s]), ("EW", enc.wgt(s))]
+                for kind, total in totals:
                     chunks = sorted(cover[(kind, e, s, m)])
                     pos = 0
                     for k0, k1, r, i in chunks:

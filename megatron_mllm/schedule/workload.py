@@ -46,8 +46,11 @@ class Workload:
     _scaled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def load_of(self, mb: int | None) -> float:
-        """Micro-batch `mb`'s encoder load factor (1 without per-micro-batch loads)."""
-        return self.encoder_load[mb] if self.encoder_load and mb is not None else 1.0
+        """Micro-batch `mb`'s encoder load factor (1 without per-micro-batch loads, and for a
+        look-ahead micro-batch beyond the loads given)."""
+        if not self.encoder_load or mb is None or mb >= len(self.encoder_load):
+            return 1.0
+        return self.encoder_load[mb]
 
     def kernels(
         self, kind: str, stage: int, chunk: int = 0, enc: int = 0, mb: int | None = None
@@ -89,7 +92,7 @@ class Workload:
     def check_matches(self, meta: ScheduleMeta) -> None:
         """Raise ConfigError if this workload does not describe `meta`'s model."""
         if self.encoder_load:
-            if len(self.encoder_load) != meta.num_microbatches:
+            if len(self.encoder_load) not in (meta.num_microbatches, meta.total_microbatches):
                 raise ConfigError(
                     f"{len(self.encoder_load)} encoder loads for "
                     f"{meta.num_microbatches} micro-batches; give one per micro-batch"

@@ -80,6 +80,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="optimus: after N iterations, plan again from the unit times measured so far",
     )
+    g.add_argument(
+        "--coreset-lookahead",
+        action="store_true",
+        help="coreset: the next step's pool goes forward in this step's pipeline bubbles and is "
+        "selected with this step's weights (one step old when it trains)",
+    )
     g.add_argument("--coreset-features", choices=["zo", "exact"], default="zo")
     g.add_argument("--coreset-directions", type=int, default=16)
     g = p.add_argument_group("model")
@@ -583,6 +589,27 @@ def _check_data(args: argparse.Namespace) -> None:
         args.data_sources = list(train_sources(args.data_path))
 
 
+def _check_lookahead(args: argparse.Namespace) -> None:
+    """--coreset-lookahead needs a coreset and a fixed schedule; without pipeline stages it
+    has no bubbles to hide the pool in: accepted with a warning (selection one step old)."""
+    if not args.coreset_lookahead:
+        return
+    if args.coreset is None:
+        raise ConfigError("--coreset-lookahead needs --coreset-pool-ratio R (a coreset to select)")
+    if args.replan_after_iters is not None:
+        raise ConfigError(
+            "--coreset-lookahead runs one merged schedule for the whole run; drop "
+            "--replan-after-iters"
+        )
+    if args.pipeline_model_parallel_size == 1 and args.rank == 0:
+        print(
+            "WARNING: --coreset-lookahead at --pipeline-model-parallel-size 1: no pipeline "
+            "bubbles to hide the next pool's forward in; it runs after the step's own work "
+            "(selection one step old, no time saved)",
+            file=sys.stderr,
+        )
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Every combination that cannot work, as one line, before any group or file is touched."""
     tp, pp, world = (
@@ -696,6 +723,7 @@ def validate_args(args: argparse.Namespace) -> None:
             "--bubble-schedule optimus-adaptive plans each step for its data; it does not run "
             "with --coreset-pool-ratio or --replan-after-iters (use --bubble-schedule optimus)"
         )
+    _check_lookahead(args)
     if args.replan_after_iters is not None:
         if args.replan_after_iters < 1 or args.bubble_schedule != "optimus":
             raise ConfigError(

@@ -36,6 +36,18 @@ def startup_summary(
     )
 
 
+def lookahead_line(notes: dict) -> str:
+    """The start-up line of --coreset-lookahead: what merging the next pool's forward into
+    the step is predicted to save (`schedule.lookahead.with_lookahead`'s notes)."""
+    alone = notes["step_alone_s"] + notes["pool_alone_s"]
+    merged = notes["lookahead_step_s"]
+    return (
+        f" > coreset look-ahead: the next pool's forward in this step's bubbles, predicted "
+        f"{1000 * merged:.1f} ms a step against {1000 * alone:.1f} ms for the pool pass then "
+        f"the step ({alone / merged:.2f}x; the cost model above)"
+    )
+
+
 def schedule_name(args) -> str:
     return "optimus-adaptive" if getattr(args, "step_plans", False) else args.bubble_schedule
 

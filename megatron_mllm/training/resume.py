@@ -65,6 +65,7 @@ class Checkpointer:
         # Every rank of a replica holds its loader's state; stage 0's TP rank 0 writes it.
         self.data_copy = c.stage * plan.tp + c.tp
         self.streams = bool(run.data.streams)
+        self.lookahead = run.ahead_program is not None
         self.source = None  # a converted model's origin (its LLaVA config), kept when saving
         self.run_id = _new_run_id()  # the lineage of checkpoints; a resumed run keeps its own
 
@@ -79,6 +80,9 @@ class Checkpointer:
         if self.streams:
             state = run.data.state(c.dp) if saving else None
             out["data_loader"] = (state, c.dp, plan.dp, self.data_copy)
+        if self.lookahead:  # the rows chosen for the next step (its pool is read again)
+            state = list(run.pending) if saving else None
+            out["coreset_lookahead"] = (state, c.dp, plan.dp, self.data_copy)
         return out
 
     def latest_saved(self) -> str:
@@ -143,6 +147,10 @@ class Checkpointer:
         same_data = loader_position_fits(saved_args, args)
         if not same_data:  # loader positions belong to other DP ranks (or other data)
             objects.pop("data_loader", None)
+        pools = ("coreset_pool_ratio", "global_batch_size")
+        same_pools = all(saved_args.get(k) == getattr(args, k) for k in pools)
+        if not (same_data and same_pools and saved_args.get("coreset_lookahead")):
+            objects.pop("coreset_lookahead", None)  # none saved, or for other pools
         common = checkpointing.load(args.load, self.parts, self.full_shapes, run.optimizer, objects)
         if saved.get("model_only"):
             return 0, "model weights only (no optimizer, scheduler or RNG state)"
@@ -154,6 +162,9 @@ class Checkpointer:
             checkpointing.restore_rng_state(loaded["rng_state"])
         if "data_loader" in loaded:
             run.data.restore(self.coords.dp, loaded["data_loader"])
+        if "coreset_lookahead" in loaded:
+            step, rows = loaded["coreset_lookahead"]
+            run.pending = (step, list(rows))
         self.scheduler.load_state_dict(common["scheduler"])
         grad_scaler = run.grad_scaler
         if grad_scaler is not None and common.get("grad_scaler") is not None:

@@ -15,6 +15,7 @@ from megatron_mllm.schedule.config import Recompute
 from megatron_mllm.training.log import (
     dry_run_summary,
     log_line,
+    lookahead_line,
     startup_summary,
     validation_lines,
 )
@@ -72,25 +73,37 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_mllm.schedule.simulator import simulate
 
     predicted = simulate(schedule, workload)
-    pool_schedule = None
-    if args.coreset is not None:
-        from megatron_mllm.runtime.job import encoder_plan_of
-        from megatron_mllm.runtime.schedules import runtime_schedule
+    pools = coreset_schedules(args, cfg, plan, schedule, workload)
+    return _train(args, cfg, plan, n_mb, schedule, pools, predicted)
 
-        enc_plan, stage0 = encoder_plan_of(schedule, plan)
-        pool_mbs = args.coreset.pool_size // args.micro_batch_size
-        pool_schedule = runtime_schedule(
-            cfg,
-            plan,
-            args.micro_batch_size,
-            pool_mbs,
-            "megatron" if stage0 else "optimus",
-            encoder_plan=None if stage0 else enc_plan,
-            frozen_encoder=args.freeze_ViT,
-            unit="layer" if stage0 else args.fill_granularity,
-            backbone_split=tuple(layers) if plan.vpp == 1 else (),  # the modules built
-        )
-    return _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted)
+
+def coreset_schedules(args, cfg, plan, schedule, workload) -> tuple:
+    """The coreset pool's forward-only schedule (for the step's own modules) and, with
+    --coreset-lookahead, the step's schedule with the next pool merged in; (None, None)
+    without a coreset."""
+    if args.coreset is None:
+        return None, None
+    from megatron_mllm.runtime.job import encoder_plan_of
+    from megatron_mllm.runtime.schedules import runtime_schedule
+
+    enc_plan, stage0 = encoder_plan_of(schedule, plan)
+    layers = schedule.meta.backbone_layers
+    pool = runtime_schedule(
+        cfg,
+        plan,
+        args.micro_batch_size,
+        args.coreset.pool_size // args.micro_batch_size,
+        "megatron" if stage0 else "optimus",
+        encoder_plan=None if stage0 else enc_plan,
+        frozen_encoder=args.freeze_ViT,
+        unit="layer" if stage0 else args.fill_granularity,
+        backbone_split=tuple(layers) if plan.vpp == 1 else (),  # the modules built
+    )
+    if not args.coreset_lookahead:
+        return pool, None
+    from megatron_mllm.schedule.lookahead import with_lookahead
+
+    return pool, with_lookahead(schedule, pool, workload)
 
 
 def recompute_of(args) -> Recompute:
@@ -103,8 +116,9 @@ def recompute_of(args) -> Recompute:
     )
 
 
-def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
-    """The RuntimeJob that pretrain_mllm.py's arguments describe."""
+def runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units):
+    """The RuntimeJob that pretrain_mllm.py's arguments describe; `pools`: the coreset pool's
+    schedule and the look-ahead one (or None)."""
     from megatron_mllm.runtime.job import (
         Collect,
         DataParts,
@@ -132,7 +146,8 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units):
             n_mb,
             seed=args.seed,
             coreset=args.coreset,
-            pool_schedule=pool_schedule,
+            pool_schedule=pools[0],
+            lookahead_schedule=pools[1],
             llava=llava_data(args),
         ),
         optimizer=OptimizerSettings(
@@ -166,7 +181,7 @@ def test_faults():
     return FaultHooks(nan_loss_steps=frozenset(int(s) for s in steps.split(",") if s))
 
 
-def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
+def _train(args, cfg, plan, n_mb, schedule, pools, predicted) -> int:
     import torch.distributed as dist
 
     from megatron_mllm.parallel.groups import build_colocated_groups
@@ -182,7 +197,7 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
     probe = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
     state = initial_weights(cfg, probe)
     full_shapes = {k: tuple(v.shape) for k, v in state.items()}
-    job = runtime_job(args, cfg, plan, n_mb, schedule, pool_schedule, state, units)
+    job = runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units)
     run = ExecutorRun(rank, world, job, device)
     scheduler = lr_scheduler(args, run.optimizer)
     checkpointer = Checkpointer(args, run, full_shapes, scheduler)
@@ -197,6 +212,8 @@ def _train(args, cfg, plan, n_mb, schedule, pool_schedule, predicted) -> int:
             args, plan, enc_plan, stage0, n_mb, predicted, encoder_load(args), layers
         )
         print(summary, flush=True)
+        if job.data.lookahead_schedule is not None:
+            print(lookahead_line(job.data.lookahead_schedule.notes), flush=True)
     validation = Validation(args, run, device) if args.eval_iters and job.data.llava else None
     _loop(args, run, scheduler, checkpointer, validation, start, device)
     if validation is not None:

@@ -1,0 +1,176 @@
+"""Coreset look-ahead: the next step's pool goes forward in this step's bubbles.
+
+A coreset step first sends its pool of r x B samples forward without gradients, then trains on
+the B it selects. With look-ahead, step t's lists also carry the forward half of step t+1's
+pool (`ScheduleMeta.lookahead` micro-batches, numbered after the step's own), so that pool
+work fills step t's pipeline bubbles (and the pool pass loses its own fill and drain); step
+t+1's selection then uses step t's parameters.
+
+Where the pool's actions go: both timelines are simulated on their own, the pool's is shifted
+against the step's, and each rank's two lists are merged in time order, each keeping its own
+order. Shifts run from "the whole pool first" to "the whole pool last"; the validator checks
+every candidate (a merge can deadlock where the two timelines disagree) and the fastest valid
+one in simulation is kept.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.schedule.actions import COMPUTE_KINDS, Action
+from megatron_mllm.schedule.keys import TensorKey
+from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.simulator import simulate
+from megatron_mllm.schedule.validator import ScheduleError, backbone_groups, validate
+from megatron_mllm.schedule.workload import Workload
+
+# Keys whose messages carry activations forward (the rest belong to the backward).
+FORWARD_KEYS = ("act", "eout", "eact")
+
+
+def renumbered(action: Action, offset: int) -> Action:
+    """`action` with its micro-batch (or its message key's) moved up by `offset`."""
+    if action.kind in COMPUTE_KINDS:
+        return replace(action, mb=action.mb + offset)
+    if action.kind in ("SEND", "RECV"):
+        k = TensorKey.parse(action.key)
+        moved = TensorKey(k.kind, k.enc, k.stage, k.chunk, k.mb + offset, k.k)
+        return replace(action, key=str(moved))
+    return action
+
+
+def forward_half(pool: Schedule, offset: int) -> list[list[Action]]:
+    """Each rank's forward work of `pool` (F, EF and the messages that carry activations), in
+    its order, micro-batches numbered from `offset`. An encoder forward that filled a TP bubble
+    of a backward keeps its place as a plain action."""
+    out = []
+    for acts in pool.ranks:
+        kept: list[Action] = []
+        for group in backbone_groups(acts):
+            main = acts[group[-1]]
+            fills = [acts[i] for i in group[:-1] if acts[i].kind == "EF"]
+            if main.kind == "F":
+                kept += [*fills, main]
+            elif main.kind == "B":
+                kept += [replace(f, fill=None) for f in fills]
+            elif main.kind == "EF":
+                kept.append(main)
+            elif main.kind in ("SEND", "RECV"):
+                if TensorKey.parse(main.key).kind in FORWARD_KEYS:
+                    kept.append(main)
+        out.append([renumbered(a, offset) for a in kept])
+    return out
+
+
+def _check_alike(step: Schedule, pool: Schedule) -> None:
+    a, b = step.meta, pool.meta
+    same = (a.pp, a.vpp, a.slots, a.encoders, a.backbone_layers)
+    if same != (b.pp, b.vpp, b.slots, b.encoders, b.backbone_layers) or step.meta.lookahead:
+        raise ConfigError(
+            "the coreset pool's schedule must be for the step's own modules and placement "
+            f"(PP {b.pp} VPP {b.vpp}, layers {list(b.backbone_layers)} against PP {a.pp} "
+            f"VPP {a.vpp}, layers {list(a.backbone_layers)})"
+        )
+
+
+def _lead(acts: list[Action]) -> int:
+    """How many parameter gathers open a rank's list (they stay first: pool forwards need them)."""
+    return next((i for i, a in enumerate(acts) if a.kind != "AG"), len(acts))
+
+
+def _groups(acts: list[Action], first: int = 0) -> list[list[int]]:
+    """Execution groups (a backbone action and its fills) from index `first` on."""
+    return [[first + i for i in g] for g in backbone_groups(acts[first:])]
+
+
+def _starts(acts: list[Action], first: int, times: dict, r: int) -> list[float]:
+    """Simulated start of each group of rank `r`'s `acts` from `first` on."""
+    return [min(times[(r, i)][0] for i in g) for g in _groups(acts, first)]
+
+
+def _merged(step: Schedule, ahead: list[list[Action]], meta, shift: float, starts) -> Schedule:
+    """Each rank's step list and pool list merged in time order, the pool's times shifted by
+    `shift`; each list keeps its own order (times are made non-decreasing along it; ties go to
+    the step) and the step's leading gathers stay first."""
+    step_starts, pool_starts = starts
+    ranks = []
+    for r, acts in enumerate(step.ranks):
+        lead = _lead(acts)
+        mine = [[acts[i] for i in g] for g in _groups(acts, lead)]
+        theirs = [[ahead[r][i] for i in g] for g in _groups(ahead[r])]
+        a, b = _running_max(step_starts[r]), _running_max([t + shift for t in pool_starts[r]])
+        out, i, j = list(acts[:lead]), 0, 0
+        while i < len(mine) or j < len(theirs):
+            if j == len(theirs) or (i < len(mine) and a[i] <= b[j]):
+                out += mine[i]
+                i += 1
+            else:
+                out += theirs[j]
+                j += 1
+        ranks.append(out)
+    return Schedule(meta, ranks, dict(step.notes))
+
+
+def _running_max(times: list[float]) -> list[float]:
+    out, top = [], float("-inf")
+    for t in times:
+        top = max(top, t)
+        out.append(top)
+    return out
+
+
+def _pool_first(step: Schedule, ahead: list[list[Action]], meta) -> Schedule:
+    """The whole pool first on every rank (after the gathers): the pool's own timeline."""
+    ranks = []
+    for acts, extra in zip(step.ranks, ahead, strict=True):
+        lead = _lead(acts)
+        ranks.append(acts[:lead] + extra + acts[lead:])
+    return Schedule(meta, ranks, dict(step.notes))
+
+
+def with_lookahead(
+    step: Schedule, pool: Schedule, workload: Workload, shifts: int = 12
+) -> Schedule:
+    """`step` with the forward half of `pool` (the next step's coreset pool) merged into its
+    lists where simulation with `workload` finds it costs least (see the module docstring).
+    Its notes hold the predicted step time and the step's and the pool's alone."""
+    _check_alike(step, pool)
+    meta = replace(step.meta, lookahead=pool.meta.num_microbatches)
+    ahead = forward_half(pool, step.meta.num_microbatches)
+    best = _pool_first(step, ahead, meta)
+    validate(best)
+    quick = {"keep_spans": False, "classify": False}
+    first, alone = simulate(best, workload, **quick), simulate(step, workload, **quick)
+    leads = [_lead(acts) for acts in step.ranks]
+    pool_starts = [
+        _starts(best.ranks[r], leads[r], first.action_times, r)[: len(_groups(a))]
+        for r, a in enumerate(ahead)
+    ]
+    pool_end = max(
+        (
+            first.action_times[(r, leads[r] + i)][1]
+            for r, a in enumerate(ahead)
+            for i in range(len(a))
+        ),
+        default=0.0,
+    )
+    step_starts = [
+        _starts(acts, leads[r], alone.action_times, r) for r, acts in enumerate(step.ranks)
+    ]
+    best_time, span = first.step_time_s, pool_end + alone.step_time_s
+    for j in range(shifts + 1):
+        candidate = _merged(
+            step, ahead, meta, -pool_end + span * j / shifts, (step_starts, pool_starts)
+        )
+        try:
+            validate(candidate)
+        except ScheduleError:
+            continue
+        t = simulate(candidate, workload, **quick).step_time_s
+        if t < best_time - 1e-12:
+            best, best_time = candidate, t
+    best.notes.update(
+        lookahead_step_s=best_time, step_alone_s=alone.step_time_s, pool_alone_s=pool_end
+    )
+    return best

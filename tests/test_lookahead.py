@@ -1,0 +1,213 @@
+"""Coreset look-ahead (--coreset-lookahead): the next step's pool goes forward in this step's
+bubbles. The IR (forward-only look-ahead micro-batches through validator and simulator), the
+merge, and at run time: selection with the step's own weights (checked against a saved copy)
+and training that is unchanged by the pool work merged into it."""
+
+import copy
+import warnings
+
+import pytest
+
+from megatron_mllm.data.coreset import CoresetConfig
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.models.config import TINY
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.job import (
+    Collect,
+    DataParts,
+    ExecutorSettings,
+    ModelParts,
+    OptimizerSettings,
+    PlanParts,
+    RuntimeJob,
+    check_job,
+    encoder_plan_of,
+)
+from megatron_mllm.runtime.launch import spawn
+from megatron_mllm.runtime.reference import make_full_state
+from megatron_mllm.runtime.schedules import runtime_plan
+from megatron_mllm.schedule.actions import B, F
+from megatron_mllm.schedule.lookahead import with_lookahead
+from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.simulator import simulate
+from megatron_mllm.schedule.validator import ScheduleError, validate
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+N, POOL = 4, 8  # the step's micro-batches (of 1) and the pool's (ratio 2)
+PLAN = ParallelPlan(1, 1, 2)
+
+
+def schedules(name: str, n: int = N, pool: int = POOL):
+    """(step schedule, its workload, the pool's forward-only schedule) for the tiny MLLM."""
+    step, workload = runtime_plan(TINY, PLAN, 1, n, name)
+    enc, stage0 = encoder_plan_of(step, PLAN)
+    pool_schedule, _ = runtime_plan(
+        TINY,
+        PLAN,
+        1,
+        pool,
+        "megatron" if stage0 else "optimus",
+        encoder_plan=None if stage0 else enc,
+        backbone_split=tuple(step.meta.backbone_layers),
+    )
+    return step, workload, pool_schedule
+
+
+@pytest.mark.parametrize("name", ["optimus", "megatron"])
+def test_the_merged_step_is_valid_forward_only_and_faster_than_one_after_the_other(name):
+    step, workload, pool = schedules(name)
+    merged = with_lookahead(step, pool, workload)
+    validate(merged)
+    meta = merged.meta
+    assert (meta.num_microbatches, meta.lookahead, meta.total_microbatches) == (N, POOL, N + POOL)
+    acts = [a for rank in merged.ranks for a in rank]
+    ahead = {a.mb for a in acts if a.kind in ("F", "EF") and a.mb >= N}
+    assert ahead == set(range(N, N + POOL))  # every pool micro-batch goes forward
+    assert not [a for a in acts if a.kind in ("B", "EB") and a.mb >= N]
+    assert not [a for a in acts if a.kind in ("SEND", "RECV") and a.key.startswith(("grad", "eg"))
+                and int(a.key.rsplit(".m", 1)[1]) >= N]  # fmt: skip
+    # The step's own actions keep their order on every rank.
+    for before, after in zip(step.ranks, merged.ranks, strict=True):
+        assert [a for a in after if a in set(before)] == before
+    got = simulate(merged, workload).step_time_s
+    notes = merged.notes
+    assert got == pytest.approx(notes["lookahead_step_s"])
+    assert got < notes["step_alone_s"] + notes["pool_alone_s"]  # the pool's bubbles are filled
+    assert Schedule.from_csv(merged.to_csv()).meta == meta  # the metadata round-trips
+
+
+def test_look_ahead_micro_batches_are_forward_only_in_the_validator_and_hold_no_memory():
+    step, workload, pool = schedules("megatron", n=2, pool=2)
+    merged = with_lookahead(step, pool, workload)
+    broken = Schedule(merged.meta, [list(r) for r in merged.ranks])
+    broken.ranks[1].append(B(1, N - 2))  # micro-batch 2 is the pool's (the step has 2)
+    with pytest.raises(ScheduleError, match=r"\[lookahead\] micro-batch 2 is a look-ahead one"):
+        validate(broken)
+    missing = Schedule(merged.meta, [[a for a in r if a != F(1, 3)] for r in merged.ranks])
+    with pytest.raises(ScheduleError, match=r"\[missing\] no F:s1v0m3"):
+        validate(missing)
+    # A look-ahead forward keeps no activation for a backward: the peak is the step's own.
+    alone = simulate(step, workload).activation_peaks
+    assert simulate(merged, workload).activation_peaks == pytest.approx(alone)
+
+
+def _job(state, step, workload, pool, lookahead: bool) -> RuntimeJob:
+    return RuntimeJob(
+        ModelParts(TINY, state),
+        PlanParts(PLAN, schedule=step),
+        DataParts(
+            1,
+            N,
+            coreset=CoresetConfig(batch_size=N, pool_ratio=2, features="zo", seed=3),
+            pool_schedule=pool,
+            lookahead_schedule=with_lookahead(step, pool, workload) if lookahead else None,
+        ),
+        optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.5),
+        collect=Collect(grads=False),
+        executor=ExecutorSettings(ordered_p2p=True),  # NCCL's matching by order
+    )
+
+
+def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
+    """Three runs on the same ranks: `ahead` looks ahead; `plain` selects each step's own pool
+    (the same training at step 0); `copy` never steps: before each step it takes a copy of
+    `ahead`'s weights and selector, and selects the next pool with them."""
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.executor_run import ExecutorRun
+
+    device = init_rank(rank, world, 0, 60)
+    ahead, plain, saved = (ExecutorRun(rank, world, job, device) for job in jobs)
+    rows, expected, updated = [], [], []
+    for step in range(3):
+        _copy_weights(saved, ahead)
+        saved.selector.load_state_dict(copy.deepcopy(ahead.selector.state_dict()))
+        selector = copy.deepcopy(ahead.selector.state_dict())
+        ahead.step(step)
+        plain.step(step)
+        rows.append(ahead.pending[1])
+        if step == 0:
+            continue  # at step 0 the selector also chose step 0's own pool first
+        pool = saved.pool_list(saved.data.pool(step + 1))
+        expected.append(saved.pool_rows(pool))
+        # The same with the weights after the update: the selection depends on which.
+        _copy_weights(saved, ahead)
+        saved.selector.load_state_dict(selector)
+        updated.append(saved.pool_rows(pool))
+    return {"rows": rows[1:], "expected": expected, "updated": updated,
+            "ahead": ahead.history, "plain": plain.history}  # fmt: skip
+
+
+def _copy_weights(to, source) -> None:
+    for mine, theirs in zip(to.rank_model.modules, source.rank_model.modules, strict=True):
+        mine.load_state_dict(copy.deepcopy(theirs.state_dict()))
+
+
+def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same():
+    """PP=2 Optimus, ordered messages: the rows chosen during step t for step t+1 are those a
+    saved copy of step t's weights and selector chooses; step 0 (the same selection in both)
+    trains to the same losses with or without the next pool merged into it."""
+    state = spawn(make_full_state, 1, TINY, 0)[0]
+    step, workload, pool = schedules("optimus")
+    jobs = [_job(state, step, workload, pool, la) for la in (True, False, False)]
+    for job in jobs:
+        check_job(job, 2)
+    outs = spawn(_against_a_saved_copy, 2, jobs)
+    for out in outs:  # every rank of the pipeline holds the rows
+        assert out["rows"] == out["expected"] == outs[1]["rows"]
+        assert len(set(out["rows"][0])) == N
+        assert out["updated"] != out["expected"]  # the test can tell the weights apart
+    last = outs[1]  # the losses live on the last stage
+    assert last["ahead"][0] == last["plain"][0]
+
+
+def test_a_look_ahead_job_is_checked_before_anything_starts():
+    state = {}
+    step, workload, pool = schedules("optimus")
+    job = _job(state, step, workload, pool, True)
+    with pytest.raises(ConfigError, match="drop optimus-adaptive and --replan-after-iters"):
+        check_job(
+            RuntimeJob(job.model, job.plans, job.data, executor=ExecutorSettings(replan_after=1)),
+            2,
+        )
+    small_step, small_workload, small_pool = schedules("optimus", pool=4)
+    other = with_lookahead(small_step, small_pool, small_workload)
+    with pytest.raises(ConfigError, match=r"has 4 \+ 4 micro-batches; the job needs 4 \+ 8"):
+        check_job(RuntimeJob(job.model, job.plans, _data(job, other)), 2)
+
+
+def _data(job, lookahead):
+    from dataclasses import replace
+
+    return replace(job.data, lookahead_schedule=lookahead)
+
+
+def test_lookahead_arguments_are_checked_in_one_line(monkeypatch, capsys):
+    """Without a coreset or with re-planning: refused; on one pipeline stage: a warning line."""
+    from test_training import refused
+
+    from megatron_mllm.training.arguments import parse_args
+
+    refused(["--coreset-lookahead"], "--coreset-lookahead needs --coreset-pool-ratio", monkeypatch)
+    pp2 = ["--pipeline-model-parallel-size", "2", "--coreset-pool-ratio", "2"]
+    refused([*pp2, "--coreset-lookahead", "--replan-after-iters", "1"], "drop --replan-after-iters",
+            monkeypatch)  # fmt: skip
+    parse_args(["--coreset-pool-ratio", "2", "--coreset-lookahead"])
+    warning = capsys.readouterr().err.strip().splitlines()
+    assert len(warning) == 1, warning
+    assert warning[0].startswith("WARNING: --coreset-lookahead at --pipeline-model-parallel-size 1")
+    assert "no pipeline bubbles" in warning[0]
+    parse_args([*pp2, "--coreset-lookahead"])
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.slow  # two torchrun jobs; selection and training are checked above in make test
+def test_a_look_ahead_run_resumes_exactly(tmp_path):
+    """PP=2 with --coreset-lookahead, saved at 2: the checkpoint holds the rows chosen for
+    iteration 3 during iteration 2 (and the position before their pool); resumed, iterations
+    3 and 4 train exactly as in the uninterrupted run, and iteration 4's tensors are equal."""
+    from test_training import COMMON, resumed_at_2_is_bit_exact
+
+    args = [*COMMON, "--pipeline-model-parallel-size", "2", "--train-iters", "4",
+            "--coreset-pool-ratio", "2", "--coreset-lookahead"]  # fmt: skip
+    straight, resumed, _ = resumed_at_2_is_bit_exact(tmp_path, args)
+    assert "coreset look-ahead: the next pool's forward in this step's bubbles" in straight.stdout
