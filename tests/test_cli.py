@@ -174,3 +174,19 @@ def test_encoder_set_and_measured_times_mismatches_fail_clearly(run_tool, tmp_pa
         proc = run_tool("plan_schedule.py", *argv)
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
+
+
+def test_coreset_lookahead_prediction(run_tool):
+    """--coreset-pool-ratio: the Optimus step with the next pool's forward merged in, against
+    the pool's own pass then the step, and the pool trained whole (accumulation)."""
+    proc = run_tool("plan_schedule.py", *SMALL, "--coreset-pool-ratio", "2", "--json")
+    assert proc.returncode == 0, proc.stderr
+    pred = json.loads(proc.stdout)["coreset_lookahead"]
+    assert pred["lookahead_step_s"] < pred["step_alone_s"] + pred["pool_alone_s"]
+    assert pred["step_alone_s"] < pred["accumulation_s"]
+    table = run_tool("plan_schedule.py", *SMALL, "--coreset-pool-ratio", "2").stdout
+    assert "coreset look-ahead (pool 2 x B)" in table.splitlines()[-1]
+    for bad in ("0.5", "nan", "1.01"):  # 1.01: not whole micro-batches per replica
+        proc = run_tool("plan_schedule.py", *SMALL, "--coreset-pool-ratio", bad)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+        assert "--coreset-pool-ratio" in proc.stderr

@@ -78,7 +78,7 @@ def _layout(plan, schedule_name):
     "plan, schedule_name",
     [
         (ParallelPlan(1, 1, 2), "optimus"),
-        (ParallelPlan(1, 1, 2), "megatron"),
+        pytest.param(ParallelPlan(1, 1, 2), "megatron", marks=pytest.mark.slow),
         (ParallelPlan(2, 1, 1), "megatron"),  # replicas whose micro-batches differ in images
         pytest.param(ParallelPlan(1, 1, 2), "balanced", marks=pytest.mark.slow),
         pytest.param(ParallelPlan(1, 1, 2), "megatron_core", marks=pytest.mark.slow),

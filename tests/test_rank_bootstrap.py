@@ -83,7 +83,9 @@ def _group_order(rank: int, world: int, job: RuntimeJob) -> list[tuple[int, ...]
     return made
 
 
-@pytest.mark.parametrize("ordered", [False, True], ids=["tagged", "ordered"])
+@pytest.mark.parametrize(
+    "ordered", [pytest.param(False, marks=pytest.mark.slow), True], ids=["tagged", "ordered"]
+)  # ordered (NCCL's way) creates every group the tagged run does, and one per direction
 def test_process_groups_are_created_in_one_order_on_every_rank(ordered):
     """NCCL builds a communicator per group as it is created (device-bound default group):
     every rank must create the same groups in the same order, or they block each other."""
@@ -127,7 +129,11 @@ def _guarded_steps(rank: int, world: int, job: RuntimeJob) -> list[str]:
     return guard.violations
 
 
-@pytest.mark.parametrize("mode", ["executor", "reference", "megatron_core", "coreset"])
+@pytest.mark.parametrize(
+    "mode",
+    ["executor", pytest.param("reference", marks=pytest.mark.slow),
+     pytest.param("megatron_core", marks=pytest.mark.slow), "coreset"],
+)  # fmt: skip
 def test_no_tensor_is_made_without_a_device(mode):
     """The class of bug a CPU machine cannot see: a factory without `device=` in our code."""
     from megatron_mllm.data.coreset import CoresetConfig

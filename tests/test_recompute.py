@@ -97,6 +97,7 @@ def test_full_recomputation_keeps_exactly_the_layer_input(plain):
     )
 
 
+@pytest.mark.slow  # six one-process runs; selective recomputation's losses: test_runtime.py
 def test_selective_recomputation_drops_the_attention_scores(plain):
     """Selective: the core attention's saved tensors (its s^2 probabilities among them) go; a
     layer keeps less than without recomputation and more than with full recomputation."""

@@ -228,6 +228,7 @@ def test_dynamic_mode_agrees(reference):
     assert sum(o["moved"] for o in outs) > 0  # some encoder work did run ahead
 
 
+@pytest.mark.slow  # CLIP + Llama under TP 2 also in make test: test_llava_conversion.py (tp 2)
 def test_llava_shaped_model_agrees_on_tp2():
     """CLIP-style encoder (class token, pre-norm, quick_gelu) and a Llama backbone (RMSNorm,
     SwiGLU, no bias, grouped-query attention): the SwiGLU fc1 shards as [gate_r; up_r]."""
@@ -540,7 +541,8 @@ def test_overlapped_grad_reduce_agrees(layout, unit):
 
 @pytest.mark.parametrize(
     "layout",
-    ["dp2", pytest.param("pp2-encoder-dp2", marks=pytest.mark.slow),
+    [pytest.param("dp2", marks=pytest.mark.slow),  # make test: test_distributed_optimizer.py
+     pytest.param("pp2-encoder-dp2", marks=pytest.mark.slow),
      pytest.param("pp2", marks=pytest.mark.slow), pytest.param("tp2", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_distributed_optimizer_equals_the_replicated_one(layout):

@@ -24,6 +24,7 @@ against 2B accumulation.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -35,7 +36,17 @@ from typing import Any
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl|cuda_graph).*")
 
-METHODS = ("random_B", "stratified_B", "2B_batch", "2B_accumulation", "coreset_zo", "coreset_exact")
+METHODS = (
+    "random_B",
+    "stratified_B",
+    "2B_batch",
+    "2B_accumulation",
+    "coreset_zo",
+    "coreset_exact",
+    "coreset_lookahead",
+)
+# The step-time comparison on a 2-stage pipeline (--pipeline-steps), its runs in step order.
+PIPELINE_RUNS = ("B", "2B_accumulation", "coreset", "coreset_lookahead")
 T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
@@ -438,32 +449,33 @@ def train_one(args, task: Task, method: str, seed: int) -> dict:
     sampler = iter(PoolSampler(task.n_train, 2 * b, seed=seed))
     gen = torch.Generator().manual_seed(seed)
     spent = dict.fromkeys(("pool_forward_s", "features_s", "facility_location_s"), 0.0)
-    selector = None
+    selector, pending = None, None
+    lookahead = method == "coreset_lookahead"  # zeroth-order, selected one step ahead
     if method.startswith("coreset"):
-        config = CoresetConfig(batch_size=b, features=method.split("_")[1], seed=seed)
-        selector = timed_selector(config)
+        features = "zo" if lookahead else method.split("_")[1]
+        selector = timed_selector(CoresetConfig(batch_size=b, features=features, seed=seed))
 
     def pick(pool):
         return coreset_pick(task, selector, model, pool, b, spent)
 
     peak, times, curve, elapsed = 0, [], [], 0.0
     for step in range(args.steps):
-        pool = next(sampler)
         measure = step == 0  # memory on the first step, untimed (the mode costs time)
         mode = live_bytes_mode() if measure and selector is not None else None
         t0 = time.perf_counter()
-        if mode is not None:
-            with mode:
-                batches = batches_of(method, task, pool, b, gen, pick)
-            peak = max(peak, mode.peak)
-        else:
-            batches = batches_of(method, task, pool, b, gen, pick)
+        with mode if mode is not None else contextlib.nullcontext():
+            batches = pending or batches_of(method, task, next(sampler), b, gen, pick)
         opt.zero_grad()
         for idx in batches:
             with SavedBytes() as saved:
                 loss = task.loss_of(model, idx) / len(batches)
             peak = max(peak, saved.total)
             loss.backward()
+        if lookahead:  # the next step's pool, chosen with this step's weights (before the update)
+            with mode if mode is not None else contextlib.nullcontext():
+                pending = [pick(next(sampler))]
+        if mode is not None:
+            peak = max(peak, mode.peak)
         opt.step()
         dt = time.perf_counter() - t0
         if not measure:
@@ -489,6 +501,119 @@ def run(rank: int, world: int, args) -> dict:
             results[method].append(train_one(args, task, method, seed))
         print(f"seed {seed + 1}/{args.seeds} done", file=sys.stderr, flush=True)
     return {"describe": task.describe, "results": results}
+
+
+def pipeline_jobs(args) -> dict:
+    """The step-time runs on a 2-stage pipeline (Optimus, distributed optimizer): B
+    alone, 2B by accumulation (2N micro-batches, B's memory), the coreset (the pool's pass, then
+    the step) and the coreset with look-ahead (the next pool in the step's bubbles)."""
+    from megatron_mllm.data.coreset import CoresetConfig
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.job import (
+        Collect,
+        DataParts,
+        ModelParts,
+        OptimizerSettings,
+        PlanParts,
+        RuntimeJob,
+        encoder_plan_of,
+    )
+    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.profile_units import profile_units
+    from megatron_mllm.runtime.reference import make_full_state
+    from megatron_mllm.runtime.schedules import runtime_plan
+    from megatron_mllm.schedule.lookahead import with_lookahead
+
+    cfg, plan, mb = mllm_config(args, text_len=args.pipeline_text), ParallelPlan(1, 1, 2), 2
+    n = args.batch // mb
+    state = spawn(make_full_state, 1, cfg, 0)[0]
+    # Plans and the merge from unit times measured here, both ranks at once (their contention).
+    measured = spawn(profile_units, plan.world_size, cfg, mb, 5)[0]
+    step, workload = runtime_plan(cfg, plan, mb, n, "optimus", measured=measured)
+    encoder, _ = encoder_plan_of(step, plan)
+    layers = tuple(step.meta.backbone_layers)
+    pool, _ = runtime_plan(cfg, plan, mb, 2 * n, "optimus", encoder_plan=encoder,
+                           measured=measured, backbone_split=layers)  # fmt: skip
+    double, _ = runtime_plan(cfg, plan, mb, 2 * n, "optimus", measured=measured)
+    coreset = CoresetConfig(batch_size=args.batch, pool_ratio=2, features="zo", seed=0)
+    merged = with_lookahead(step, pool, workload)
+
+    def job(schedule, n_mb, **data):
+        return RuntimeJob(
+            ModelParts(cfg, state),  # fp32: bf16 matrix products are ~65x slower on this CPU
+            PlanParts(plan, schedule=schedule),
+            DataParts(mb, n_mb, **data),
+            optimizer=OptimizerSettings(lr=1e-3, distributed=True),
+            collect=Collect(grads=False),
+        )
+
+    jobs = {
+        "B": job(step, n),
+        "2B_accumulation": job(double, 2 * n),
+        "coreset": job(step, n, coreset=coreset, pool_schedule=pool),
+        "coreset_lookahead": job(
+            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merged
+        ),
+    }
+    describe = (
+        f"PP=2 on 2 ranks, Optimus, fp32 + distributed optimizer, ViT {cfg.vit_layers}x"
+        f"{cfg.vit_hidden} + GPT {cfg.llm_layers}x{cfg.llm_hidden}, sequence {cfg.seq_len}, "
+        f"synthetic image-caption pools (10 classes), B={args.batch} in micro-batches of {mb}"
+    )
+    return {"jobs": jobs, "describe": describe, "predicted": merged.notes}
+
+
+def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
+    """Every run builds once, then they take steps in turn; each step's wall time from a
+    barrier before it to a barrier after it (the slower rank's time)."""
+    import torch.distributed as dist
+
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.runs import make_run
+
+    device = init_rank(rank, world, 0, 120.0)
+    runs = {name: make_run(rank, world, job, device) for name, job in jobs.items()}
+    times = {name: [] for name in runs}
+    for step in range(steps):
+        for name, run in runs.items():
+            dist.barrier()
+            t0 = time.perf_counter()
+            run.step(step)
+            dist.barrier()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def pipeline_section(args) -> dict:
+    """Median step seconds (and spread) per run, measured steps after one warm-up each."""
+    from megatron_mllm.runtime.launch import spawn
+
+    built = pipeline_jobs(args)
+    times = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)[0]
+    out = {"describe": built["describe"], "predicted": built["predicted"], "runs": {}}
+    acc = statistics.median(times["2B_accumulation"][1:])
+    for name, ts in times.items():
+        ts = ts[1:]
+        med = statistics.median(ts)
+        out["runs"][name] = {"step_s": med, "min_s": min(ts), "max_s": max(ts),
+                             "vs_accumulation": med / acc}  # fmt: skip
+    pairs = [
+        a / c for a, c in zip(times["coreset_lookahead"][1:], times["coreset"][1:], strict=True)
+    ]
+    out["lookahead_vs_coreset"] = (statistics.median(pairs), min(pairs), max(pairs))
+    return out
+
+
+def print_pipeline(p: dict) -> None:
+    print(f"step time on a pipeline: {p['describe']}; medians over the measured steps (min-max)")
+    for name, r in p["runs"].items():
+        print(f"  {name:<18}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
+              f"{1000 * r['max_s']:.1f}){r['vs_accumulation']:>7.2f}x accumulation")  # fmt: skip
+    med, lo, hi = p["lookahead_vs_coreset"]
+    pred = p["predicted"]
+    alone = pred["step_alone_s"] + pred["pool_alone_s"]
+    print(f"  look-ahead / same-step coreset, paired by step: {med:.3f} ({lo:.3f}-{hi:.3f}); "
+          f"the planner predicted {pred['lookahead_step_s'] / alone:.3f}")  # fmt: skip
 
 
 def time_to_target(curve, target: float) -> float | None:
@@ -523,6 +648,11 @@ def summarise(results: dict) -> dict:
         for key in ("heldout_loss", "heldout_accuracy", "step_s"):
             stat[f"{key}_vs_accumulation"] = paired(rows, base, key)
         out[m] = stat
+    # Look-ahead against same-step selection (zeroth-order both), paired by seed.
+    ahead, now = results["coreset_lookahead"], results["coreset_zo"]
+    out["lookahead_vs_same_step"] = {
+        k: paired(ahead, now, k) for k in ("heldout_loss", "heldout_accuracy")
+    }
     return out
 
 
@@ -550,14 +680,16 @@ def print_table(args, describe: str, s: dict) -> None:
             f"{r['worst_source_accuracy']:>6.2f}{r['peak_activation_bytes'] / mem2b:>9.2f}x"
             f"{1000 * r['step_s']:>9.1f}{r['step_s'] / acc:>8.2f}x{reach:>17}"
         )
-    for m in ("coreset_zo", "coreset_exact"):
+    (dl, dli), (da, dai) = s["lookahead_vs_same_step"].values()
+    print(f"look-ahead - same-step selection (paired): held-out loss {dl:+.4f}+-{dli:.4f}, "
+          f"accuracy {da:+.3f}+-{dai:.3f}")  # fmt: skip
+    for m in ("coreset_zo", "coreset_exact", "coreset_lookahead"):
         r = s[m]
         parts = ", ".join(
             f"{k[:-2].replace('_', ' ')} {1000 * r[k]:.1f}"
             for k in ("pool_forward_s", "features_s", "facility_location_s")
         )
         print(f"{m} selection per step (ms): {parts}")
-    print("coreset with look-ahead (--coreset-lookahead): not built")
 
 
 def main() -> int:
@@ -571,6 +703,15 @@ def main() -> int:
     ap.add_argument("--held-out", type=int, default=30, help="held-out examples per source")
     ap.add_argument("--eval-every", type=int, default=10)
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument(
+        "--pipeline-steps",
+        type=int,
+        default=0,
+        help="also time B, 2B accumulation, coreset and look-ahead on a 2-stage pipeline for "
+        "this many steps (2 processes; 0: skip)",
+    )
+    ap.add_argument("--pipeline-text", type=int, default=112, help="text tokens (pipeline)")
+    ap.add_argument("--skip-quality", action="store_true", help="only the pipeline timing")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     if args.steps < 2 or args.seeds < 1 or args.batch < 1 or args.eval_every < 1:
@@ -578,6 +719,15 @@ def main() -> int:
         return 2
     from megatron_mllm.runtime.launch import spawn
 
+    if args.pipeline_steps < 0 or (args.skip_quality and not args.pipeline_steps):
+        print("error: --pipeline-steps must be >= 0 (and > 0 with --skip-quality)", file=sys.stderr)
+        return 2
+    pipe = pipeline_section(args) if args.pipeline_steps else None
+    if args.skip_quality:
+        print(json.dumps({"pipeline": pipe}) if args.json else "", end="")
+        if not args.json:
+            print_pipeline(pipe)
+        return 0
     out = spawn(run, 1, args, timeout_s=7200)[0]
     s = summarise(out["results"])
     if args.json:
@@ -588,10 +738,15 @@ def main() -> int:
             "accumulation_heldout_loss": a["heldout_loss"],
             "coreset_memory_vs_2b": z["peak_activation_bytes"]
             / s["2B_batch"]["peak_activation_bytes"],
+            "lookahead_heldout_loss": s["coreset_lookahead"]["heldout_loss"],
+            "lookahead_vs_same_step": s["lookahead_vs_same_step"],
             "seeds": args.seeds, "model": args.model, "size": args.size, "methods": s,
+            "pipeline": pipe,
         }))  # fmt: skip
         return 0
     print_table(args, out["describe"], s)
+    if pipe is not None:
+        print_pipeline(pipe)
     return 0
 
 

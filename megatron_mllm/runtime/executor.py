@@ -93,6 +93,7 @@ class Executor:
         grad_sync: dict | None = None,
         loss_scale: torch.Tensor | None = None,
         evaluate: bool = False,
+        after_program: Callable | None = None,
     ) -> None:
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
@@ -133,6 +134,9 @@ class Executor:
         # Each part's DP gradient reduction (data_parallel.PartGradSync by part: "bb", "e0", ...).
         self.grad_sync = grad_sync or {}
         self.loss_scale = loss_scale  # fp16: the loss is scaled before its backward (a tensor)
+        # Run once the program's last op has run, before the step-end waits (its result is
+        # `picked`): the coreset look-ahead's selection on the last stage.
+        self.after_program, self.picked = after_program, None
         self.flow = Dataflow(meta, [])  # what each action reads (needs use no assignment)
         self._planned = planned_bubbles(program)
         self._collectives: dict[tuple[str, int, int], int] = {}  # counted TP waits per action
@@ -165,6 +169,8 @@ class Executor:
         finally:
             if hook is not None:
                 hook.remove()
+        if self.after_program is not None:
+            self.picked = self.after_program(self)
         self.messages.drain()
         for key in sorted(self.grad_sync):  # one order on every rank (see data_parallel.py)
             start = self.clock.mark()

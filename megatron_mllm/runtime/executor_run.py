@@ -291,25 +291,34 @@ class ExecutorRun:
 
     def _choose(self, batches: list[MicroBatch], hidden_of: dict) -> list[int]:
         """The pool's rows to train on (collective over the backbone's model-parallel group):
-        the last stage selects from its output layer's inputs `hidden_of[mb]` and the current
-        output layer, and every stage gets the rows."""
+        the last stage selects (`_pick`), every stage gets the rows (`_share`)."""
+        return self._share(self._pick(batches, hidden_of))
+
+    def _pick(self, batches: list[MicroBatch], hidden_of: dict) -> torch.Tensor | None:
+        """On the last stage (collective over its TP group): the rows selected from the output
+        layer's inputs `hidden_of[mb]` and the current output layer; None on other stages."""
         from megatron_mllm.data.batch import collate
+
+        if not self.backbone.post_process:
+            return None
+        whole = collate(batches)
+        # The replay runs in fp32 on what the pipeline computed (bf16 inputs and weights).
+        hidden = torch.cat([hidden_of[m] for m in range(len(batches))]).float()
+        weight = self.backbone.gpt.output_layer.weight.detach().float()
+        return self.selector.select(
+            torch.tensor(whole.sources, device="cpu"),
+            self._replay(weight.shape[0]),
+            self._whole_sequence(hidden),
+            whole.labels.to(hidden.device),
+            weight,
+        ).to(self.device)
+
+    def _share(self, picked: torch.Tensor | None) -> list[int]:
+        """The last stage's rows on every rank of the pipeline (collective)."""
         from megatron_mllm.data.sampler import broadcast_selection
         from megatron_mllm.parallel.groups import backbone_rank
 
         job, c = self.job, self.groups.coords
-        whole, picked = collate(batches), None
-        if self.backbone.post_process:
-            # The replay runs in fp32 on what the pipeline computed (bf16 inputs and weights).
-            hidden = torch.cat([hidden_of[m] for m in range(len(batches))]).float()
-            weight = self.backbone.gpt.output_layer.weight.detach().float()
-            picked = self.selector.select(
-                torch.tensor(whole.sources, device="cpu"),
-                self._replay(weight.shape[0]),
-                self._whole_sequence(hidden),
-                whole.labels.to(hidden.device),
-                weight,
-            ).to(self.device)
         group, size = self.groups.backbone.mp, job.data.coreset.batch_size
         if dist.get_world_size(group) > 1:
             last = backbone_rank(job.backbone, 0, c.dp, job.backbone.pp - 1)
@@ -323,6 +332,17 @@ class ExecutorRun:
         whole, mb, tokens = collate(batches), self.job.micro_batch, self.job.cfg.image_tokens
         chosen = [whole.select(rows[m : m + mb], tokens) for m in range(0, len(rows), mb)]
         return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
+
+    def _picker(self, pool: list[MicroBatch], n: int) -> Callable | None:
+        """Look-ahead, last stage: select from the pool as soon as this rank's program is done
+        (its step-end waits and the other stages' last work still ahead)."""
+        if not self.backbone.post_process:
+            return None
+
+        def pick(executor) -> torch.Tensor:
+            return self._pick(pool, {m - n: h for m, h in executor.last_layer_inputs.items()})
+
+        return pick
 
     def _replay(self, rows: int):
         """The selection's last-layer replay for this rank's `rows` of the output layer."""
@@ -366,29 +386,45 @@ class ExecutorRun:
         return {"losses": result.losses, "matches": result.matches}
 
     def step(self, step: int) -> None:
-        from megatron_mllm.models.weights import grad_shards
-        from megatron_mllm.runtime.optimizer import (
-            allreduce_sequence_parallel_grads,
-        )
+        """One training step: its data (the coreset's rows), its program, the update."""
+        from megatron_mllm.runtime.optimizer import allreduce_sequence_parallel_grads
 
-        job, c = self.job, self.groups.coords
+        job = self.job
         self.rank_model.zero_grad()
         for sync in self.grad_sync.values():
             sync.zero()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         data = self.selection(step) if self.selector is not None else self.data.step(step)
+        executor, slot, ahead = self._step_executor(step, data)
+        if job.faults.fail_rank == self.rank:
+            executor.run_step()
+            os._exit(3)  # die mid-step, as a crashed rank would
+        with self.saved.tracking() if self.saved is not None else contextlib.nullcontext():
+            result = executor.run_step()
+        allreduce_sequence_parallel_grads(self.chunks, self.groups.backbone.tp)
+        if ahead is not None:  # chosen before the update: with the step's own weights
+            self.pending = (step + 1, self._share(executor.picked))
+        self._record(step, result, slot)
+        self.last_loss = self._mean_loss(self.history[-1])
+        nan_loss = not math.isfinite(self.last_loss)
+        self._optimizer_step(skip=self.job.optimizer.check_nan and nan_loss)
 
+    def _step_executor(self, step: int, data) -> tuple:
+        """(executor, slot of each program micro-batch, the next pool or None) for one step:
+        the static program, the step's own (optimus-adaptive), or the look-ahead one."""
+        job, c = self.job, self.groups.coords
         program, meta, ordered, order = self.program, job.schedule.meta, self.ordered, None
         if self.adaptive is not None and self.selector is None:
             program, meta, ordered, order = self.adaptive.program(step, data)
         slot = order.__getitem__ if order is not None else int
-        get, ahead = (lambda m: data(slot(m), c.dp)), None
+        get, ahead, after = (lambda m: data(slot(m), c.dp)), None, None
         if self.ahead_program is not None:  # the next step's pool goes forward in this one
             program, ordered = self.ahead_program, self.ahead_ordered
             meta = job.data.lookahead_schedule.meta
             ahead = self.pool_list(self.data.prefetch_pool(step + 1))
             get = _with_lookahead(get, ahead, job.num_microbatches)
+            after = self._picker(ahead, job.num_microbatches)
         executor = self._executor(
             program,
             meta,
@@ -399,17 +435,15 @@ class ExecutorRun:
             max_encoder_ahead=job.executor.max_encoder_ahead,
             grad_sync=self.grad_sync,
             loss_scale=self._backward_scale(step),
+            after_program=after,
         )
-        if job.faults.fail_rank == self.rank:
-            executor.run_step()
-            os._exit(3)  # die mid-step, as a crashed rank would
-        with self.saved.tracking() if self.saved is not None else contextlib.nullcontext():
-            result = executor.run_step()
-        allreduce_sequence_parallel_grads(self.chunks, self.groups.backbone.tp)
-        if ahead is not None:  # before the update: the step's own weights select
-            n = job.num_microbatches
-            hidden = {m - n: h for m, h in executor.last_layer_inputs.items()}
-            self.pending = (step + 1, self._choose(ahead, hidden))
+        return executor, slot, ahead
+
+    def _record(self, step: int, result, slot) -> None:
+        """What a step measured and computed: times, spans, losses (step 0's gradients)."""
+        from megatron_mllm.models.weights import grad_shards
+
+        c = self.groups.coords
         for key, values in result.unit_times.items():
             self.unit_times.setdefault(key, []).extend(values)
         self.seconds.append(result.seconds)
@@ -419,16 +453,13 @@ class ExecutorRun:
         self.moved = result.moved
         self.overlapped, self.overlapped_in = result.overlapped, result.overlapped_in
         self.history.append({(c.dp, slot(m)): v for m, v in result.losses.items()})
-        if job.collect.grads and step == 0:
+        if self.job.collect.grads and step == 0:
             self.grads = {k: v for m in self.chunks for k, v in grad_shards(m, c.tp).items()}
             if self.encoder is not None and (
                 self.stage0 or (c.enc_slot, c.enc_row, c.dp) == (0, 0, 0)
             ):
                 for encoder in self.encoders:
                     self.grads.update(grad_shards(encoder, c.enc_tp if not self.stage0 else c.tp))
-        self.last_loss = self._mean_loss(self.history[-1])
-        nan_loss = not math.isfinite(self.last_loss)
-        self._optimizer_step(skip=self.job.optimizer.check_nan and nan_loss)
 
     def _mean_loss(self, losses: dict) -> float:
         """The step's mean loss over every replica's micro-batches (collective: the last-stage

@@ -104,6 +104,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="also try the best Optimus plan with the encoder's backward split into input- and "
         "weight-gradient work (EB / EW; simulation only), kept where faster",
     )
+    p.add_argument(
+        "--coreset-pool-ratio",
+        type=float,
+        default=None,
+        metavar="R",
+        help="also predict the coreset's look-ahead: the next step's pool of R x the global "
+        "batch going forward in the Optimus step's bubbles, against its own pass then the step",
+    )
     p.add_argument("--sample-steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0, help="for drawing the loads")
     return p
@@ -138,6 +146,53 @@ def job_from_args(args: argparse.Namespace) -> tuple[MLLMJob, dict | None]:
             args.measured_times, [e.name for e in encoders] + [backbone.name]
         )
     return job, measured
+
+
+def lookahead_prediction(args, job: MLLMJob, measured, report: PlanReport) -> dict | None:
+    """The Optimus step with the next coreset pool's forward merged in (`with_lookahead`):
+    predicted seconds, against the pool's pass alone and then the step (None without
+    --coreset-pool-ratio)."""
+    if args.coreset_pool_ratio is None:
+        return None
+    from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
+    from megatron_mllm.schedule.lookahead import with_lookahead
+
+    ratio = args.coreset_pool_ratio
+    pool_batch = pool_global_batch(ratio, job)
+    planned = report.optimus
+    layers = tuple(planned.schedule.meta.backbone_layers)
+    pool_job = replace(job, global_batch=pool_batch, backbone_split=layers)
+    options = replace(planned.options, wgrad_split=False)
+    pool, pool_workload = optimus_schedule(JobCosts(pool_job, measured), options)
+    notes = with_lookahead(planned.schedule, pool, planned.workload).notes
+    out = {k: notes[k] for k in ("lookahead_step_s", "step_alone_s", "pool_alone_s")}
+    # The pool's schedule trained whole is R x B by accumulation (B's activation memory).
+    out["accumulation_s"] = simulate(pool, pool_workload, keep_spans=False).step_time_s
+    return out
+
+
+def pool_global_batch(ratio: float, job: MLLMJob) -> int:
+    """The coreset pool's size over all replicas, or ConfigError naming what would do."""
+    from megatron_mllm.data.coreset import MAX_POOL_RATIO
+
+    whole = job.micro_batch * job.plan.dp
+    if not 1 <= ratio <= MAX_POOL_RATIO or round(ratio * job.global_batch) % whole:
+        raise ConfigError(
+            f"--coreset-pool-ratio {ratio}: give 1 to {MAX_POOL_RATIO:g} making a pool of whole "
+            f"micro-batches per replica ({job.micro_batch} x DP {job.plan.dp})"
+        )
+    return round(ratio * job.global_batch)
+
+
+def format_lookahead(pred: dict, ratio: float) -> str:
+    alone = pred["step_alone_s"] + pred["pool_alone_s"]
+    return (
+        f"coreset look-ahead (pool {ratio:g} x B): pool pass {pred['pool_alone_s']:.3f} s then "
+        f"the step {pred['step_alone_s']:.3f} s = {alone:.3f} s; the next pool in the step's "
+        f"bubbles {pred['lookahead_step_s']:.3f} s ({alone / pred['lookahead_step_s']:.3f}x); "
+        f"{ratio:g} x B by accumulation {pred['accumulation_s']:.3f} s (selection's own compute "
+        "not included)"
+    )
 
 
 def forced_encoder_plan(args: argparse.Namespace, job: MLLMJob) -> ParallelPlan | None:
@@ -281,6 +336,8 @@ def format_sampled(times: dict, mean: float, adaptive: AdaptivePlanner) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     job, measured = job_from_args(args)
+    if args.coreset_pool_ratio is not None:
+        pool_global_batch(args.coreset_pool_ratio, job)  # bad input before any planning
     steps, mean = drawn_steps(args, job)
     if steps is not None:
         job = replace(job, images_per_sample=mean)
@@ -299,6 +356,7 @@ def main(argv: list[str] | None = None) -> int:
             write_chrome_trace(full["optimus"], args.trace, "optimus")
         if args.png:
             write_png(full, args.png)
+    ahead = lookahead_prediction(args, job, measured, report)
     times = adaptive = None
     if steps is not None:
         adaptive = AdaptivePlanner(costs, report.optimus, mean)
@@ -313,11 +371,15 @@ def main(argv: list[str] | None = None) -> int:
             out["replan_seconds_per_step"] = statistics.mean(adaptive.seconds)
             out["replan_seconds_max"] = max(adaptive.seconds)
             out["replan_cache_hits"] = adaptive.hits
+        if ahead is not None:
+            out["coreset_lookahead"] = ahead
         print(json.dumps(out))
     else:
         print(format_table(report, job.hw.memory_gb))
         if times is not None:
             print(format_sampled(times, mean, adaptive))
+        if ahead is not None:
+            print(format_lookahead(ahead, args.coreset_pool_ratio))
     return 0
 
 
