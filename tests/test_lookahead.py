@@ -21,11 +21,10 @@ from megatron_mllm.runtime.job import (
     PlanParts,
     RuntimeJob,
     check_job,
-    encoder_plan_of,
 )
 from megatron_mllm.runtime.launch import spawn
 from megatron_mllm.runtime.reference import make_full_state
-from megatron_mllm.runtime.schedules import runtime_plan
+from megatron_mllm.runtime.schedules import pool_plan, runtime_plan
 from megatron_mllm.schedule.actions import B, F
 from megatron_mllm.schedule.lookahead import with_lookahead
 from megatron_mllm.schedule.schedule import Schedule
@@ -40,17 +39,7 @@ PLAN = ParallelPlan(1, 1, 2)
 def schedules(name: str, n: int = N, pool: int = POOL):
     """(step schedule, its workload, the pool's forward-only schedule) for the tiny MLLM."""
     step, workload = runtime_plan(TINY, PLAN, 1, n, name)
-    enc, stage0 = encoder_plan_of(step, PLAN)
-    pool_schedule, _ = runtime_plan(
-        TINY,
-        PLAN,
-        1,
-        pool,
-        "megatron" if stage0 else "optimus",
-        encoder_plan=None if stage0 else enc,
-        backbone_split=tuple(step.meta.backbone_layers),
-    )
-    return step, workload, pool_schedule
+    return step, workload, pool_plan(step, TINY, PLAN, 1, pool)[0]
 
 
 @pytest.mark.parametrize("name", ["optimus", "megatron"])

@@ -516,12 +516,11 @@ def pipeline_jobs(args) -> dict:
         OptimizerSettings,
         PlanParts,
         RuntimeJob,
-        encoder_plan_of,
     )
     from megatron_mllm.runtime.launch import spawn
     from megatron_mllm.runtime.profile_units import profile_units
     from megatron_mllm.runtime.reference import make_full_state
-    from megatron_mllm.runtime.schedules import runtime_plan
+    from megatron_mllm.runtime.schedules import pool_plan, runtime_plan
     from megatron_mllm.schedule.lookahead import with_lookahead
 
     cfg, plan, mb = mllm_config(args, text_len=args.pipeline_text), ParallelPlan(1, 1, 2), 2
@@ -530,10 +529,7 @@ def pipeline_jobs(args) -> dict:
     # Plans and the merge from unit times measured here, both ranks at once (their contention).
     measured = spawn(profile_units, plan.world_size, cfg, mb, 5)[0]
     step, workload = runtime_plan(cfg, plan, mb, n, "optimus", measured=measured)
-    encoder, _ = encoder_plan_of(step, plan)
-    layers = tuple(step.meta.backbone_layers)
-    pool, _ = runtime_plan(cfg, plan, mb, 2 * n, "optimus", encoder_plan=encoder,
-                           measured=measured, backbone_split=layers)  # fmt: skip
+    pool, _ = pool_plan(step, cfg, plan, mb, 2 * n, measured=measured)
     double, _ = runtime_plan(cfg, plan, mb, 2 * n, "optimus", measured=measured)
     coreset = CoresetConfig(batch_size=args.batch, pool_ratio=2, features="zo", seed=0)
     merged = with_lookahead(step, pool, workload)

@@ -95,20 +95,22 @@ class StepData:
             return pool_batches(self.job, step)
         return self.step(step, self.job.data.coreset.pool_size // self.job.micro_batch)
 
-    def prefetch_pool(self, step: int) -> Callable[..., MicroBatch]:
-        """Coreset look-ahead: read `step`'s pool now, one step ahead; checkpoints until `step`
-        runs save the position before it (a resumed run reads it again)."""
+    def _read_ahead(self, step: int, read: Callable) -> Callable[..., MicroBatch]:
+        """`read(step)` now, one step ahead; checkpoints until `step` runs save the streams'
+        position before it (a resumed run reads it again)."""
         before = {dp: s.state() for dp, s in self.streams.items()}
-        get = self.pool(step)
+        get = read(step)
         self._ahead = (step, get, before)
         return get
 
+    def prefetch_pool(self, step: int) -> Callable[..., MicroBatch]:
+        """Coreset look-ahead: `step`'s pool, read one step ahead."""
+        return self._read_ahead(step, self.pool)
+
     def prefetch(self, step: int) -> list[list[int]]:
         """Read `step`'s micro-batches now, one step ahead; each replica's image count per
-        micro-batch. Checkpoints until `step` runs save the position before them."""
-        before = {dp: s.state() for dp, s in self.streams.items()}
-        get = self.step(step)
-        self._ahead = (step, get, before)
+        micro-batch."""
+        get = self._read_ahead(step, self.step)
         n = self.job.num_microbatches
         return [[get(m, dp).num_images for m in range(n)] for dp in self.replicas]
 

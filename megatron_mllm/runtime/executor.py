@@ -433,19 +433,16 @@ class Executor:
             self._gathered(action)
         start, first_fill = self.clock.mark(), len(self._fill_marks)
         backbone = action.kind in ("F", "B")
-        ahead = action.kind in ("F", "EF") and not self.meta.trains(action.mb)
-        if backbone:
-            from megatron_mllm_patches.async_tp_collectives import observing
+        ahead = action.kind in ("F", "EF") and not self.meta.trains(action.mb)  # no graph
+        with torch.no_grad() if ahead else contextlib.nullcontext():
+            if backbone:
+                from megatron_mllm_patches.async_tp_collectives import observing
 
-            blocked: list[tuple] = []
-            with observing(self._observer(action, blocked), mark=self.clock.mark):
-                with torch.no_grad() if ahead else contextlib.nullcontext():
+                blocked: list[tuple] = []
+                with observing(self._observer(action, blocked), mark=self.clock.mark):
                     self.handlers[action.kind](action)
-        elif ahead:
-            with torch.no_grad():
+            else:
                 self.handlers[action.kind](action)
-        else:
-            self.handlers[action.kind](action)
         end = self.clock.mark()
         if backbone:
             self._backbone_time_later(action, start, end, self._fill_marks[first_fill:] + blocked)
@@ -478,10 +475,10 @@ class Executor:
         meta = self.meta
         v = meta.virtual_index(a.stage, a.chunk)
         last = v == meta.num_virtual_stages - 1
-        trains = meta.trains(a.mb) and not self.forward_only  # else nothing runs backward
+        trains = self._trains(a.mb)
         # The encoders' outputs (first virtual stage) or the previous stage's activation.
         inputs = [self._take(k).detach().requires_grad_(trains) for k in self._needs(a)]
-        pool = last and not self.evaluate and (self.forward_only or not meta.trains(a.mb))
+        pool = last and self._is_pool(a.mb)
         self._capture_next = pool
         if v == 0:
             first = self.chunks[a.chunk]
@@ -559,10 +556,17 @@ class Executor:
             if not self._encoder_backward_follows(a):
                 del self.enc_units[(a.enc, a.stage, a.mb)]  # no backward will read its units
 
+    def _trains(self, mb: int) -> bool:
+        """Whether micro-batch `mb` runs backward in this pass."""
+        return self.meta.trains(mb) and not self.forward_only
+
+    def _is_pool(self, mb: int) -> bool:
+        """Whether micro-batch `mb` is a coreset pool's (a pool pass, or a look-ahead one)."""
+        return not self.evaluate and not self._trains(mb)
+
     def _encoder_backward_follows(self, a: Action) -> bool:
         """Whether an encoder stage's forward of `a`'s micro-batch is read by a backward."""
-        trained = self.meta.encoders[a.enc].bwd_kernels[a.stage] > 0
-        return trained and self.meta.trains(a.mb) and not self.forward_only
+        return self.meta.encoders[a.enc].bwd_kernels[a.stage] > 0 and self._trains(a.mb)
 
     def _wants_input_grad(self, a: Action, u: int) -> bool:
         """Whether unit u's input needs a gradient: something before it trains. In a frozen

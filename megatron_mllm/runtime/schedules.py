@@ -118,6 +118,35 @@ def runtime_plan(
     return built
 
 
+def pool_plan(
+    step: Schedule,
+    cfg: MLLMConfig,
+    plan: ParallelPlan,
+    micro_batch: int,
+    num_microbatches: int,
+    unit: str = "layer",
+    **options,
+) -> tuple[Schedule, Workload]:
+    """A coreset pool's schedule (and costs) of `num_microbatches` for the modules `step`'s
+    job built: its encoder plan and placement, its backbone split (`options`: runtime_plan's,
+    e.g. frozen_encoder, measured)."""
+    from megatron_mllm.runtime.job import encoder_plan_of
+
+    enc_plan, stage0 = encoder_plan_of(step, plan)
+    layers = tuple(step.meta.backbone_layers) if plan.vpp == 1 else ()
+    return runtime_plan(
+        cfg,
+        plan,
+        micro_batch,
+        num_microbatches,
+        "megatron" if stage0 else "optimus",
+        encoder_plan=None if stage0 else enc_plan,
+        unit="layer" if stage0 else unit,
+        backbone_split=layers,
+        **options,
+    )
+
+
 def adaptive_planner(
     cfg: MLLMConfig,
     plan: ParallelPlan,

@@ -16,6 +16,7 @@ one in simulation is kept.
 from __future__ import annotations
 
 from dataclasses import replace
+from itertools import accumulate
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.actions import COMPUTE_KINDS, Action
@@ -84,40 +85,30 @@ def _groups(acts: list[Action], first: int = 0) -> list[list[int]]:
     return [[first + i for i in g] for g in backbone_groups(acts[first:])]
 
 
-def _starts(acts: list[Action], first: int, times: dict, r: int) -> list[float]:
-    """Simulated start of each group of rank `r`'s `acts` from `first` on."""
-    return [min(times[(r, i)][0] for i in g) for g in _groups(acts, first)]
+def _timed(acts: list[Action], first: int, times: dict, r: int) -> list[tuple[float, list]]:
+    """Rank `r`'s execution groups from index `first` on, each with its simulated start, made
+    non-decreasing along the list (so a merge by time keeps the list's order)."""
+    groups = _groups(acts, first)
+    starts = accumulate((min(times[(r, i)][0] for i in g) for g in groups), max)
+    return [(t, [acts[i] for i in g]) for t, g in zip(starts, groups, strict=True)]
 
 
-def _merged(step: Schedule, ahead: list[list[Action]], meta, shift: float, starts) -> Schedule:
-    """Each rank's step list and pool list merged in time order, the pool's times shifted by
-    `shift`; each list keeps its own order (times are made non-decreasing along it; ties go to
-    the step) and the step's leading gathers stay first."""
-    step_starts, pool_starts = starts
+def _merged(step: Schedule, meta, timed: list, shift: float) -> Schedule:
+    """Each rank's step groups and pool groups (`timed`: per rank, both with their starts)
+    merged in time order, the pool's times shifted by `shift` (ties go to the step), after the
+    step's leading gathers."""
     ranks = []
-    for r, acts in enumerate(step.ranks):
-        lead = _lead(acts)
-        mine = [[acts[i] for i in g] for g in _groups(acts, lead)]
-        theirs = [[ahead[r][i] for i in g] for g in _groups(ahead[r])]
-        a, b = _running_max(step_starts[r]), _running_max([t + shift for t in pool_starts[r]])
-        out, i, j = list(acts[:lead]), 0, 0
+    for acts, (mine, theirs) in zip(step.ranks, timed, strict=True):
+        out, i, j = list(acts[: _lead(acts)]), 0, 0
         while i < len(mine) or j < len(theirs):
-            if j == len(theirs) or (i < len(mine) and a[i] <= b[j]):
-                out += mine[i]
+            if j == len(theirs) or (i < len(mine) and mine[i][0] <= theirs[j][0] + shift):
+                out += mine[i][1]
                 i += 1
             else:
-                out += theirs[j]
+                out += theirs[j][1]
                 j += 1
         ranks.append(out)
     return Schedule(meta, ranks, dict(step.notes))
-
-
-def _running_max(times: list[float]) -> list[float]:
-    out, top = [], float("-inf")
-    for t in times:
-        top = max(top, t)
-        out.append(top)
-    return out
 
 
 def _pool_first(step: Schedule, ahead: list[list[Action]], meta) -> Schedule:
@@ -143,10 +134,6 @@ def with_lookahead(
     quick = {"keep_spans": False, "classify": False}
     first, alone = simulate(best, workload, **quick), simulate(step, workload, **quick)
     leads = [_lead(acts) for acts in step.ranks]
-    pool_starts = [
-        _starts(best.ranks[r], leads[r], first.action_times, r)[: len(_groups(a))]
-        for r, a in enumerate(ahead)
-    ]
     pool_end = max(
         (
             first.action_times[(r, leads[r] + i)][1]
@@ -155,14 +142,16 @@ def with_lookahead(
         ),
         default=0.0,
     )
-    step_starts = [
-        _starts(acts, leads[r], alone.action_times, r) for r, acts in enumerate(step.ranks)
+    timed = [  # per rank: (the step's groups, the pool's groups), each with its start
+        (
+            _timed(acts, leads[r], alone.action_times, r),
+            _timed(best.ranks[r], leads[r], first.action_times, r)[: len(_groups(ahead[r]))],
+        )
+        for r, acts in enumerate(step.ranks)
     ]
     best_time, span = first.step_time_s, pool_end + alone.step_time_s
     for j in range(shifts + 1):
-        candidate = _merged(
-            step, ahead, meta, -pool_end + span * j / shifts, (step_starts, pool_starts)
-        )
+        candidate = _merged(step, meta, timed, -pool_end + span * j / shifts)
         try:
             validate(candidate)
         except ScheduleError:

@@ -83,21 +83,17 @@ def coreset_schedules(args, cfg, plan, schedule, workload) -> tuple:
     without a coreset."""
     if args.coreset is None:
         return None, None
-    from megatron_mllm.runtime.job import encoder_plan_of
-    from megatron_mllm.runtime.schedules import runtime_schedule
+    from megatron_mllm.runtime.schedules import pool_plan
 
-    enc_plan, stage0 = encoder_plan_of(schedule, plan)
-    layers = schedule.meta.backbone_layers
-    pool = runtime_schedule(
+    size = args.coreset.pool_size // args.micro_batch_size
+    pool, _ = pool_plan(
+        schedule,
         cfg,
         plan,
         args.micro_batch_size,
-        args.coreset.pool_size // args.micro_batch_size,
-        "megatron" if stage0 else "optimus",
-        encoder_plan=None if stage0 else enc_plan,
+        size,
+        unit=args.fill_granularity,
         frozen_encoder=args.freeze_ViT,
-        unit="layer" if stage0 else args.fill_granularity,
-        backbone_split=tuple(layers) if plan.vpp == 1 else (),  # the modules built
     )
     if not args.coreset_lookahead:
         return pool, None
