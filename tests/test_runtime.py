@@ -138,7 +138,8 @@ def _stripped(action) -> str:
 @pytest.mark.parametrize("ordered", [False, True], ids=["tagged", "ordered"])
 def test_dead_rank_is_named_within_the_timeout(reference, ordered):
     """A rank that dies mid-step makes the survivor exit within the timeout naming itself, the
-    receive and the peer, on both transports (gloo's tags; lazily posted tagless receives)."""
+    message and the peer, on both transports (gloo's tags; lazily posted tagless receives).
+    The survivor may notice on a receive it waits for or on a send it posts; both name rank 1."""
     import time
 
     plan = ParallelPlan(1, 1, 2)
@@ -157,7 +158,23 @@ def test_dead_rank_is_named_within_the_timeout(reference, ordered):
     survivor = outs[0]
     assert isinstance(survivor, str) and "PeerFailure" in survivor
     first = survivor.splitlines()[0]
-    assert "rank 0" in first and "rank 1" in first and ("RECV" in first or "<-" in first)
+    assert first.startswith("PeerFailure: rank 0: ") and "rank1" in first and "peer rank 1" in first
+    assert "RECV:" in first or "SEND:" in first
+
+
+def test_a_transport_error_on_a_send_names_rank_message_and_peer():
+    """What CI's survivor met: posting a send to a dead peer raises gloo's error at once."""
+    from megatron_mllm.runtime.messages import PeerFailure, naming_peer
+    from megatron_mllm.runtime.program import Op
+
+    op = Op("send", key="eact.e0.s1.m2", peer=1)
+    with pytest.raises(PeerFailure) as err:
+        with naming_peer(0, op, "could not post"):
+            raise RuntimeError("Connection closed by peer [127.0.0.1]:1\nsecond line")
+    assert str(err.value) == (
+        "rank 0: could not post SEND:eact.e0.s1.m2->rank1 (peer rank 1): "
+        "Connection closed by peer [127.0.0.1]:1"
+    )
 
 
 def test_configuration_errors_come_before_any_process_group():

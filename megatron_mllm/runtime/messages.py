@@ -33,15 +33,16 @@ class PeerFailure(RuntimeError):
 
 
 @contextlib.contextmanager
-def naming_peer(rank: int, op: Op, what: str = "failed") -> Iterator[None]:
-    """Turn a transport error raised inside into a PeerFailure naming rank, op and peer."""
+def naming_peer(rank: int, op: Op, what: str = "failed on") -> Iterator[None]:
+    """Turn a transport error raised inside into a PeerFailure naming rank, op and peer
+    ("rank 0: could not post SEND:key->rank1 (peer rank 1): <the transport's first line>")."""
     try:
         yield
     except PeerFailure:
         raise
     except RuntimeError as err:
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise PeerFailure(f"rank {rank}: {op} {what} on rank {op.peer}: {first}") from None
+        raise PeerFailure(f"rank {rank}: {what} {op} (peer rank {op.peer}): {first}") from None
 
 
 class Messages:
@@ -75,7 +76,7 @@ class Messages:
     def send(self, op: Op, tensor: torch.Tensor) -> None:
         """Post a send; the message keeps `tensor` alive until it completes."""
         tensor = tensor.contiguous()
-        with naming_peer(self.rank, op, "could not be posted to"):
+        with naming_peer(self.rank, op, "could not post"):
             if self.ordered is not None:
                 group = self.ordered[1][(self.rank, op.peer)]
                 work = dist.isend(tensor, op.peer, group=group, tag=0)
@@ -106,10 +107,10 @@ class Messages:
         """(work, buffer) of the message `op` waits for, posted if it was not yet."""
         if self.ordered is None:
             buf = torch.empty(self.shape_of(op.key), dtype=self.dtype, device=self.device)
-            with naming_peer(self.rank, op, "could not be posted for"):
+            with naming_peer(self.rank, op, "could not post the receive for"):
                 return dist.irecv(buf, op.peer, tag=op.tag), buf
         keys, want = self.ordered[0][op.peer], self._index[op.peer][op.key]
-        with naming_peer(self.rank, op, "could not be posted for"):
+        with naming_peer(self.rank, op, "could not post the receive for"):
             while self._next[op.peer] <= want:  # what the sender sends first is received first
                 self._post_next(op.peer, keys)
             while (
@@ -138,10 +139,10 @@ class Messages:
     def wait(self, work, op: Op) -> None:
         """Wait for a message: on NCCL the process group's timeout applies (a timed-out wait
         raises); on gloo our own host timeout. Either way a failure names rank, op and peer."""
-        with naming_peer(self.rank, op, "failed while waiting"):
+        with naming_peer(self.rank, op, "failed while waiting for"):
             ok = work.wait() if self.device.type == "cuda" else work.wait(self.timeout)
         if ok is False:
             raise PeerFailure(
                 f"rank {self.rank}: timed out after {self.timeout.total_seconds():.0f}"
-                f" s waiting on {op} (rank {op.peer})"
+                f" s waiting for {op} (peer rank {op.peer})"
             )
