@@ -21,6 +21,7 @@ DATA_PATH=${DATA_PATH:-out/data/llava_digits_energon}  # energon dataset, conver
 RECORDS=${RECORDS:-2000}
 PRECISION=${PRECISION:-bf16}  # bf16 (distributed optimizer's fp32 main params) or fp32
 NUM_WORKERS=${NUM_WORKERS:-1}
+read -r -a EXTRA_ARGS <<< "${EXTRA_ARGS:-}"  # more pretrain_mllm.py arguments, as one string
 
 if [[ ! -f "$RAW/llava.json" ]]; then
     "$PYTHON" tools/make_llava_digits.py "$RAW" --records "$RECORDS"
@@ -59,4 +60,4 @@ OUTPUT_ARGS=(--log-interval 50 --save "$SAVE" --save-interval 200 --trace "$TRAC
 
 "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_mllm.py \
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" \
-    "${PRECISION_ARGS[@]}" "${EVAL_ARGS[@]}" "${OUTPUT_ARGS[@]}"
+    "${PRECISION_ARGS[@]}" "${EVAL_ARGS[@]}" "${OUTPUT_ARGS[@]}" "${EXTRA_ARGS[@]}"

@@ -6,7 +6,8 @@ schedules) and TP=2. Optimus is planned for one image per sample (the planner's 
 from dataclasses import replace
 
 import pytest
-from test_runtime import TRAIN, check_against
+import torch
+from test_runtime import TRAIN, check_against, check_grads
 
 from megatron_mllm.data.llava_source import LlavaData
 from megatron_mllm.models.config import TINY
@@ -192,3 +193,101 @@ def _adaptive_run_agrees(reference, plan, n, data, **optimizer):
         for k, v in reference[1]["history"][step].items():
             assert after[k] == pytest.approx(v, abs=1e-4)
     return outs
+
+
+def _per_token_reference(state, data, dp: int, n: int = N) -> tuple[dict, dict]:
+    job = RuntimeJob(
+        ModelParts(CFG, state),
+        PlanParts(ParallelPlan(dp, 1, 1)),
+        DataParts(MB, n, llava=data, per_token_loss=True),
+        mode="reference",
+        **STEPS,
+    )
+    return state, spawn(run_rank, 1, job)[0]
+
+
+def test_balanced_samples_deal_the_same_samples_into_even_micro_batches(data):
+    """Each step's samples, dealt anew: the same samples, micro-batches of the same size, and
+    image counts per micro-batch no further apart than the heaviest sample (here: closer)."""
+    n = 4
+    plain, even = (
+        StepData(
+            RuntimeJob(
+                ModelParts(CFG, {}),
+                PlanParts(ParallelPlan(1, 1, 1)),
+                DataParts(MB, n, llava=data, per_token_loss=True, balance_samples=balance),
+            ),
+            [0],
+        )
+        for balance in (False, True)
+    )
+    spread = {False: 0, True: 0}
+    for step in range(3):
+        before, after = ([get(m) for m in range(n)] for get in (plain.step(step), even.step(step)))
+        assert sorted(i for b in before for i in b.ids) == sorted(i for b in after for i in b.ids)
+        assert all(b.num_samples == MB for b in after)
+        assert sum(b.labelled_tokens for b in before) == sum(b.labelled_tokens for b in after)
+        heaviest = max(c for b in before for c in b.images_per_sample())
+        counts = {False: [b.num_images for b in before], True: [b.num_images for b in after]}
+        assert max(counts[True]) - min(counts[True]) <= heaviest
+        for k, c in counts.items():
+            spread[k] += max(c) - min(c)
+    plain.close()
+    even.close()
+    assert spread[True] < spread[False], spread
+
+
+def test_per_token_loss_with_balanced_samples_keeps_the_references_gradient(references, data):
+    """--calculate-per-token-loss with optimus-adaptive: each step's samples are dealt into
+    micro-batches of equal image counts, which changes every micro-batch's loss but not the
+    per-token loss of the step nor its gradient: step 0's gradients and every step's mean loss
+    are those of the one-process per-token reference on the loader's micro-batches. The
+    per-token gradient is not the per-micro-batch mean's (so the test tells them apart)."""
+    from megatron_mllm.runtime.job import ExecutorSettings
+
+    state = references(1)[0]
+    reference = _per_token_reference(state, data, 1)
+    mean_grads, token_grads = references(1)[1]["grads"], reference[1]["grads"]
+    assert any(not torch.allclose(mean_grads[k][0], token_grads[k][0]) for k in token_grads)
+    plan = ParallelPlan(1, 1, 2)
+    schedule = runtime_schedule(CFG, plan, MB, N, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
+    job = RuntimeJob(
+        ModelParts(CFG, state),
+        PlanParts(plan, schedule=schedule),
+        DataParts(MB, N, llava=data, per_token_loss=True, balance_samples=True),
+        executor=ExecutorSettings(adaptive=True),
+        **{**STEPS, "optimizer": replace(STEPS["optimizer"], overlap_grad_reduce=True)},
+    )
+    outs = spawn(run_rank, plan.world_size, job)
+    check_grads(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
+    for step in range(STEPS["steps"]):
+        assert outs[0]["mean_losses"][step] == pytest.approx(
+            reference[1]["mean_losses"][step], abs=1e-5
+        )
+    moved = {k: v for o in outs for k, v in o["history"][0].items()}
+    assert any(abs(moved[k] - v) > 1e-3 for k, v in reference[1]["history"][0].items())
+
+
+@pytest.mark.parametrize(
+    "mode", ["executor", pytest.param("megatron_core", marks=pytest.mark.slow)]
+)
+def test_per_token_loss_over_two_replicas_is_the_references(data, references, mode):
+    """At DP 2 every token of the global batch weighs the same: each replica's loss sums are
+    divided by both replicas' labelled tokens (a DP all-reduce), not by its own; on our
+    executor and on megatron-core's own schedule (its per-token loss contract)."""
+    reference = _per_token_reference(references(2)[0], data, 2)
+    plan = ParallelPlan(2, 1, 1)
+    parts = PlanParts(plan, schedule=runtime_schedule(CFG, plan, MB, N, "megatron"))
+    job = RuntimeJob(
+        ModelParts(CFG, reference[0]),
+        parts if mode == "executor" else PlanParts(plan),
+        DataParts(MB, N, llava=data, per_token_loss=True),
+        mode=mode,
+        **STEPS,
+    )
+    outs = spawn(run_rank, plan.world_size, job)
+    check_against(reference, outs, {"backbone": 1, "encoder": 1, "projector": 1})
+    for step in (1, 2):  # after updates made with the per-token gradient (megatron-core
+        # scales the summed gradient after its reduction: last bits differ, Adam shows them)
+        after = {k: v for o in outs for k, v in o["history"][step].items()}
+        assert after == pytest.approx(reference[1]["history"][step], rel=1e-4)

@@ -64,6 +64,12 @@ def check_against(reference, outs, tp_of: dict[str, int]):
     assert set(losses) == set(ref["losses"])
     for k, v in ref["losses"].items():
         assert losses[k] == pytest.approx(v, abs=1e-5)
+    check_grads(reference, outs, tp_of)
+
+
+def check_grads(reference, outs, tp_of: dict[str, int]):
+    """Step 0's gradients, assembled from the ranks' shards, are the reference's."""
+    state, ref = reference
     shapes = {k: v.shape for k, v in state.items()}
     grads = assemble_grads(
         [o["grads"] for o in outs], shapes, {k: tp_of[k.split(".")[0]] for k in shapes}
@@ -198,6 +204,10 @@ def test_configuration_errors_come_before_any_process_group():
             RuntimeJob(ModelParts(TINY, {}), PlanParts(plan, schedule=other), DataParts(1, N)),
             world=2,
         )
+    job = RuntimeJob(ModelParts(TINY, {}), PlanParts(plan, schedule=schedule), DataParts(1, N))
+    unbalanced_loss = replace(job, data=DataParts(1, N, balance_samples=True))
+    with pytest.raises(ConfigError, match="balance samples only with a per-token loss"):
+        check_job(unbalanced_loss, world=2)
     odd = replace(TINY, text_len=TINY.text_len + 1)  # an odd sequence cannot split over TP 2
     sp_job = RuntimeJob(
         ModelParts(odd, {}), PlanParts(ParallelPlan(1, 2, 1)), DataParts(1, N), mode="megatron_core"

@@ -433,18 +433,24 @@ def test_trains_on_llava_conversations_validates_and_resumes_exactly(tmp_path, l
 
 
 @pytest.mark.slow  # two torchrun jobs; make test runs optimus-adaptive in test_llava_training.py
-def test_optimus_adaptive_resumes_with_the_uninterrupted_runs_losses(tmp_path, llava_dataset):
+@pytest.mark.parametrize("per_token", [False, True], ids=["whole-micro-batches", "per-token"])
+def test_optimus_adaptive_resumes_with_the_uninterrupted_runs_losses(
+    tmp_path, llava_dataset, per_token
+):
     """--bubble-schedule optimus-adaptive: every step runs its own plan (the first planned
     before it runs), the loader position saved is the one before the step read ahead, so a
-    run resumed at iteration 2 sees the same samples and plans, and the same losses."""
+    run resumed at iteration 2 sees the same samples and plans, and the same losses. With
+    --calculate-per-token-loss the samples are dealt by images, the same way again."""
     data, tokenizer = llava_dataset
     args = [*LLAVA, "--data-path", str(data), "--tokenizer-model", str(tokenizer),
             "--train-iters", "4", "--global-batch-size", "8", "--bubble-schedule",
             "optimus-adaptive", "--encoder-tensor-model-parallel-size", "1",
             "--encoder-pipeline-model-parallel-size", "1"]  # fmt: skip
+    args += ["--calculate-per-token-loss"] if per_token else []
     straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "2")
     assert straight.returncode == 0, straight.stderr[-2000:]
     assert "schedule: optimus-adaptive" in straight.stdout
+    assert ("its samples dealt by images" in straight.stdout) == per_token
     assert re.search(r"step plans: [1-4] planned, \d+ static fallback", straight.stdout)
     (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = torchrun(*args, "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))

@@ -60,6 +60,13 @@ def main() -> int:
         "images: megatron-core 1F1B, balanced, static Optimus and optimus-adaptive",
     )
     ap.add_argument("--tokenizer-model", default=None, help="with --data-path: its tokenizer")
+    ap.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="with --data-path: every run with a per-token loss; optimus-adaptive then also "
+        "deals each step's samples into micro-batches of equal images (and optimus_balanced "
+        "does so under the static plan)",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--trace",

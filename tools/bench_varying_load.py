@@ -9,6 +9,11 @@ in one 2-process gloo job from the same weights and data:
   optimus             our executor, Optimus planned once for the data set's mean load
   optimus_adaptive    the same plan, each step re-planned for its own images one step ahead
 
+With --calculate-per-token-loss every run uses Megatron's per-token loss, optimus_adaptive
+also deals each step's samples into micro-batches of equal image counts (the step's gradient
+is unchanged by it), and a fifth run, optimus_balanced, deals them so under the static plan
+(what the dealing alone buys).
+
 Step times are the slowest rank's per step; medians and min-max over the measured steps (the
 first step warms up). Per-step planning time and fallbacks come from optimus_adaptive's run.
 """
@@ -66,7 +71,9 @@ def varying_load(args) -> int:
     steps = args.steps + 1
     common = dict(steps=steps, collect=Collect(grads=False), optimizer=optim)
 
-    def job(parts, mode="executor", executor=None):
+    per_token = args.calculate_per_token_loss
+
+    def job(parts, mode="executor", executor=None, balance=False):
         # megatron-core's overlapped reduction needs every step's last micro-batch to reach
         # the encoder, which a text-only one does not: its run reduces at step end.
         overlap = mode == "executor"
@@ -74,7 +81,7 @@ def varying_load(args) -> int:
         return RuntimeJob(
             ModelParts(cfg, state, precision=args.precision),
             parts,
-            DataParts(mb, n, llava=data),
+            DataParts(mb, n, llava=data, per_token_loss=per_token, balance_samples=balance),
             mode=mode,
             executor=executor or ExecutorSettings(),
             **{**common, "optimizer": replace(optim, **knobs)},
@@ -85,11 +92,16 @@ def varying_load(args) -> int:
         "megatron_core_1f1b": job(PlanParts(plan), "megatron_core"),
         "balanced": job(PlanParts(plan, schedule=balanced[0])),
         "optimus": job(PlanParts(plan, schedule=best.schedule)),
-        "optimus_adaptive": job(PlanParts(plan, schedule=best.schedule), executor=adaptive),
+        "optimus_adaptive": job(
+            PlanParts(plan, schedule=best.schedule), executor=adaptive, balance=per_token
+        ),
     }
+    if per_token:
+        jobs["optimus_balanced"] = job(PlanParts(plan, schedule=best.schedule), balance=True)
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
     result = {"microbatches": n, "micro_batch": mb, "measured_steps": args.steps}
     result["images_per_sample"] = load
+    result["per_token_loss"] = per_token
     result["encoder_plan"] = str(best.options.encoder_plan)
     times, losses = {}, {}
     for i, name in enumerate(jobs):
@@ -99,6 +111,8 @@ def varying_load(args) -> int:
         losses[name] = [
             {k: v for o in out for k, v in o["history"][s].items()} for s in range(steps)
         ]
+        if per_token:  # samples change micro-batches: the step's per-token mean is compared
+            losses[name] = [{"step": v} for v in out[0]["mean_losses"]]
         result[f"{name}_s"] = statistics.median(per_step)
         result[f"{name}_range_s"] = (min(per_step), max(per_step))
         if name == "optimus_adaptive":
@@ -113,6 +127,10 @@ def varying_load(args) -> int:
     ratios = [a / b for a, b in zip(times["optimus"], times["optimus_adaptive"], strict=True)]
     result["adaptive_vs_static"] = statistics.median(ratios)
     result["adaptive_vs_static_range"] = (min(ratios), max(ratios))
+    if per_token:
+        ratios = [a / b for a, b in zip(times["optimus"], times["optimus_balanced"], strict=True)]
+        result["balanced_samples_vs_static"] = statistics.median(ratios)
+        result["balanced_samples_vs_static_range"] = (min(ratios), max(ratios))
     result["adaptive_vs_megatron_core"] = (
         result["megatron_core_1f1b_s"] / result["optimus_adaptive_s"]
     )
@@ -141,5 +159,12 @@ def varying_load(args) -> int:
         f"{result['fallbacks']} fallback(s), planning {1000 * result['plan_seconds_mean']:.1f} ms "
         f"CPU a step (max {1000 * result['plan_seconds_max']:.1f}); max |loss diff| "
         f"{result['max_abs_loss_diff_adaptive_vs_static']:.2e}"
+        + (" (the steps' per-token means)" if per_token else "")
     )
+    if per_token:
+        lo, hi = result["balanced_samples_vs_static_range"]
+        print(
+            f"optimus_balanced vs optimus, paired per step: "
+            f"{result['balanced_samples_vs_static']:.3f}x (min-max {lo:.3f}-{hi:.3f})"
+        )
     return 0

@@ -42,6 +42,16 @@ class MicroBatch:
     def num_samples(self) -> int:
         return self.tokens.shape[0]
 
+    @property
+    def labelled_tokens(self) -> int:
+        """Positions with a target (what a per-token loss is normalised by); read on the host,
+        so call it on the CPU batch the loader gave."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def images_per_sample(self) -> list[int]:
+        """Each sample's image count (from the mask; `image_tokens` set)."""
+        return (self.image_mask.sum(1) // self.image_tokens).tolist()
+
     def to(self, device: torch.device, dtype: torch.dtype) -> MicroBatch:
         """On `device`, images in the pipeline dtype."""
         return replace(

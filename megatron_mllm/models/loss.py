@@ -41,3 +41,14 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor, group) -> torch.Tensor:
     """Per-token loss; `logits[..., v]` holds this TP rank's slice of the vocabulary."""
     return _VocabParallelCrossEntropy.apply(logits, target, group)
+
+
+def mean_over_ranks(pairs: list[tuple[float, float]], device: torch.device) -> float:
+    """sum(totals) / sum(counts) over every rank's (total, count) pairs: a step's mean loss
+    (per micro-batch: (loss, 1); per token: (sum, tokens)). Collective over the default
+    group; the same value on every rank; 0 where nothing was counted."""
+    total = torch.tensor(
+        [sum(p[0] for p in pairs), sum(p[1] for p in pairs)], dtype=torch.float64, device=device
+    )
+    dist.all_reduce(total)
+    return float(total[0] / total[1].clamp(min=1.0))

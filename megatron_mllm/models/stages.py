@@ -347,12 +347,15 @@ class BackboneStage(nn.Module):
             input_ids=None, position_ids=None, attention_mask=self.mask, decoder_input=decoder_input
         )
 
-    def loss(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:
-        """Mean next-token loss over the labelled positions; `logits` is [b, s, vocab/tp]."""
+    def loss(self, logits: torch.Tensor, batch: MicroBatch, summed: bool = False) -> torch.Tensor:
+        """Mean next-token loss over the labelled positions (`summed`: their sum, Megatron's
+        --calculate-per-token-loss, normalised over the global batch by the caller); `logits`
+        is [b, s, vocab/tp]."""
         labelled = batch.labels != IGNORE_INDEX  # masked, not indexed: no host sync on a GPU
         target = batch.labels.clamp(min=0)
         per_token = vocab_parallel_cross_entropy(logits.float(), target, self.pg.tp)  # fp32 loss
-        return (per_token * labelled).sum() / labelled.sum().clamp(min=1)
+        total = (per_token * labelled).sum()
+        return total if summed else total / labelled.sum().clamp(min=1)
 
     @torch.no_grad()
     def exact_matches(self, logits: torch.Tensor, batch: MicroBatch) -> torch.Tensor:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron_mllm.data.batch import MicroBatch, image_then_text
+from megatron_mllm.data.batch import MicroBatch, collate, image_then_text
 
 
 def batches(job, step: int) -> Callable[..., MicroBatch]:
@@ -42,13 +42,28 @@ def pool_batches(job, step: int) -> Callable[..., MicroBatch]:
     return pool
 
 
+def balanced_samples(batches: list[MicroBatch]) -> list[MicroBatch]:
+    """One replica's micro-batches with their samples dealt anew so that each holds about the
+    same number of images (`schedule.loads.balanced_assignment` for one replica): the same
+    samples, every micro-batch of the same size. Only a per-token loss keeps the gradient
+    unchanged by it (README, "Data-aware Optimus")."""
+    from megatron_mllm.schedule.loads import balanced_assignment
+
+    size = batches[0].num_samples
+    samples = [mb.select([i], mb.image_tokens) for mb in batches for i in range(mb.num_samples)]
+    bins = balanced_assignment([s.num_images for s in samples], 1, size)[0]
+    return [collate([samples[i] for i in members]) for members in bins]
+
+
 class StepData:
     """The micro-batches of DP replicas `replicas`, step after step (`step(i)` once per step, in
     order). Every rank of a replica reads the same stream, so all of them know each
-    micro-batch's image count."""
+    micro-batch's image count. With `DataParts.balance_samples` a training step's samples are
+    dealt into micro-batches of equal image counts within each replica (not a coreset pool)."""
 
     def __init__(self, job, replicas: list[int], split: str = "train") -> None:
         self.job, self.replicas = job, replicas
+        self.balance = job.data.balance_samples and split == "train"
         self.streams = {}
         llava = job.data.llava
         if llava is not None:
@@ -82,6 +97,8 @@ class StepData:
             return batches(self.job, step)
         n = num_microbatches or self.job.num_microbatches
         taken = {dp: stream.take(n) for dp, stream in self.streams.items()}
+        if self.balance and num_microbatches is None:
+            taken = {dp: balanced_samples(batches) for dp, batches in taken.items()}
 
         def get(mb: int, dp: int = 0) -> MicroBatch:
             return taken[dp][mb]

@@ -92,6 +92,7 @@ class Executor:
         max_encoder_ahead: int = MAX_ENCODER_AHEAD,
         grad_sync: dict | None = None,
         loss_scale: torch.Tensor | None = None,
+        loss_norm: torch.Tensor | None = None,
         evaluate: bool = False,
         after_program: Callable | None = None,
     ) -> None:
@@ -134,6 +135,9 @@ class Executor:
         # Each part's DP gradient reduction (data_parallel.PartGradSync by part: "bb", "e0", ...).
         self.grad_sync = grad_sync or {}
         self.loss_scale = loss_scale  # fp16: the loss is scaled before its backward (a tensor)
+        # Per-token loss: each micro-batch's loss is its sum, times this before its backward
+        # (DP size over the global batch's labelled tokens); None: its mean over micro-batches.
+        self.loss_norm = loss_norm
         # Run once the program's last op has run, before the step-end waits (its result is
         # `picked`): the coreset look-ahead's selection on the last stage.
         self.after_program, self.picked = after_program, None
@@ -491,7 +495,8 @@ class Executor:
         elif last:
             if self.evaluate:
                 self._matches[a.mb] = self.backbone.exact_matches(out, self._batch(a.mb))
-            out = self.backbone.loss(out, self._batch(a.mb))
+            summed = self.loss_norm is not None and not self.evaluate
+            out = self.backbone.loss(out, self._batch(a.mb), summed=summed)
             self._losses[a.mb] = out.detach()  # read at step end, after the one synchronize
         else:
             s, c = meta.stage_chunk(v + 1)
@@ -504,7 +509,7 @@ class Executor:
         v = meta.virtual_index(a.stage, a.chunk)
         inputs, out = self.bb_ctx.pop((a.stage, a.chunk, a.mb))
         if v == meta.num_virtual_stages - 1:
-            loss = out / meta.num_microbatches
+            loss = out / meta.num_microbatches if self.loss_norm is None else out * self.loss_norm
             (loss * self.loss_scale if self.loss_scale is not None else loss).backward()
         else:
             out.backward(self._take(self._needs(a)[0]))

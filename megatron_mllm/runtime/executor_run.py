@@ -86,6 +86,7 @@ class ExecutorRun:
         self.dp_seconds: list[float] = []  # per step: time this rank waited for DP collectives
         self.skipped_iterations = 0  # steps not applied (NaN or Inf; fp16: an overflow)
         self.last_loss = float("nan")  # the last step's mean loss over every replica
+        self.mean_losses: list[float] = []  # every step's
         self.unit_times: dict[tuple[str, str, str], list[float]] = {}
         self.replanned = None  # (schedule, workload, measured times) once re-planned
         self.saved = None
@@ -396,7 +397,8 @@ class ExecutorRun:
         if self.optimizer is not None:
             self.optimizer.zero_grad()
         data = self.selection(step) if self.selector is not None else self.data.step(step)
-        executor, slot, ahead = self._step_executor(step, data)
+        tokens = self._labelled_tokens(data) if job.data.per_token_loss else None
+        executor, slot, ahead = self._step_executor(step, data, tokens)
         if job.faults.fail_rank == self.rank:
             executor.run_step()
             os._exit(3)  # die mid-step, as a crashed rank would
@@ -405,12 +407,31 @@ class ExecutorRun:
         allreduce_sequence_parallel_grads(self.chunks, self.groups.backbone.tp)
         if ahead is not None:  # chosen before the update: with the step's own weights
             self.pending = (step + 1, self._share(executor.picked))
-        self._record(step, result, slot)
-        self.last_loss = self._mean_loss(self.history[-1])
+        self._record(step, result, slot, tokens)
+        self.last_loss = self._mean_loss(self.history[-1], tokens)
+        self.mean_losses.append(self.last_loss)
         nan_loss = not math.isfinite(self.last_loss)
         self._optimizer_step(skip=self.job.optimizer.check_nan and nan_loss)
 
-    def _step_executor(self, step: int, data) -> tuple:
+    def _labelled_tokens(self, data) -> list[int]:
+        """Per-token loss: this replica's labelled tokens in each micro-batch (on the host,
+        from the loader's CPU batches)."""
+        return [
+            data(m, self.groups.coords.dp).labelled_tokens for m in range(self.job.num_microbatches)
+        ]
+
+    def _loss_norm(self, tokens: list[int] | None) -> torch.Tensor | None:
+        """Per-token loss: DP size over the global batch's labelled tokens (a DP all-reduce;
+        stays on the device), so that DDP's mean over replicas leaves every token's weight
+        1 / tokens. None: the mean over micro-batches."""
+        if tokens is None:
+            return None
+        total = torch.tensor([float(sum(tokens))], device=self.device)
+        group = self.groups.backbone.dp
+        dist.all_reduce(total, group=group)
+        return dist.get_world_size(group) / total.clamp(min=1.0)
+
+    def _step_executor(self, step: int, data, tokens: list[int] | None = None) -> tuple:
         """(executor, slot of each program micro-batch, the next pool or None) for one step:
         the static program, the step's own (optimus-adaptive), or the look-ahead one."""
         job, c = self.job, self.groups.coords
@@ -435,12 +456,14 @@ class ExecutorRun:
             max_encoder_ahead=job.executor.max_encoder_ahead,
             grad_sync=self.grad_sync,
             loss_scale=self._backward_scale(step),
+            loss_norm=self._loss_norm(tokens),
             after_program=after,
         )
         return executor, slot, ahead
 
-    def _record(self, step: int, result, slot) -> None:
-        """What a step measured and computed: times, spans, losses (step 0's gradients)."""
+    def _record(self, step: int, result, slot, tokens: list[int] | None = None) -> None:
+        """What a step measured and computed: times, spans, losses (step 0's gradients). A
+        per-token loss is recorded per micro-batch as its mean over its labelled tokens."""
         from megatron_mllm.models.weights import grad_shards
 
         c = self.groups.coords
@@ -452,7 +475,8 @@ class ExecutorRun:
         self.spans = result.spans
         self.moved = result.moved
         self.overlapped, self.overlapped_in = result.overlapped, result.overlapped_in
-        self.history.append({(c.dp, slot(m)): v for m, v in result.losses.items()})
+        per = (lambda m: max(tokens[slot(m)], 1)) if tokens is not None else (lambda m: 1)
+        self.history.append({(c.dp, slot(m)): v / per(m) for m, v in result.losses.items()})
         if self.job.collect.grads and step == 0:
             self.grads = {k: v for m in self.chunks for k, v in grad_shards(m, c.tp).items()}
             if self.encoder is not None and (
@@ -461,14 +485,13 @@ class ExecutorRun:
                 for encoder in self.encoders:
                     self.grads.update(grad_shards(encoder, c.enc_tp if not self.stage0 else c.tp))
 
-    def _mean_loss(self, losses: dict) -> float:
-        """The step's mean loss over every replica's micro-batches (collective: the last-stage
-        ranks hold the losses; the same value on every rank)."""
-        total = torch.tensor(
-            [sum(losses.values()), float(len(losses))], dtype=torch.float64, device=self.device
-        )
-        dist.all_reduce(total)
-        return float(total[0] / total[1])
+    def _mean_loss(self, losses: dict, tokens: list[int] | None = None) -> float:
+        """The step's mean loss over every replica's micro-batches, or with `tokens` over every
+        labelled token (collective: the last-stage ranks hold the losses)."""
+        from megatron_mllm.models.loss import mean_over_ranks
+
+        weight = {k: (tokens[k[1]] if tokens is not None else 1) for k in losses}
+        return mean_over_ranks([(v * weight[k], weight[k]) for k, v in losses.items()], self.device)
 
     def _optimizer_step(self, skip: bool) -> None:
         """Clip by the whole model's norm and step, or skip (and count) a step whose loss
@@ -545,6 +568,7 @@ class ExecutorRun:
             "overlapped_in": getattr(self, "overlapped_in", {}),
             "losses": self.history[0],
             "history": self.history,
+            "mean_losses": self.mean_losses,
             "spans": self.spans,
             "seconds": self.seconds,
             "compute_seconds": self.compute_seconds,

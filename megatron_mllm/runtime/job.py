@@ -63,6 +63,12 @@ class DataParts:
     # Look-ahead (--coreset-lookahead): the step's schedule with the next step's pool going
     # forward in its bubbles (`schedule/lookahead.py`); selection then uses the step's weights.
     lookahead_schedule: Schedule | None = None
+    # Megatron's --calculate-per-token-loss: every labelled token of the global batch weighs
+    # the same (each micro-batch's loss sum over the global batch's labelled-token count).
+    per_token_loss: bool = False
+    # optimus-adaptive's sample assignment at run time: each replica's samples dealt into
+    # micro-batches of equal image counts (runtime/batches.py); needs per_token_loss.
+    balance_samples: bool = False
 
 
 @dataclass(frozen=True)
@@ -247,6 +253,7 @@ def check_job(job: RuntimeJob, world: int) -> None:
         )
     if job.mode == "megatron_core" and job.cfg.num_encoders > 1:
         raise ConfigError("the megatron-core baseline runs one encoder; use the executor")
+    _check_per_token(job)
     if job.mode != "executor":
         return
     if job.schedule is None:
@@ -326,6 +333,19 @@ def check_job(job: RuntimeJob, world: int) -> None:
                     f"model's has {units} at {job.plans.encoder_units} granularity (plan with "
                     f"unit='{job.plans.encoder_units}')"
                 )
+
+
+def _check_per_token(job: RuntimeJob) -> None:
+    if job.data.balance_samples and not job.data.per_token_loss:
+        raise ConfigError(
+            "moving samples between micro-batches changes the gradient of a per-micro-batch "
+            "mean loss; balance samples only with a per-token loss (--calculate-per-token-loss)"
+        )
+    if job.data.balance_samples and job.data.coreset is not None:
+        raise ConfigError(
+            "balancing samples by images applies to the loader's batches, not a coreset's "
+            "chosen rows; drop one of the two"
+        )
 
 
 def _check_lookahead(job: RuntimeJob) -> None:

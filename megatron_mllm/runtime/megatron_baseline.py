@@ -15,6 +15,8 @@ from functools import partial
 import torch
 from torch import nn
 
+from megatron_mllm.data.batch import IGNORE_INDEX
+from megatron_mllm.models.loss import mean_over_ranks
 from megatron_mllm.models.weights import open_full_state
 
 
@@ -118,7 +120,7 @@ class MegatronCoreRun:
             _Stage0Model(self.encoder if v == 0 else None, c) for v, c in enumerate(self.chunks)
         ]
         self.model = torch.nn.ModuleList(self.models)
-        self.ddps = _wrap_in_ddp(self.models, job.optimizer)  # as Megatron trains
+        self.ddps = _wrap_in_ddp(self.models, job.optimizer, job.data.per_token_loss)
         self._time_finalize()
         self.optimizer = _megatron_optimizer(self.ddps, job)
         self.dp_rank = ps.get_data_parallel_rank()
@@ -133,6 +135,7 @@ class MegatronCoreRun:
             self.saved = SavedActivations(self.rank_model.modules)
         self.fb = get_forward_backward_func()
         self.seconds, self.history, self.grads = [], [], None
+        self.mean_losses: list[float] = []  # every step's, over every replica
 
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
@@ -140,9 +143,16 @@ class MegatronCoreRun:
 
         job, backbone, device = self.job, self.backbone, self.device
 
+        per_token = job.data.per_token_loss
+
         def loss_func(batch, logits):
-            loss = backbone.loss(logits, batch)
-            return loss, {"lm loss": loss.detach().clone()}  # the schedule divides loss in place
+            loss = backbone.loss(logits, batch, summed=per_token)
+            if not per_token:  # the schedule divides loss in place
+                return loss, {"lm loss": loss.detach().clone()}
+            # megatron-core's per-token contract: (sum, tokens, what to report); its
+            # finalize_model_grads divides every gradient by the global batch's tokens.
+            tokens = (batch.labels != IGNORE_INDEX).sum().to(torch.int)
+            return loss, tokens, {"lm loss": torch.stack([loss.detach(), tokens.to(loss.dtype)])}
 
         data = self.data.step(step)
 
@@ -182,6 +192,10 @@ class MegatronCoreRun:
         self.seconds.append(clock.since_start(end))
         self.dp_seconds.append(sum(clock.between(a, b) for a, b in self._dp_marks))
         losses = torch.stack([r["lm loss"] for r in reduced]).tolist() if reduced else []
+        pairs = losses if per_token else [(v, 1.0) for v in losses]
+        self.mean_losses.append(mean_over_ranks(pairs, device))
+        if per_token:  # each micro-batch's mean over its labelled tokens
+            losses = [total / max(count, 1.0) for total, count in losses]
         self.history.append({(self.dp_rank, m): v for m, v in enumerate(losses)})
         if step == 0 and not self.job.optimizer.distributed:  # (shards only under the DO)
             self.grads = {}
@@ -215,6 +229,7 @@ class MegatronCoreRun:
     def result(self) -> dict:
         out = {
             "losses": self.history[0],
+            "mean_losses": self.mean_losses,
             "history": self.history,
             "grads": self.grads,
             "seconds": self.seconds,
@@ -239,7 +254,7 @@ class MegatronCoreRun:
         return out
 
 
-def _wrap_in_ddp(models: list[nn.Module], opt) -> list:
+def _wrap_in_ddp(models: list[nn.Module], opt, per_token_loss: bool = False) -> list:
     """Each model chunk in megatron-core's DistributedDataParallel on parallel_state's groups,
     with megatron-core's finalize_model_grads (DP reduction, sequence-parallel norm gradients)
     run by the schedule at the end of its backward and, with overlapped reduction, the no-sync
@@ -257,6 +272,8 @@ def _wrap_in_ddp(models: list[nn.Module], opt) -> list:
         use_distributed_optimizer=opt.distributed,
         overlap_param_gather=opt.overlap_param_gather,
     )
+    for m in models:  # read by DDP (no averaging over DP) and the schedule (no division)
+        m.config.calculate_per_token_loss = per_token_loss
     ddps = [DistributedDataParallel(m.config, ddp_config, m) for m in models]
     config = ddps[0].config
     config.finalize_model_grads_func = finalize_model_grads

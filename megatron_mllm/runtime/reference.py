@@ -35,6 +35,7 @@ class ReferenceRun:
             build_optimizer(self.model.modules, job.optimizer.lr) if job.optimizer.lr > 0 else None
         )
         self.history: list[dict] = []
+        self.mean_losses: list[float] = []  # each step's, over every token or micro-batch
         self.grads: dict = {}
         from megatron_mllm.runtime.batches import StepData
 
@@ -46,17 +47,27 @@ class ReferenceRun:
 
         job, model = self.job, self.model
         model.zero_grad()
-        n = job.num_microbatches * job.backbone.dp
         data, losses = self.data.step(step), {}
-        for dp in range(job.backbone.dp):
-            for m in range(job.num_microbatches):
-                batch = data(m, dp).to(self.device, torch.float32)
-                embeds = [encoder(batch.images) for encoder in model.encoders]
-                out = model.backbone(None, model.backbone.decoder_input(embeds, batch))
-                loss = model.backbone.loss(out, batch)
-                (loss / n).backward()
-                losses[(dp, m)] = loss.detach()
+        keys = [(dp, m) for dp in range(job.backbone.dp) for m in range(job.num_microbatches)]
+        # What each micro-batch's loss is divided by: their number, or with a per-token loss
+        # (a sum each) the global batch's labelled tokens.
+        weight = {k: 1 for k in keys}
+        if job.data.per_token_loss:
+            weight = {k: data(k[1], k[0]).labelled_tokens for k in keys}
+        divisor = len(keys) if not job.data.per_token_loss else max(sum(weight.values()), 1)
+        for dp, m in keys:
+            batch = data(m, dp).to(self.device, torch.float32)
+            embeds = [encoder(batch.images) for encoder in model.encoders]
+            out = model.backbone(None, model.backbone.decoder_input(embeds, batch))
+            loss = model.backbone.loss(out, batch, summed=job.data.per_token_loss)
+            (loss / divisor).backward()
+            losses[(dp, m)] = loss.detach() / (
+                max(weight[(dp, m)], 1) if job.data.per_token_loss else 1
+            )
         self.history.append({k: float(v) for k, v in losses.items()})  # one read per step
+        self.mean_losses.append(
+            sum(v * weight[k] for k, v in self.history[-1].items()) / max(sum(weight.values()), 1)
+        )
         if step == 0:
             self.grads = {k: v for m in model.modules for k, v in grad_shards(m, 0).items()}
         if self.optimizer is not None:
@@ -68,4 +79,9 @@ class ReferenceRun:
         return False
 
     def result(self) -> dict:
-        return {"losses": self.history[0], "history": self.history, "grads": self.grads}
+        return {
+            "losses": self.history[0],
+            "history": self.history,
+            "mean_losses": self.mean_losses,
+            "grads": self.grads,
+        }

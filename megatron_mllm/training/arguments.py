@@ -192,6 +192,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument(
+        "--calculate-per-token-loss",
+        action="store_true",
+        help="every labelled token of the global batch weighs the same (Megatron's); with "
+        "--bubble-schedule optimus-adaptive each replica's samples are then also dealt into "
+        "micro-batches of equal image counts (without it only whole micro-batches move)",
+    )
+    g.add_argument(
         "--no-check-for-nan-in-loss-and-grad",
         dest="check_for_nan_in_loss_and_grad",
         action="store_false",

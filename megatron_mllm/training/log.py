@@ -27,13 +27,21 @@ def startup_summary(
             f" > encoder plan:  {enc_plan} ({where})",
             f" > schedule: {schedule_name(args)}; {n_mb} micro-batches of "
             f"{args.micro_batch_size} per step and DP replica, planned for {load:.2f} images "
-            "per sample" + ("; each step re-planned for its own" if args.step_plans else ""),
+            "per sample" + _adaptive_note(args),
             " > " + training_summary(args),
             f" > predicted by the analytic CPU cost model (uncalibrated): step "
             f"{1000 * p.step_time_s:.1f} ms, bubble ratio "
             f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",
         ]
     )
+
+
+def _adaptive_note(args) -> str:
+    if not args.step_plans:
+        return ""
+    if getattr(args, "calculate_per_token_loss", False):
+        return "; each step re-planned for its own, its samples dealt by images"
+    return "; each step re-planned for its own (its micro-batches keep their samples)"
 
 
 def lookahead_line(notes: dict) -> str:
@@ -93,6 +101,7 @@ def training_summary(args) -> str:
         + (f", overlapped {' and '.join(overlap)}" if overlap else "")
         + f"; {rc} backbone recomputation"
         + ("; encoder recomputed" if args.recompute_vision else "")
+        + ("; per-token loss" if getattr(args, "calculate_per_token_loss", False) else "")
     )
 
 

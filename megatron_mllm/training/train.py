@@ -145,6 +145,8 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units):
             pool_schedule=pools[0],
             lookahead_schedule=pools[1],
             llava=llava_data(args),
+            per_token_loss=args.calculate_per_token_loss,
+            balance_samples=args.step_plans and args.calculate_per_token_loss,
         ),
         optimizer=OptimizerSettings(
             lr=args.lr,
