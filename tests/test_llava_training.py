@@ -195,35 +195,38 @@ def _adaptive_run_agrees(reference, plan, n, data, **optimizer):
     return outs
 
 
-def _per_token_reference(state, data, dp: int, n: int = N) -> tuple[dict, dict]:
+def _per_token_reference(state, data, dp: int, n: int = N, dealt: bool = False) -> tuple:
     job = RuntimeJob(
         ModelParts(CFG, state),
         PlanParts(ParallelPlan(dp, 1, 1)),
-        DataParts(MB, n, llava=data, per_token_loss=True),
+        DataParts(MB, n, llava=data, per_token_loss=True, balance_samples=dealt),
         mode="reference",
         **STEPS,
     )
     return state, spawn(run_rank, 1, job)[0]
 
 
-def test_balanced_samples_deal_the_same_samples_into_even_micro_batches(data):
-    """Each step's samples, dealt anew: the same samples, micro-batches of the same size, and
-    image counts per micro-batch no further apart than the heaviest sample (here: closer)."""
+@pytest.mark.parametrize("dp", [1, 2])
+def test_balanced_samples_deal_the_same_samples_into_even_micro_batches(data, dp):
+    """Each step's samples, dealt anew over every replica: the same samples, micro-batches of
+    the same size, and image counts per micro-batch no further apart than the heaviest sample
+    (here: closer); at DP 2 some samples change replica."""
     n = 4
     plain, even = (
         StepData(
             RuntimeJob(
                 ModelParts(CFG, {}),
-                PlanParts(ParallelPlan(1, 1, 1)),
+                PlanParts(ParallelPlan(dp, 1, 1)),
                 DataParts(MB, n, llava=data, per_token_loss=True, balance_samples=balance),
             ),
-            [0],
+            list(range(dp)),
         )
         for balance in (False, True)
     )
-    spread = {False: 0, True: 0}
+    spread, crossed = {False: 0, True: 0}, 0
     for step in range(3):
-        before, after = ([get(m) for m in range(n)] for get in (plain.step(step), even.step(step)))
+        got = [_replicas(s.step(step), n, dp) for s in (plain, even)]
+        before, after = ([b for r in x for b in r] for x in got)
         assert sorted(i for b in before for i in b.ids) == sorted(i for b in after for i in b.ids)
         assert all(b.num_samples == MB for b in after)
         assert sum(b.labelled_tokens for b in before) == sum(b.labelled_tokens for b in after)
@@ -232,9 +235,16 @@ def test_balanced_samples_deal_the_same_samples_into_even_micro_batches(data):
         assert max(counts[True]) - min(counts[True]) <= heaviest
         for k, c in counts.items():
             spread[k] += max(c) - min(c)
+        mine = [{i for b in replica for i in b.ids} for replica in got[0]]
+        crossed += sum(len({i for b in got[1][r] for i in b.ids} - mine[r]) for r in range(dp))
     plain.close()
     even.close()
     assert spread[True] < spread[False], spread
+    assert (crossed > 0) == (dp > 1)
+
+
+def _replicas(get, n: int, dp: int) -> list[list]:
+    return [[get(m, r) for m in range(n)] for r in range(dp)]
 
 
 def test_per_token_loss_with_balanced_samples_keeps_the_references_gradient(references, data):
@@ -268,9 +278,8 @@ def test_per_token_loss_with_balanced_samples_keeps_the_references_gradient(refe
     assert any(abs(moved[k] - v) > 1e-3 for k, v in reference[1]["history"][0].items())
 
 
-@pytest.mark.parametrize(
-    "mode", ["executor", pytest.param("megatron_core", marks=pytest.mark.slow)]
-)
+@pytest.mark.slow  # the dealt run below checks our executor's DP 2 per-token gradient too
+@pytest.mark.parametrize("mode", ["executor", "megatron_core"])
 def test_per_token_loss_over_two_replicas_is_the_references(data, references, mode):
     """At DP 2 every token of the global batch weighs the same: each replica's loss sums are
     divided by both replicas' labelled tokens (a DP all-reduce), not by its own; on our
@@ -291,3 +300,29 @@ def test_per_token_loss_over_two_replicas_is_the_references(data, references, mo
         # scales the summed gradient after its reduction: last bits differ, Adam shows them)
         after = {k: v for o in outs for k, v in o["history"][step].items()}
         assert after == pytest.approx(reference[1]["history"][step], rel=1e-4)
+
+
+def test_samples_dealt_across_replicas_keep_the_references_gradient(data, references):
+    """DP 2, per-token loss: both replicas' samples dealt by images across the replicas, each
+    process sending only the samples that change replica. Every micro-batch's loss is the one
+    of the one-process reference that deals both streams the same way, and step 0's gradient is
+    the per-token reference's on the loader's own micro-batches (the global batch is the same
+    samples)."""
+    state = references(2)[0]
+    plain = _per_token_reference(state, data, 2)
+    dealt = _per_token_reference(state, data, 2, dealt=True)
+    plan = ParallelPlan(2, 1, 1)
+    job = RuntimeJob(
+        ModelParts(CFG, state),
+        PlanParts(plan, schedule=runtime_schedule(CFG, plan, MB, N, "megatron")),
+        DataParts(MB, N, llava=data, per_token_loss=True, balance_samples=True),
+        **STEPS,
+    )
+    outs = spawn(run_rank, plan.world_size, job)
+    one = {"backbone": 1, "encoder": 1, "projector": 1}
+    check_against(dealt, outs, one)
+    check_grads(plain, outs, one)
+    assert dealt[1]["losses"] != pytest.approx(plain[1]["losses"], abs=1e-3)  # samples moved
+    for step in (1, 2):
+        after = {k: v for o in outs for k, v in o["history"][step].items()}
+        assert after == pytest.approx(dealt[1]["history"][step], abs=1e-4)

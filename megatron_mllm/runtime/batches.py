@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron_mllm.data.batch import MicroBatch, collate, image_then_text
+from megatron_mllm.data.batch import MicroBatch, image_then_text
 
 
 def batches(job, step: int) -> Callable[..., MicroBatch]:
@@ -42,28 +42,18 @@ def pool_batches(job, step: int) -> Callable[..., MicroBatch]:
     return pool
 
 
-def balanced_samples(batches: list[MicroBatch]) -> list[MicroBatch]:
-    """One replica's micro-batches with their samples dealt anew so that each holds about the
-    same number of images (`schedule.loads.balanced_assignment` for one replica): the same
-    samples, every micro-batch of the same size. Only a per-token loss keeps the gradient
-    unchanged by it (README, "Data-aware Optimus")."""
-    from megatron_mllm.schedule.loads import balanced_assignment
-
-    size = batches[0].num_samples
-    samples = [mb.select([i], mb.image_tokens) for mb in batches for i in range(mb.num_samples)]
-    bins = balanced_assignment([s.num_images for s in samples], 1, size)[0]
-    return [collate([samples[i] for i in members]) for members in bins]
-
-
 class StepData:
     """The micro-batches of DP replicas `replicas`, step after step (`step(i)` once per step, in
     order). Every rank of a replica reads the same stream, so all of them know each
     micro-batch's image count. With `DataParts.balance_samples` a training step's samples are
-    dealt into micro-batches of equal image counts within each replica (not a coreset pool)."""
+    dealt into micro-batches of equal image counts across every DP replica (not a coreset
+    pool; runtime/sample_exchange.py): over the replicas held here when they are all of them,
+    else exchanging samples over `exchange`, set by the caller."""
 
     def __init__(self, job, replicas: list[int], split: str = "train") -> None:
         self.job, self.replicas = job, replicas
         self.balance = job.data.balance_samples and split == "train"
+        self.exchange = None  # the gloo group samples are dealt over (one replica a process)
         self.streams = {}
         llava = job.data.llava
         if llava is not None:
@@ -98,12 +88,24 @@ class StepData:
         n = num_microbatches or self.job.num_microbatches
         taken = {dp: stream.take(n) for dp, stream in self.streams.items()}
         if self.balance and num_microbatches is None:
-            taken = {dp: balanced_samples(batches) for dp, batches in taken.items()}
+            taken = self._dealt(taken)
 
         def get(mb: int, dp: int = 0) -> MicroBatch:
             return taken[dp][mb]
 
         return get
+
+    def _dealt(self, taken: dict[int, list[MicroBatch]]) -> dict[int, list[MicroBatch]]:
+        """The step's samples dealt by images over every replica (see the class docstring)."""
+        from megatron_mllm.runtime import sample_exchange
+
+        if self.exchange is not None:
+            return {dp: sample_exchange.deal_across(b, self.exchange) for dp, b in taken.items()}
+        if len(taken) != self.job.backbone.dp:
+            raise RuntimeError("dealing samples needs every replica here, or an exchange group")
+        order = sorted(taken)
+        dealt = sample_exchange.deal_locally([taken[dp] for dp in order])
+        return dict(zip(order, dealt, strict=True))
 
     def pool(self, step: int) -> Callable[..., MicroBatch]:
         """Coreset: `get(mb, dp)` for `step`'s pool of r x B samples per replica (source ids

@@ -97,6 +97,10 @@ class ExecutorRun:
         from megatron_mllm.runtime.batches import StepData
 
         self.data = StepData(job, [c.dp])
+        if job.data.balance_samples and plan.dp > 1:  # samples dealt across the replicas
+            from megatron_mllm.runtime.sample_exchange import dp_exchange_group
+
+            self.data.exchange = dp_exchange_group(plan, rank)
         self.adaptive = None  # optimus-adaptive: each step's own plan (runtime/step_plans.py)
         if job.executor.adaptive:
             from megatron_mllm.runtime.step_plans import AdaptiveSteps

@@ -341,6 +341,11 @@ def _check_per_token(job: RuntimeJob) -> None:
             "moving samples between micro-batches changes the gradient of a per-micro-batch "
             "mean loss; balance samples only with a per-token loss (--calculate-per-token-loss)"
         )
+    if job.data.balance_samples and job.mode == "megatron_core":
+        raise ConfigError(
+            "samples are dealt by images on our executor's schedules (and the reference), not "
+            "on megatron-core's own schedule; use another --bubble-schedule"
+        )
     if job.data.balance_samples and job.data.coreset is not None:
         raise ConfigError(
             "balancing samples by images applies to the loader's batches, not a coreset's "
