@@ -99,6 +99,11 @@ def varying_load(args) -> int:
     if per_token:
         jobs["optimus_balanced"] = job(PlanParts(plan, schedule=best.schedule), balance=True)
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
+    from megatron_mllm.runtime.schedules import adaptive_planner
+
+    planner = adaptive_planner(
+        cfg, plan, mb, best.schedule, images_per_sample=load, measured=measured
+    )
     result = {"microbatches": n, "micro_batch": mb, "measured_steps": args.steps}
     result["images_per_sample"] = load
     result["per_token_loss"] = per_token
@@ -127,6 +132,8 @@ def varying_load(args) -> int:
     ratios = [a / b for a, b in zip(times["optimus"], times["optimus_adaptive"], strict=True)]
     result["adaptive_vs_static"] = statistics.median(ratios)
     result["adaptive_vs_static_range"] = (min(ratios), max(ratios))
+    if planner is not None:
+        result.update(predicted(planner, jobs, range(1, steps), n, per_token))
     if per_token:
         ratios = [a / b for a, b in zip(times["optimus"], times["optimus_balanced"], strict=True)]
         result["balanced_samples_vs_static"] = statistics.median(ratios)
@@ -161,6 +168,16 @@ def varying_load(args) -> int:
         f"{result['max_abs_loss_diff_adaptive_vs_static']:.2e}"
         + (" (the steps' per-token means)" if per_token else "")
     )
+    if "predicted_adaptive_vs_static" in result:
+        print(
+            "simulator on the measured steps' loads (unit times profiled in this run): "
+            f"adaptive vs static {result['predicted_adaptive_vs_static']:.3f}x"
+            + (
+                f", dealing alone {result['predicted_balanced_samples_vs_static']:.3f}x"
+                if per_token
+                else ""
+            )
+        )
     if per_token:
         lo, hi = result["balanced_samples_vs_static_range"]
         print(
@@ -168,3 +185,42 @@ def varying_load(args) -> int:
             f"{result['balanced_samples_vs_static']:.3f}x (min-max {lo:.3f}-{hi:.3f})"
         )
     return 0
+
+
+def predicted(planner, jobs: dict, steps, n: int, per_token: bool) -> dict:
+    """The simulator's step-time ratios on the measured steps' real micro-batch loads (medians
+    over the steps): static Optimus on the loader's micro-batches against the per-step plan
+    (on the dealt ones with a per-token loss) and, with a per-token loss, against the static
+    plan on the dealt ones."""
+    from megatron_mllm.runtime.batches import StepData
+    from megatron_mllm.schedule.adaptive import timed_step
+    from megatron_mllm.schedule.loads import loader_assignment
+
+    static, one = planner.static, loader_assignment(n, 1, 1)
+
+    def static_s(counts: list[int]) -> float:
+        return timed_step(static.schedule, static.workload, counts, one, planner.costed)[
+            1
+        ].step_time_s
+
+    readers = {"loader": StepData(jobs["optimus"], [0])}
+    if per_token:
+        readers["dealt"] = StepData(jobs["optimus_adaptive"], [0])
+    counts = {k: [] for k in readers}
+    for step in range(max(steps) + 1):
+        for k, reader in readers.items():
+            get = reader.step(step)
+            counts[k].append([get(m).num_images for m in range(n)])
+    for reader in readers.values():
+        reader.close()
+    mine = counts["dealt" if per_token else "loader"]
+    out = {
+        "predicted_adaptive_vs_static": statistics.median(
+            static_s(counts["loader"][s]) / planner.plan(mine[s]).step_time_s for s in steps
+        )
+    }
+    if per_token:
+        out["predicted_balanced_samples_vs_static"] = statistics.median(
+            static_s(counts["loader"][s]) / static_s(mine[s]) for s in steps
+        )
+    return out
