@@ -109,19 +109,19 @@ def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
     rows, expected, updated = [], [], []
     for step in range(3):
         _copy_weights(saved, ahead)
-        saved.selector.load_state_dict(copy.deepcopy(ahead.selector.state_dict()))
-        selector = copy.deepcopy(ahead.selector.state_dict())
+        saved.coreset.selector.load_state_dict(copy.deepcopy(ahead.coreset.selector.state_dict()))
+        selector = copy.deepcopy(ahead.coreset.selector.state_dict())
         ahead.step(step)
         plain.step(step)
-        rows.append(ahead.pending[1])
+        rows.append(ahead.coreset.pending[1])
         if step == 0:
             continue  # at step 0 the selector also chose step 0's own pool first
-        pool = saved.pool_list(saved.data.pool(step + 1))
-        expected.append(saved.pool_rows(pool))
+        pool = saved.coreset.pool_list(saved.data.pool(step + 1))
+        expected.append(saved.coreset.pool_rows(pool))
         # The same with the weights after the update: the selection depends on which.
         _copy_weights(saved, ahead)
-        saved.selector.load_state_dict(selector)
-        updated.append(saved.pool_rows(pool))
+        saved.coreset.selector.load_state_dict(selector)
+        updated.append(saved.coreset.pool_rows(pool))
     return {"rows": rows[1:], "expected": expected, "updated": updated,
             "ahead": ahead.history, "plain": plain.history}  # fmt: skip
 

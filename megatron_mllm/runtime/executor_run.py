@@ -7,13 +7,11 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 
-from megatron_mllm.data.batch import MicroBatch
 from megatron_mllm.models.weights import open_full_state
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of, layer_overrides
@@ -23,6 +21,7 @@ from megatron_mllm.runtime.model_builder import (
     build_rank_model,
 )
 from megatron_mllm.runtime.optimizer import sub_optimizers
+from megatron_mllm.runtime.program import forward_only_program, gpu_program
 
 
 class ExecutorRun:
@@ -30,7 +29,6 @@ class ExecutorRun:
 
     def __init__(self, rank: int, world: int, job: RuntimeJob, device: torch.device) -> None:
         from megatron_mllm.parallel.groups import build_colocated_groups
-        from megatron_mllm.runtime.program import gpu_program
 
         self.rank, self.job, self.device = rank, job, device
         plan = job.backbone
@@ -106,18 +104,11 @@ class ExecutorRun:
             from megatron_mllm.runtime.step_plans import AdaptiveSteps
 
             self.adaptive = AdaptiveSteps(self)
-        self.selector = None
-        self.pending: tuple[int, list[int]] | None = None  # look-ahead: (step, chosen rows)
+        self.coreset = None  # the coreset sampler's steps (runtime/coreset_steps.py)
         if job.data.coreset is not None:
-            from megatron_mllm.data.coreset import CoresetSelector
+            from megatron_mllm.runtime.coreset_steps import CoresetSteps
 
-            self.pool_program = forward_only_program(
-                gpu_program(job.data.pool_schedule, groups, self.enc_tp)
-            )
-            self.selector = CoresetSelector(job.data.coreset)
-        self.ahead_program = None  # look-ahead: the step with the next step's pool forward
-        if job.data.lookahead_schedule is not None:
-            self.ahead_program = gpu_program(job.data.lookahead_schedule, groups, self.enc_tp)
+            self.coreset = CoresetSteps(self)
 
     def _encoder_placement(self, enc_plan: ParallelPlan) -> EncoderPlacement | None:
         """This rank's encoder stage: whole on backbone stage 0 (Megatron's placement; other
@@ -207,7 +198,6 @@ class ExecutorRun:
         """Online re-planning (collective: every rank calls it): plan Optimus again from every
         rank's measured unit times and run the new schedule from the next step. False where
         the schedule keeps the encoder on stage 0 or the new plan needs other modules."""
-        from megatron_mllm.runtime.program import gpu_program
         from megatron_mllm.runtime.replan import replan
 
         gathered = [None] * dist.get_world_size()
@@ -241,7 +231,7 @@ class ExecutorRun:
             self._ordered_p2p(job.backbone, enc_plan)
         return True
 
-    def _executor(self, program, meta, data, **options):
+    def executor_for(self, program, meta, data, **options):
         """An Executor for one pass of `program` over this rank's modules."""
         from megatron_mllm.runtime.executor import Executor
 
@@ -260,121 +250,12 @@ class ExecutorRun:
             **options,
         )
 
-    def selection(self, step: int) -> Callable[..., MicroBatch]:
-        """Coreset: `get(mb, dp)` over the B samples step `step` trains on: chosen one step
-        ahead (look-ahead), or now from the step's pool (`select`)."""
-        pool = self.data.pool(step)  # read one step ahead under look-ahead
-        if self.pending is None or self.pending[0] != step:
-            return self.select(pool)
-        return self._chosen(self.pool_list(pool), self.pending[1])
-
-    def pool_list(self, pool) -> list[MicroBatch]:
-        """This replica's pool micro-batches."""
-        n = self.job.data.coreset.pool_size // self.job.micro_batch
-        return [pool(m, self.groups.coords.dp) for m in range(n)]
-
-    def select(self, pool) -> Callable[..., MicroBatch]:
-        """Coreset: the pool `pool(mb, dp)` goes forward without gradients through the whole
-        pipeline; the last stage computes features on its output layer and selects B samples,
-        every rank of the pipeline gets their positions; returns `get(mb, dp)` over them."""
-        batches = self.pool_list(pool)
-        return self._chosen(batches, self.pool_rows(batches))
-
-    def pool_rows(self, batches: list[MicroBatch]) -> list[int]:
-        """The rows of the pool `batches` to train on, chosen now with the current weights
-        (collective: a forward-only pass through the pipeline, then `_choose`)."""
-        self.sync_params()  # the pool pass has no AG actions
-        executor = self._executor(
-            self.pool_program,
-            self.job.data.pool_schedule.meta,
-            batches.__getitem__,
-            forward_only=True,
-            ordered=self.pool_ordered,
-        )
-        executor.run_step()
-        return self._choose(batches, executor.last_layer_inputs)
-
-    def _choose(self, batches: list[MicroBatch], hidden_of: dict) -> list[int]:
-        """The pool's rows to train on (collective over the backbone's model-parallel group):
-        the last stage selects (`_pick`), every stage gets the rows (`_share`)."""
-        return self._share(self._pick(batches, hidden_of))
-
-    def _pick(self, batches: list[MicroBatch], hidden_of: dict) -> torch.Tensor | None:
-        """On the last stage (collective over its TP group): the rows selected from the output
-        layer's inputs `hidden_of[mb]` and the current output layer; None on other stages."""
-        from megatron_mllm.data.batch import collate
-
-        if not self.backbone.post_process:
-            return None
-        whole = collate(batches)
-        # The replay runs in fp32 on what the pipeline computed (bf16 inputs and weights).
-        hidden = torch.cat([hidden_of[m] for m in range(len(batches))]).float()
-        weight = self.backbone.gpt.output_layer.weight.detach().float()
-        return self.selector.select(
-            torch.tensor(whole.sources, device="cpu"),
-            self._replay(weight.shape[0]),
-            self._whole_sequence(hidden),
-            whole.labels.to(hidden.device),
-            weight,
-        ).to(self.device)
-
-    def _share(self, picked: torch.Tensor | None) -> list[int]:
-        """The last stage's rows on every rank of the pipeline (collective)."""
-        from megatron_mllm.data.sampler import broadcast_selection
-        from megatron_mllm.parallel.groups import backbone_rank
-
-        job, c = self.job, self.groups.coords
-        group, size = self.groups.backbone.mp, job.data.coreset.batch_size
-        if dist.get_world_size(group) > 1:
-            last = backbone_rank(job.backbone, 0, c.dp, job.backbone.pp - 1)
-            picked = broadcast_selection(picked, size, group, last, self.device)
-        return picked.tolist()
-
-    def _chosen(self, batches: list[MicroBatch], rows: list[int]) -> Callable[..., MicroBatch]:
-        """`get(mb, dp)` over the pool's `rows`, in micro-batches of the job's size."""
-        from megatron_mllm.data.batch import collate
-
-        whole, mb, tokens = collate(batches), self.job.micro_batch, self.job.cfg.image_tokens
-        chosen = [whole.select(rows[m : m + mb], tokens) for m in range(0, len(rows), mb)]
-        return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
-
-    def _picker(self, pool: list[MicroBatch], n: int) -> Callable | None:
-        """Look-ahead, last stage: select from the pool as soon as this rank's program is done
-        (its step-end waits and the other stages' last work still ahead)."""
-        if not self.backbone.post_process:
-            return None
-
-        def pick(executor) -> torch.Tensor:
-            return self._pick(pool, {m - n: h for m, h in executor.last_layer_inputs.items()})
-
-        return pick
-
-    def _replay(self, rows: int):
-        """The selection's last-layer replay for this rank's `rows` of the output layer."""
-        from megatron_mllm.data.sampler import VocabParallelReplay
-
-        tp = self.job.backbone.tp
-        if tp == 1:
-            return VocabParallelReplay()
-        start = self.groups.coords.tp * rows
-        return VocabParallelReplay(self.groups.backbone.tp, start, rows * tp)
-
-    def _whole_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The output layer's inputs [n, s, h] over the whole sequence: sequence parallelism
-        hands each TP rank its slice of s."""
-        if not (self.job.plans.sequence_parallel and self.job.backbone.tp > 1):
-            return hidden
-        group = self.groups.backbone.tp
-        parts = [torch.empty_like(hidden) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, hidden.contiguous(), group=group)
-        return torch.cat(parts, dim=1)
-
     def evaluate(self, data) -> dict:
         """One forward-only pass of the training schedule over `data(mb, dp)` (validation);
         the last stage returns {"losses": {mb: loss}, "matches": {mb: (exact, answered)}}."""
         self.sync_params()
         dp = self.groups.coords.dp
-        executor = self._executor(
+        executor = self.executor_for(
             self.eval_program,
             self.job.schedule.meta,
             lambda m: data(m, dp),
@@ -400,7 +281,7 @@ class ExecutorRun:
             sync.zero()
         if self.optimizer is not None:
             self.optimizer.zero_grad()
-        data = self.selection(step) if self.selector is not None else self.data.step(step)
+        data = self.coreset.data(step) if self.coreset is not None else self.data.step(step)
         tokens = self._labelled_tokens(data) if job.data.per_token_loss else None
         executor, slot, ahead = self._step_executor(step, data, tokens)
         if job.faults.fail_rank == self.rank:
@@ -410,7 +291,7 @@ class ExecutorRun:
             result = executor.run_step()
         allreduce_sequence_parallel_grads(self.chunks, self.groups.backbone.tp)
         if ahead is not None:  # chosen before the update: with the step's own weights
-            self.pending = (step + 1, self._share(executor.picked))
+            self.coreset.keep(step + 1, executor.picked)
         self._record(step, result, slot, tokens)
         self.last_loss = self._mean_loss(self.history[-1], tokens)
         self.mean_losses.append(self.last_loss)
@@ -440,17 +321,13 @@ class ExecutorRun:
         the static program, the step's own (optimus-adaptive), or the look-ahead one."""
         job, c = self.job, self.groups.coords
         program, meta, ordered, order = self.program, job.schedule.meta, self.ordered, None
-        if self.adaptive is not None and self.selector is None:
+        if self.adaptive is not None and self.coreset is None:
             program, meta, ordered, order = self.adaptive.program(step, data)
         slot = order.__getitem__ if order is not None else int
         get, ahead, after = (lambda m: data(slot(m), c.dp)), None, None
-        if self.ahead_program is not None:  # the next step's pool goes forward in this one
-            program, ordered = self.ahead_program, self.ahead_ordered
-            meta = job.data.lookahead_schedule.meta
-            ahead = self.pool_list(self.data.prefetch_pool(step + 1))
-            get = _with_lookahead(get, ahead, job.num_microbatches)
-            after = self._picker(ahead, job.num_microbatches)
-        executor = self._executor(
+        if self.coreset is not None and self.coreset.lookahead:  # the next pool goes forward
+            program, meta, ordered, get, ahead, after = self.coreset.with_next_pool(step, get)
+        executor = self.executor_for(
             program,
             meta,
             get,
@@ -605,26 +482,6 @@ class ExecutorRun:
             for encoder in (e for e in self.encoders if e is not None):
                 out["params"].update(param_shards(encoder, enc_tp))
         return out
-
-
-def _with_lookahead(get: Callable, pool: list[MicroBatch], n: int) -> Callable:
-    """Micro-batch m of a look-ahead step: the step's own below `n`, the pool's from there."""
-    return lambda m: get(m) if m < n else pool[m - n]
-
-
-def forward_only_program(program):
-    """The forward half of a GPU program (a coreset pool pass): F and EF, and the messages that
-    carry activations forward."""
-    keep = ("act", "eout", "eact")
-    out = []
-    for op in program:
-        if op.kind == "run" and op.action.kind in ("F", "EF"):
-            out.append(replace(op, fills=tuple(f for f in op.fills if f.kind == "EF")))
-        elif op.kind == "run" and op.fills:
-            out += [replace(op, action=f, fills=()) for f in op.fills if f.kind == "EF"]
-        elif op.kind in ("send", "recv") and op.key.split(".")[0] in keep:
-            out.append(op)
-    return out
 
 
 def busy_seconds(spans, stream: str) -> float:

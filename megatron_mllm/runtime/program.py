@@ -5,7 +5,7 @@ from its slot's GPUs to the whole TP group)."""
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megatron_mllm.parallel.groups import ColocatedGroups, RankCoords, backbone_rank, rank_coords
 from megatron_mllm.parallel.plans import ParallelPlan
@@ -186,3 +186,18 @@ def pairwise_order_problems(programs: dict[int, list[Op]]) -> list[str]:
             )
             problems.append(f"rank {pair[0]} -> rank {pair[1]}: {where}")
     return problems
+
+
+def forward_only_program(program):
+    """The forward half of a GPU program (a coreset pool pass): F and EF, and the messages that
+    carry activations forward."""
+    keep = ("act", "eout", "eact")
+    out = []
+    for op in program:
+        if op.kind == "run" and op.action.kind in ("F", "EF"):
+            out.append(replace(op, fills=tuple(f for f in op.fills if f.kind == "EF")))
+        elif op.kind == "run" and op.fills:
+            out += [replace(op, action=f, fills=()) for f in op.fills if f.kind == "EF"]
+        elif op.kind in ("send", "recv") and op.key.split(".")[0] in keep:
+            out.append(op)
+    return out

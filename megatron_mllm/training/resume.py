@@ -61,11 +61,11 @@ class Checkpointer:
         self.parts = [(chunk, c.tp, plan.tp, c.dp) for chunk in run.chunks]
         self.parts += [(encoder, enc_tp, run.enc_tp, enc_replica) for encoder in run.encoders]
         # The coreset selector lives on the last stage's TP ranks (alike); TP rank 0 writes it.
-        self.holds_selector = run.selector is not None and run.backbone.post_process
+        self.holds_selector = run.coreset is not None and run.backbone.post_process
         # Every rank of a replica holds its loader's state; stage 0's TP rank 0 writes it.
         self.data_copy = c.stage * plan.tp + c.tp
         self.streams = bool(run.data.streams)
-        self.lookahead = run.ahead_program is not None
+        self.lookahead = run.coreset is not None and run.coreset.lookahead
         self.source = None  # a converted model's origin (its LLaVA config), kept when saving
         self.run_id = _new_run_id()  # the lineage of checkpoints; a resumed run keeps its own
 
@@ -75,13 +75,13 @@ class Checkpointer:
         rng = checkpointing.capture_rng_state() if saving else None
         out = {"rng_state": (rng, self.args.rank, self.args.world_size)}
         if self.holds_selector:
-            state = run.selector.state_dict() if saving else None
+            state = run.coreset.selector.state_dict() if saving else None
             out["coreset_selector"] = (state, c.dp, plan.dp, c.tp)
         if self.streams:
             state = run.data.state(c.dp) if saving else None
             out["data_loader"] = (state, c.dp, plan.dp, self.data_copy)
         if self.lookahead:  # the rows chosen for the next step (its pool is read again)
-            state = list(run.pending) if saving else None
+            state = list(run.coreset.pending) if saving else None
             out["coreset_lookahead"] = (state, c.dp, plan.dp, self.data_copy)
         return out
 
@@ -157,14 +157,14 @@ class Checkpointer:
         self.run_id = saved.get("run_id") or self.run_id
         loaded = common["objects"]
         if self.holds_selector:
-            run.selector.load_state_dict(loaded["coreset_selector"])
+            run.coreset.selector.load_state_dict(loaded["coreset_selector"])
         if "rng_state" in loaded:
             checkpointing.restore_rng_state(loaded["rng_state"])
         if "data_loader" in loaded:
             run.data.restore(self.coords.dp, loaded["data_loader"])
         if "coreset_lookahead" in loaded:
             step, rows = loaded["coreset_lookahead"]
-            run.pending = (step, list(rows))
+            run.coreset.pending = (step, list(rows))
         self.scheduler.load_state_dict(common["scheduler"])
         grad_scaler = run.grad_scaler
         if grad_scaler is not None and common.get("grad_scaler") is not None:

@@ -1,0 +1,169 @@
+"""The coreset sampler (CoLM) inside one ExecutorRun: each step trains on B samples chosen
+from a pool of r x B, chosen now (the pool goes forward through the pipeline without
+gradients, then the last stage selects on its output layer and every stage gets the rows) or
+one step ahead (--coreset-lookahead: the next step's pool goes forward in this step's bubbles,
+and the last stage selects as soon as its program ends, with this step's weights)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from megatron_mllm.data.batch import MicroBatch
+from megatron_mllm.runtime.program import forward_only_program, gpu_program
+
+
+class CoresetSteps:
+    """Selection for an ExecutorRun (`run`): its programs, its selector and, under look-ahead,
+    the rows chosen for the next step (`pending`, saved in checkpoints)."""
+
+    def __init__(self, run) -> None:
+        from megatron_mllm.data.coreset import CoresetSelector
+
+        self.run, job = run, run.job
+        self.selector = CoresetSelector(job.data.coreset)
+        pool = gpu_program(job.data.pool_schedule, run.groups, run.enc_tp)
+        self.pool_program = forward_only_program(pool)
+        self.ahead_program = None  # look-ahead: the step with the next step's pool forward
+        if job.data.lookahead_schedule is not None:
+            self.ahead_program = gpu_program(job.data.lookahead_schedule, run.groups, run.enc_tp)
+        self.pending: tuple[int, list[int]] | None = None  # look-ahead: (step, chosen rows)
+
+    @property
+    def job(self):
+        return self.run.job
+
+    @property
+    def lookahead(self) -> bool:
+        return self.ahead_program is not None
+
+    def with_next_pool(self, step: int, get: Callable) -> tuple:
+        """Look-ahead: (program, meta, receive orders, get, the next pool, its picker) of step
+        `step` with step + 1's pool (read now) going forward in its bubbles: micro-batch m is
+        the step's own below n, the pool's from there."""
+        n = self.job.num_microbatches
+        pool = self.pool_list(self.run.data.prefetch_pool(step + 1))
+
+        def with_pool(m: int) -> MicroBatch:
+            return get(m) if m < n else pool[m - n]
+
+        meta = self.job.data.lookahead_schedule.meta
+        picker = self._picker(pool, n)
+        return self.ahead_program, meta, self.run.ahead_ordered, with_pool, pool, picker
+
+    def keep(self, step: int, picked: torch.Tensor | None) -> None:
+        """Look-ahead: the rows the last stage picked for `step`, on every stage (collective)."""
+        self.pending = (step, self._share(picked))
+
+    def data(self, step: int) -> Callable[..., MicroBatch]:
+        """Coreset: `get(mb, dp)` over the B samples step `step` trains on: chosen one step
+        ahead (look-ahead), or now from the step's pool (`select`)."""
+        pool = self.run.data.pool(step)  # read one step ahead under look-ahead
+        if self.pending is None or self.pending[0] != step:
+            return self.select(pool)
+        return self._chosen(self.pool_list(pool), self.pending[1])
+
+    def pool_list(self, pool) -> list[MicroBatch]:
+        """This replica's pool micro-batches."""
+        n = self.job.data.coreset.pool_size // self.job.micro_batch
+        return [pool(m, self.run.groups.coords.dp) for m in range(n)]
+
+    def select(self, pool) -> Callable[..., MicroBatch]:
+        """Coreset: the pool `pool(mb, dp)` goes forward without gradients through the whole
+        pipeline; the last stage computes features on its output layer and selects B samples,
+        every rank of the pipeline gets their positions; returns `get(mb, dp)` over them."""
+        batches = self.pool_list(pool)
+        return self._chosen(batches, self.pool_rows(batches))
+
+    def pool_rows(self, batches: list[MicroBatch]) -> list[int]:
+        """The rows of the pool `batches` to train on, chosen now with the current weights
+        (collective: a forward-only pass through the pipeline, then `_choose`)."""
+        run = self.run
+        run.sync_params()  # the pool pass has no AG actions
+        executor = run.executor_for(
+            self.pool_program,
+            self.job.data.pool_schedule.meta,
+            batches.__getitem__,
+            forward_only=True,
+            ordered=run.pool_ordered,
+        )
+        executor.run_step()
+        return self._choose(batches, executor.last_layer_inputs)
+
+    def _choose(self, batches: list[MicroBatch], hidden_of: dict) -> list[int]:
+        """The pool's rows to train on (collective over the backbone's model-parallel group):
+        the last stage selects (`_pick`), every stage gets the rows (`_share`)."""
+        return self._share(self._pick(batches, hidden_of))
+
+    def _pick(self, batches: list[MicroBatch], hidden_of: dict) -> torch.Tensor | None:
+        """On the last stage (collective over its TP group): the rows selected from the output
+        layer's inputs `hidden_of[mb]` and the current output layer; None on other stages."""
+        from megatron_mllm.data.batch import collate
+
+        backbone = self.run.backbone
+        if not backbone.post_process:
+            return None
+        whole = collate(batches)
+        # The replay runs in fp32 on what the pipeline computed (bf16 inputs and weights).
+        hidden = torch.cat([hidden_of[m] for m in range(len(batches))]).float()
+        weight = backbone.gpt.output_layer.weight.detach().float()
+        return self.selector.select(
+            torch.tensor(whole.sources, device="cpu"),
+            self._replay(weight.shape[0]),
+            self._whole_sequence(hidden),
+            whole.labels.to(hidden.device),
+            weight,
+        ).to(self.run.device)
+
+    def _share(self, picked: torch.Tensor | None) -> list[int]:
+        """The last stage's rows on every rank of the pipeline (collective)."""
+        from megatron_mllm.data.sampler import broadcast_selection
+        from megatron_mllm.parallel.groups import backbone_rank
+
+        job, groups = self.job, self.run.groups
+        group, size = groups.backbone.mp, job.data.coreset.batch_size
+        if dist.get_world_size(group) > 1:
+            last = backbone_rank(job.backbone, 0, groups.coords.dp, job.backbone.pp - 1)
+            picked = broadcast_selection(picked, size, group, last, self.run.device)
+        return picked.tolist()
+
+    def _chosen(self, batches: list[MicroBatch], rows: list[int]) -> Callable[..., MicroBatch]:
+        """`get(mb, dp)` over the pool's `rows`, in micro-batches of the job's size."""
+        from megatron_mllm.data.batch import collate
+
+        whole, mb, tokens = collate(batches), self.job.micro_batch, self.job.cfg.image_tokens
+        chosen = [whole.select(rows[m : m + mb], tokens) for m in range(0, len(rows), mb)]
+        return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
+
+    def _picker(self, pool: list[MicroBatch], n: int) -> Callable | None:
+        """Look-ahead, last stage: select from the pool as soon as this rank's program is done
+        (its step-end waits and the other stages' last work still ahead)."""
+        if not self.run.backbone.post_process:
+            return None
+
+        def pick(executor) -> torch.Tensor:
+            return self._pick(pool, {m - n: h for m, h in executor.last_layer_inputs.items()})
+
+        return pick
+
+    def _replay(self, rows: int):
+        """The selection's last-layer replay for this rank's `rows` of the output layer."""
+        from megatron_mllm.data.sampler import VocabParallelReplay
+
+        tp = self.job.backbone.tp
+        if tp == 1:
+            return VocabParallelReplay()
+        groups = self.run.groups
+        return VocabParallelReplay(groups.backbone.tp, groups.coords.tp * rows, rows * tp)
+
+    def _whole_sequence(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The output layer's inputs [n, s, h] over the whole sequence: sequence parallelism
+        hands each TP rank its slice of s."""
+        if not (self.job.plans.sequence_parallel and self.job.backbone.tp > 1):
+            return hidden
+        group = self.run.groups.backbone.tp
+        parts = [torch.empty_like(hidden) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, hidden.contiguous(), group=group)
+        return torch.cat(parts, dim=1)
