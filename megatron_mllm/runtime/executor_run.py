@@ -311,10 +311,10 @@ class ExecutorRun:
         1 / tokens. None: the mean over micro-batches."""
         if tokens is None:
             return None
-        total = torch.tensor([float(sum(tokens))], device=self.device)
+        total = torch.tensor([float(sum(tokens))], dtype=torch.float64, device=self.device)
         group = self.groups.backbone.dp
         dist.all_reduce(total, group=group)
-        return dist.get_world_size(group) / total.clamp(min=1.0)
+        return (dist.get_world_size(group) / total.clamp(min=1.0)).float()
 
     def _step_executor(self, step: int, data, tokens: list[int] | None = None) -> tuple:
         """(executor, slot of each program micro-batch, the next pool or None) for one step:

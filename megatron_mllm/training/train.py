@@ -403,14 +403,19 @@ class Validation:
 
         total = torch.zeros(4, dtype=torch.float64, device=self.device)
         counts = self.run.groups.coords.tp == 0  # every TP rank of the last stage has them
+        per_token = self.run.job.data.per_token_loss  # weigh each micro-batch by its tokens
         for i in range(self.args.eval_iters):
-            out = self.run.evaluate(self.data.step(i))
+            data = self.data.step(i)
+            out = self.run.evaluate(data)
             for mb, loss in out["losses"].items() if counts else ():
                 exact, answered = out["matches"][mb]
-                total += torch.tensor([loss, 1, exact, answered], dtype=torch.float64).to(total)
+                weight = data(mb, self.run.groups.coords.dp).labelled_tokens if per_token else 1
+                row = [loss * weight, weight, exact, answered]
+                total += torch.tensor(row, dtype=torch.float64).to(total)
         dist.all_reduce(total)
         if self.args.rank == 0:
-            loss, accuracy = float(total[0] / total[1]), float(total[2] / total[3].clamp(min=1))
+            loss = float(total[0] / total[1].clamp(min=1))
+            accuracy = float(total[2] / total[3].clamp(min=1))
             print(validation_lines(iteration, loss, accuracy, int(total[3]), final), flush=True)
 
     def close(self) -> None:
