@@ -49,25 +49,21 @@ class ReferenceRun:
         model.zero_grad()
         data, losses = self.data.step(step), {}
         keys = [(dp, m) for dp in range(job.backbone.dp) for m in range(job.num_microbatches)]
-        # What each micro-batch's loss is divided by: their number, or with a per-token loss
-        # (a sum each) the global batch's labelled tokens.
+        # Each micro-batch's weight: 1 (a mean loss each), or with a per-token loss (a sum
+        # each) its labelled tokens; every loss is divided by the weights' total.
         weight = {k: 1 for k in keys}
         if job.data.per_token_loss:
             weight = {k: data(k[1], k[0]).labelled_tokens for k in keys}
-        divisor = len(keys) if not job.data.per_token_loss else max(sum(weight.values()), 1)
+        divisor = max(sum(weight.values()), 1)
         for dp, m in keys:
             batch = data(m, dp).to(self.device, torch.float32)
             embeds = [encoder(batch.images) for encoder in model.encoders]
             out = model.backbone(None, model.backbone.decoder_input(embeds, batch))
             loss = model.backbone.loss(out, batch, summed=job.data.per_token_loss)
             (loss / divisor).backward()
-            losses[(dp, m)] = loss.detach() / (
-                max(weight[(dp, m)], 1) if job.data.per_token_loss else 1
-            )
+            losses[(dp, m)] = loss.detach() / max(weight[(dp, m)], 1)  # a mean either way
         self.history.append({k: float(v) for k, v in losses.items()})  # one read per step
-        self.mean_losses.append(
-            sum(v * weight[k] for k, v in self.history[-1].items()) / max(sum(weight.values()), 1)
-        )
+        self.mean_losses.append(sum(v * weight[k] for k, v in self.history[-1].items()) / divisor)
         if step == 0:
             self.grads = {k: v for m in model.modules for k, v in grad_shards(m, 0).items()}
         if self.optimizer is not None:

@@ -55,39 +55,51 @@ def deal_across(batches: list[MicroBatch], group) -> list[MicroBatch]:
     (collective over `group`, see the module docstring)."""
     me, dp = dist.get_rank(group), dist.get_world_size(group)
     held = samples_of(batches)
-    per, size = len(held), batches[0].num_samples
-    first = batches[0]
-    layout = (tuple(first.images.shape[1:]), first.images.dtype, first.tokens.dtype)
     gathered: list = [None] * dp
     dist.all_gather_object(gathered, [(s.num_images, s.ids[:1]) for s in held], group=group)
     counts = [count for replica in gathered for count, _ in replica]
     ids = [sample_id for replica in gathered for _, sample_id in replica]
-    assignment = balanced_assignment(counts, dp, size)
-    owner = [g // per for g in range(len(counts))]
-    works, sent = [], []  # a send's tensors live until it completes
-    for q in range(dp):  # what this replica holds and q trains, in sample order
+    assignment = balanced_assignment(counts, dp, batches[0].num_samples)
+    owner = [g // len(held) for g in range(len(counts))]
+    sent = _send_moved(held, assignment, owner, me, group)
+    got = _receive_moved(batches[0], held, assignment[me], owner, counts, ids, me, group)
+    for work in sent:
+        work.wait()
+    return [collate([got[g] for g in mb]) for mb in assignment[me]]
+
+
+def _send_moved(held, assignment, owner: list[int], me: int, group) -> list:
+    """Post the sends of the samples this replica holds that another trains (each pair's in
+    sample order); the works keep their tensors alive until waited for."""
+    works = []
+    for q, replica in enumerate(assignment):
         if q != me:
-            for g in sorted(g for mb in assignment[q] for g in mb if owner[g] == me):
-                sent.append(_packed(held[g % per]))
-                dst = dist.get_global_rank(group, q)
-                works += [dist.isend(t, dst, group=group) for t in sent[-1]]
-    wanted = sorted({g for mb in assignment[me] for g in mb})
-    got, buffers = {}, []
-    for g in wanted:
+            dst = dist.get_global_rank(group, q)
+            for g in sorted(g for mb in replica for g in mb if owner[g] == me):
+                works += [dist.isend(t, dst, group=group) for t in _packed(held[g % len(held)])]
+    return works
+
+
+def _receive_moved(first, held, mine, owner, counts, ids, me: int, group) -> dict:
+    """Global sample index -> one-sample micro-batch for every sample this replica trains:
+    its own, and the others' received (posted in sample order, then waited for)."""
+    layout = (tuple(first.images.shape[1:]), first.images.dtype, first.tokens.dtype)
+    got, pending, works = {}, [], []
+    for g in sorted({g for mb in mine for g in mb}):
         if owner[g] == me:
-            got[g] = held[g % per]
+            got[g] = held[g % len(held)]
             continue
         src = dist.get_global_rank(group, owner[g])
         text, images = _buffers(first.tokens.shape[1], counts[g], layout)
         works.append(dist.irecv(text, src, group=group))
         if counts[g]:
             works.append(dist.irecv(images, src, group=group))
-        buffers.append((g, text, images))
+        pending.append((g, text, images))
     for work in works:
         work.wait()
-    for g, text, images in buffers:
+    for g, text, images in pending:
         got[g] = _sample(text, images, ids[g], first.image_tokens, layout[2])
-    return [collate([got[g] for g in mb]) for mb in assignment[me]]
+    return got
 
 
 def _packed(sample: MicroBatch) -> list[torch.Tensor]:
