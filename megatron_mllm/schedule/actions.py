@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import lru_cache
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.keys import TensorKey, part_encoder
@@ -70,46 +71,51 @@ class Action:
         return self.kind in COMPUTE_KINDS
 
 
+# Actions, cached: the constructors below go through it, so equal actions are mostly one object
+# (a dictionary lookup then needs no field-by-field comparison).
+_intern = lru_cache(maxsize=1 << 17)(Action)
+
+
 def F(stage: int, mb: int, chunk: int = 0) -> Action:
-    return Action("F", stage=stage, chunk=chunk, mb=mb)
+    return _intern("F", stage, chunk, mb)
 
 
 def B(stage: int, mb: int, chunk: int = 0) -> Action:
-    return Action("B", stage=stage, chunk=chunk, mb=mb)
+    return _intern("B", stage, chunk, mb)
 
 
 def EF(
     enc: int, pipe: int, stage: int, mb: int, k0: int, k1: int, fill: int | None = None
 ) -> Action:
-    return Action("EF", stage=stage, mb=mb, enc=enc, pipe=pipe, k0=k0, k1=k1, fill=fill)
+    return _intern("EF", stage, 0, mb, enc, pipe, k0, k1, fill)
 
 
 def EB(
     enc: int, pipe: int, stage: int, mb: int, k0: int, k1: int, fill: int | None = None
 ) -> Action:
-    return Action("EB", stage=stage, mb=mb, enc=enc, pipe=pipe, k0=k0, k1=k1, fill=fill)
+    return _intern("EB", stage, 0, mb, enc, pipe, k0, k1, fill)
 
 
 def EW(
     enc: int, pipe: int, stage: int, mb: int, k0: int, k1: int, fill: int | None = None
 ) -> Action:
-    return Action("EW", stage=stage, mb=mb, enc=enc, pipe=pipe, k0=k0, k1=k1, fill=fill)
+    return _intern("EW", stage, 0, mb, enc, pipe, k0, k1, fill)
 
 
 def SEND(key: str) -> Action:
-    return Action("SEND", key=key)
+    return _intern("SEND", 0, 0, 0, 0, 0, 0, 0, None, key)
 
 
 def RECV(key: str) -> Action:
-    return Action("RECV", key=key)
+    return _intern("RECV", 0, 0, 0, 0, 0, 0, 0, None, key)
 
 
 def AG(part: str) -> Action:
-    return Action("AG", key=part)
+    return _intern("AG", 0, 0, 0, 0, 0, 0, 0, None, part)
 
 
 def RS(part: str) -> Action:
-    return Action("RS", key=part)
+    return _intern("RS", 0, 0, 0, 0, 0, 0, 0, None, part)
 
 
 _BACKBONE_RE = re.compile(r"^(F|B):s(\d+)v(\d+)m(\d+)$")

@@ -161,7 +161,7 @@ def timed_step(
     """`schedule` simulated on the loads of the replica with the most images (the one the
     step waits for): that workload and the simulation (idle time not classified)."""
     loads = micro_loads(counts, assignment[heaviest(counts, assignment)], costed_images)
-    workload = replace(workload, encoder_load=loads)
+    workload = workload.at_loads(loads)
     return workload, simulate(schedule, workload, keep_spans=False, classify=False)
 
 

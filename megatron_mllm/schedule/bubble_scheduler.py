@@ -125,7 +125,7 @@ def optimus_schedule(
         if cache is not None:
             cache[shape] = meta, workload
     if loads:
-        workload = replace(workload, encoder_load=tuple(loads))
+        workload = workload.at_loads(loads)
         if skip_text_only:
             meta = replace(meta, text_only=tuple(m for m, x in enumerate(loads) if x == 0))
     steps = [backbone_actions(r, o) for r, o in enumerate(backbone_orders(meta, opts.extra_warmup))]

@@ -28,6 +28,8 @@ RULES = {
 }
 
 _BB = str(TensorKey.params())  # "params.bb"
+_SHARED: dict[tuple, Dataflow] = {}  # the last few (meta, assignment) shapes' dataflows
+_SHARED_MAX = 8
 
 
 class Dataflow:
@@ -39,6 +41,7 @@ class Dataflow:
         self._needs: dict[Action, list[str]] = {}
         self._makes: dict[Action, list[str]] = {}
         self._ranks: dict[str, tuple[int | None, int | None]] = {}
+        self._groups: dict[tuple, tuple[list[str], list[str]]] = {}
 
     def needs(self, a: Action) -> list[str]:
         """Keys `a` waits for (on its own rank). Cached: do not modify the list."""
@@ -171,6 +174,35 @@ class Dataflow:
             if a.enc == e and is_stage_backward_end(enc, a)
         ]
 
+    def group_transfers(self, rank: int, members: tuple[Action, ...]) -> tuple[list, list]:
+        """The keys an execution group (an action and its TP-bubble fills) on `rank` must
+        receive before it and send after it, in first-use order. Cached: do not modify."""
+        cache_key = (rank, members)
+        out = self._groups.get(cache_key)
+        if out is None:
+            made_here = {k for a in members for k in self.makes(a)}
+            recvs = [
+                k
+                for a in members
+                for k in self._crossing(self.needs(a), rank, True)
+                if k not in made_here
+            ]
+            sends = [k for a in members for k in self._crossing(self.makes(a), rank, False)]
+            out = self._groups[cache_key] = (list(dict.fromkeys(recvs)), list(dict.fromkeys(sends)))
+        return out
+
+    def _crossing(self, keys: list[str], rank: int, incoming: bool) -> list[str]:
+        """The transfer keys among `keys` that reach (`incoming`) or leave `rank`."""
+        out = []
+        for k in keys:
+            key = TensorKey.try_parse(k)
+            if key is None or not key.is_transfer:
+                continue
+            producer, consumer = self.transfer_ranks(k)
+            if producer != consumer and (consumer if incoming else producer) == rank:
+                out.append(k)
+        return out
+
     # -- where things live ---------------------------------------------------------------------
     def encoder_rank(self, enc: int, mb: int, stage: int) -> int | None:
         pipe = self.assignment[enc].get(mb) if enc < len(self.assignment) else None
@@ -230,6 +262,19 @@ class Dataflow:
         if a.kind in ENCODER_KINDS:
             return self.meta.encoders[a.enc].placement[a.pipe][a.stage][1]
         return None
+
+
+def dataflow_of(meta: ScheduleMeta, assignment: list[dict[int, int]]) -> Dataflow:
+    """The one Dataflow of a schedule shape: schedules with equal metadata and encoder
+    assignment (a step's candidate plans, one schedule simulated at many loads) share its
+    needs and makes, computed once."""
+    key = (meta, tuple(tuple(sorted(pipes.items())) for pipes in assignment))
+    flow = _SHARED.get(key)
+    if flow is None:
+        while len(_SHARED) >= _SHARED_MAX:
+            _SHARED.pop(next(iter(_SHARED)), None)
+        flow = _SHARED[key] = Dataflow(meta, assignment)
+    return flow
 
 
 def is_stage_backward_end(enc, a: Action) -> bool:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 import numpy as np
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.actions import ENCODER_KINDS, Action
-from megatron_mllm.schedule.dataflow import Dataflow, is_stage_backward_end
+from megatron_mllm.schedule.dataflow import dataflow_of, is_stage_backward_end
 from megatron_mllm.schedule.keys import part_encoder
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.validator import backbone_groups
@@ -76,7 +77,7 @@ def simulate(
     `classify=False` skips sorting idle time by cause (bubble fields stay 0; faster)."""
     meta = schedule.meta
     workload.check_matches(meta)
-    flow = Dataflow(meta, schedule.encoder_assignment())
+    flow = dataflow_of(meta, schedule.encoder_assignment())
     n, slots = meta.pp, meta.slots
     cfree = [[0.0] * slots for _ in range(n)]
     mfree = [[0.0] * slots for _ in range(n)]
@@ -93,8 +94,19 @@ def simulate(
     backbone_busy: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # whole actions
     dp_spans: list[list[tuple[float, float]]] = [[] for _ in range(n)]
     first_bb, last_bb = [math.inf] * n, [0.0] * n
+    # Per rank, per encoder (None: the backbone): (start, end) of the latest-ending backward
+    # run so far (a stage's last backward kernels end after its others).
+    last_bwd: list[dict[int | None, tuple[float, float]]] = [{} for _ in range(n)]
+    f_start: dict[int, float] = {}  # micro-batch -> start of its first backbone forward
+    b_end: dict[int, float] = {}  # micro-batch -> end of its last backbone backward
+
+    def backward_ran(r: int, part: int | None, start: float, end: float) -> None:
+        if end > last_bwd[r].get(part, (0.0, -1.0))[1]:
+            last_bwd[r][part] = (start, end)
 
     def span(r, slot, stream, action, part, a, b, cat):
+        if not (keep_spans or classify):
+            return
         if stream == "compute" and slot is not None:
             busy[r][slot].append((a, b))
         elif stream == "dp":
@@ -103,35 +115,28 @@ def simulate(
             spans.append(Span(r, slot, stream, action, part, a, b, cat))
 
     def ready(r: int, keys: list[str]) -> float:
-        return max((avail[r][k] for k in keys), default=0.0)
+        have, t = avail[r], 0.0
+        for k in keys:
+            if have[k] > t:
+                t = have[k]
+        return t
 
-    def dp_times(r: int, step: int, a: Action, needs: list[str]) -> tuple[float, float]:
-        """Start and end of a DP action. A reduce-scatter in K buckets: bucket k is ready
-        when the part's last backward on this rank is k/K done; the buckets go one after
-        another on the DP stream, each taking 1/K of the time."""
+    def dp_times(r: int, a: Action) -> tuple[float, float]:
+        """Start and end of a DP action. A reduce-scatter waits for every backward of its part
+        on the rank (the latest-ending one, as the rank's list has run up to it); in K buckets,
+        bucket k is ready when that backward is k/K done, and the buckets go one after another
+        on the DP stream, each taking 1/K of the time."""
         seconds = workload.dp_s.get((r, a.kind, a.key), 0.0)
-        done = ready(r, needs)
-        k = workload.dp_buckets.get((r, a.key), 1) if a.kind == "RS" else 1
-        last = last_backward(r, step, a.key) if k > 1 else None
-        if last is None:
-            t0 = max(cursor[r], dpfree[r], done)
+        last = last_bwd[r].get(part_encoder(a.key)) if a.kind == "RS" else None
+        k = workload.dp_buckets.get((r, a.key), 1) if last is not None else 1
+        if k == 1:
+            t0 = max(cursor[r], dpfree[r], last[1] if last else 0.0)
             return t0, t0 + seconds
         begin, end = last
         t = start = max(dpfree[r], begin + (end - begin) / k)
         for j in range(1, k + 1):
             t = max(t, begin + j * (end - begin) / k) + seconds / k
         return start, t
-
-    def last_backward(r: int, step: int, part: str) -> tuple[float, float] | None:
-        """(start, end) of the latest-ending backward of `part` before `step` on rank r."""
-        e = part_encoder(part)
-        spans_of = [
-            times[(r, i)]
-            for i, b in enumerate(schedule.ranks[r][:step])
-            if (r, i) in times
-            and ((e is None and b.kind == "B") or (b.kind in ("EB", "EW") and b.enc == e))
-        ]
-        return max(spans_of, key=lambda t: t[1], default=None)
 
     def run_encoder(r: int, step: int, a: Action, not_before: float) -> float:
         """Run one encoder chunk; return when its compute stream part ends."""
@@ -154,6 +159,8 @@ def simulate(
         for key in flow.makes(a):
             avail[r][key] = t
         times[(r, step)] = (start, t)
+        if a.kind in ("EB", "EW"):
+            backward_ran(r, a.enc, start, t)
         enc = meta.encoders[a.enc]
         stage_bytes = workload.encoder_stage_bytes(a.enc, a.stage, a.mb)
         if not meta.trains(a.mb):  # a look-ahead forward saves nothing for a backward
@@ -171,42 +178,54 @@ def simulate(
         nonlocal compute_total
         step = group[-1]
         a = acts[step]
-        fills = defaultdict(list)
+        fills = defaultdict(list) if len(group) > 1 else {}
         for i in group[:-1]:
             fills[acts[i].fill].append(i)
         kernels = workload.kernels(a.kind, a.stage, a.chunk, mb=a.mb)
-        start = max(cursor[r], max(cfree[r]), ready(r, flow.needs(a)))
+        cf, mf = cfree[r], mfree[r]
+        start = max(cursor[r], max(cf), ready(r, flow.needs(a)))
         t = start + workload.chunk_overhead_s
-        gap = 0
+        # The TP stream is the rank's: after a backbone collective every slot's is free at its
+        # end (`mf` is written back lazily), unless a fill's own collective runs later.
+        comm_free, written, work, gap = max(mf), True, 0.0, 0
         for k in kernels:
             if keep_spans:
                 span(r, None, "compute", a, k.name, t, t + k.compute_s, "backbone")
             t += k.compute_s
-            compute_total += k.compute_s * slots
+            work += k.compute_s
             if k.comm_s > 0:
-                cs = max(t, max(mfree[r]))
-                ce = cs + k.comm_s
-                for s in range(slots):
-                    mfree[r][s] = ce
+                cs = t if t > comm_free else comm_free
+                comm_free = ce = cs + k.comm_s
+                written = False
                 if keep_spans:
                     span(r, None, "comm", a, k.name, cs, ce, "tp")
-                tp_gaps[r].append((t, ce))
+                if classify:
+                    tp_gaps[r].append((t, ce))
                 resume = ce
-                for i in fills.pop(gap, []):
-                    resume = max(resume, run_encoder(r, i, acts[i], t))
+                if gap in fills:
+                    mf[:] = [ce] * slots
+                    for i in fills.pop(gap):
+                        resume = max(resume, run_encoder(r, i, acts[i], t))
+                    comm_free, written = max(mf), True
                 t = resume
                 gap += 1
+        if not written:
+            mf[:] = [comm_free] * slots
+        compute_total += work * slots
         if fills:
             bad = min(i for idx in fills.values() for i in idx)
             raise ConfigError(
                 f"rank {r}, step {bad}: {acts[bad]} fills TP bubble {acts[bad].fill} but "
                 f"{a} has only {gap} TP bubble(s)"
             )
-        for s in range(slots):
-            cfree[r][s] = t
+        cf[:] = [t] * slots
         for key in flow.makes(a):
             avail[r][key] = t
         times[(r, step)] = (start, t)
+        if a.kind == "B":
+            backward_ran(r, None, start, t)
+        if a.stage == 0 and a.chunk == 0:  # F_i and B_i, as the bubble scheduler names them
+            (f_start if a.kind == "F" else b_end)[a.mb] = start if a.kind == "F" else t
         backbone_busy[r].append((start, t))
         first_bb[r] = min(first_bb[r], start)
         last_bb[r] = max(last_bb[r], t)
@@ -216,37 +235,42 @@ def simulate(
 
     groups = [backbone_groups(acts) for acts in schedule.ranks]
     ptr = [0] * n
+    transfer_time = workload.transfer_time
     while True:
         progressed = False
         for r, acts in enumerate(schedule.ranks):
-            while ptr[r] < len(groups[r]):
-                group = groups[r][ptr[r]]
-                a = acts[group[-1]]
-                if a.kind == "RECV" and a.key not in arrival:
-                    break
-                if a.kind in ("F", "B"):
+            mine, p, have = groups[r], ptr[r], avail[r]
+            while p < len(mine):
+                group = mine[p]
+                step = group[-1]
+                a = acts[step]
+                kind = a.kind
+                if kind == "F" or kind == "B":
                     run_backbone(r, group, acts)
-                elif a.kind in ENCODER_KINDS:
-                    run_encoder(r, group[-1], a, 0.0)
-                elif a.kind == "SEND":
-                    t0 = max(cursor[r], avail[r][a.key])
-                    arrival[a.key] = t0 + workload.transfer_time(a.key)
-                    span(r, None, "p2p", a, "", t0, arrival[a.key], "p2p")
-                    times[(r, group[-1])] = (t0, arrival[a.key])
-                elif a.kind == "RECV":
-                    avail[r][a.key] = arrival[a.key]
-                    cursor[r] = max(cursor[r], arrival[a.key])
-                    times[(r, group[-1])] = (arrival[a.key], arrival[a.key])
+                elif kind == "SEND":
+                    t0 = max(cursor[r], have[a.key])
+                    arrival[a.key] = t1 = t0 + transfer_time(a.key)
+                    span(r, None, "p2p", a, "", t0, t1, "p2p")
+                    times[(r, step)] = (t0, t1)
+                elif kind == "RECV":
+                    t1 = arrival.get(a.key)
+                    if t1 is None:
+                        break  # not sent yet
+                    have[a.key] = t1
+                    cursor[r] = max(cursor[r], t1)
+                    times[(r, step)] = (t1, t1)
+                elif kind in ENCODER_KINDS:
+                    run_encoder(r, step, a, 0.0)
                 else:  # AG / RS on the rank's data-parallel stream
-                    needs = flow.rs_needs(r, acts, a.key) if a.kind == "RS" else []
-                    t0, t1 = dp_times(r, group[-1], a, needs)
+                    t0, t1 = dp_times(r, a)
                     dpfree[r] = t1
                     for key in flow.makes(a):
-                        avail[r][key] = t1
+                        have[key] = t1
                     span(r, None, "dp", a, "", t0, t1, "dp")
-                    times[(r, group[-1])] = (t0, t1)
-                ptr[r] += 1
-                progressed = True
+                    times[(r, step)] = (t0, t1)
+                p += 1
+            progressed = progressed or p > ptr[r]
+            ptr[r] = p
         if all(ptr[r] == len(groups[r]) for r in range(n)):
             break
         if not progressed:
@@ -258,7 +282,7 @@ def simulate(
             )
             raise DeadlockError(f"simulation deadlocked: {stuck}")
 
-    step_time = max((b for _, b in times.values()), default=0.0)
+    step_time = max(map(itemgetter(1), times.values()), default=0.0)
     first_bb = [min(f, step_time) for f in first_bb]
     causes = dict.fromkeys(BUBBLE_CAUSES, 0.0)
     by_rank = [dict.fromkeys(BUBBLE_CAUSES, 0.0) for _ in range(n)]
@@ -288,13 +312,6 @@ def simulate(
         state = workload.state_bytes[r] if workload.state_bytes else 0.0
         peak = max(peak, state + top)
         activation_peaks.append(top)
-    f_start, b_end = {}, {}
-    for (r, step), (a, b) in times.items():
-        act = schedule.ranks[r][step]
-        if act.kind == "F" and act.stage == 0 and act.chunk == 0:
-            f_start[act.mb] = a
-        if act.kind == "B" and act.stage == 0 and act.chunk == 0:
-            b_end[act.mb] = b
     return SimResult(
         step_time_s=step_time,
         limit_s=compute_total / groups,

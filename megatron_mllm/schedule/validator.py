@@ -10,7 +10,7 @@ from collections import Counter, defaultdict
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.actions import ENCODER_KINDS, Action
-from megatron_mllm.schedule.dataflow import RULES, Dataflow
+from megatron_mllm.schedule.dataflow import RULES, Dataflow, dataflow_of
 from megatron_mllm.schedule.keys import TensorKey, part_name
 from megatron_mllm.schedule.schedule import Schedule
 
@@ -44,7 +44,7 @@ def backbone_groups(actions: list[Action]) -> list[list[int]]:
 def validate(schedule: Schedule) -> None:
     """Raise ScheduleError at the first rule the schedule breaks; return None if it is valid."""
     meta = schedule.meta
-    flow = Dataflow(meta, schedule.encoder_assignment())
+    flow = dataflow_of(meta, schedule.encoder_assignment())
 
     def fail(rank: int, step: int, rule: str, detail: str):
         raise ScheduleError(schedule, rank, step, rule, detail)
@@ -59,7 +59,7 @@ def validate(schedule: Schedule) -> None:
         )
 
     # Each action belongs on one rank, once.
-    seen: dict[str, tuple[int, int]] = {}
+    seen: dict[tuple, tuple[int, int]] = {}
     for r, actions in enumerate(schedule.ranks):
         for i, a in enumerate(actions):
             prev = actions[i - 1] if i > 0 else None
@@ -101,14 +101,14 @@ def validate(schedule: Schedule) -> None:
                 fail(r, i, "fill", "only encoder work can fill a TP bubble")
             if a.fill is not None and i == len(actions) - 1:
                 fail(r, i, "fill", "a TP-bubble fill must be followed by a backbone F or B")
-            text = str(a) if a.fill is None else str(a).split("@")[0]
             if a.kind in ("AG", "RS"):
                 continue  # one per rank; counted in _check_counts
-            if text in seen:
+            same = (a.kind, a.stage, a.chunk, a.mb, a.enc, a.pipe, a.k0, a.k1, a.key)  # any fill
+            if same in seen:
                 fail(
-                    r, i, "duplicate", f"{a} already at rank {seen[text][0]}, step {seen[text][1]}"
+                    r, i, "duplicate", f"{a} already at rank {seen[same][0]}, step {seen[same][1]}"
                 )
-            seen[text] = (r, i)
+            seen[same] = (r, i)
 
     _check_counts(schedule, flow, fail)
     _check_pairs(schedule, fail)
@@ -117,13 +117,18 @@ def validate(schedule: Schedule) -> None:
 
 def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
     meta = schedule.meta
-    where = {str(a): (r, i) for r, acts in enumerate(schedule.ranks) for i, a in enumerate(acts)}
+    where = {
+        (a.kind, a.stage, a.chunk, a.mb)
+        for acts in schedule.ranks
+        for a in acts
+        if a.kind in ("F", "B")
+    }
     last_step = {r: max(len(acts) - 1, 0) for r, acts in enumerate(schedule.ranks)}
     for s in range(meta.pp):
         for v in range(meta.vpp):
             for m in range(meta.total_microbatches):
                 for kind in ("F", "B") if meta.trains(m) else ("F",):
-                    if f"{kind}:s{s}v{v}m{m}" not in where:
+                    if (kind, s, v, m) not in where:
                         fail(s, last_step[s], "missing", f"no {kind}:s{s}v{v}m{m} on rank {s}")
 
     # Encoder work: one pipeline per micro-batch, every stage's kernels covered exactly once.

@@ -44,6 +44,15 @@ class Workload:
     chunk_overhead_s: float = 0.0
     # Kernel lists at a load, made once per workload (each `replace` starts a new one).
     _scaled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # key -> (transfer seconds at load 1, the micro-batch whose load scales it, or None)
+    _transfers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    def at_loads(self, loads: tuple[float, ...]) -> Workload:
+        """This workload with per-micro-batch encoder loads `loads` (kernel lists made for a
+        load are shared with it: they depend on the load alone)."""
+        out = replace(self, encoder_load=tuple(loads))
+        out._scaled, out._transfers = self._scaled, self._transfers
+        return out
 
     def load_of(self, mb: int | None) -> float:
         """Micro-batch `mb`'s encoder load factor (1 without per-micro-batch loads, and for a
@@ -85,9 +94,13 @@ class Workload:
         """Seconds to move the tensor `key` to another rank (0 where no cost is filed for its
         kind; an encoder tensor's for its micro-batch's load). Raises ValueError if `key` is
         not a key."""
-        k = key if isinstance(key, TensorKey) else TensorKey.parse(key)
-        seconds = self.transfer_s.get(k.cost_name, 0.0)
-        return seconds * self.load_of(k.mb) if k.enc is not None else seconds
+        base = self._transfers.get(key)
+        if base is None:
+            k = key if isinstance(key, TensorKey) else TensorKey.parse(key)
+            seconds = self.transfer_s.get(k.cost_name, 0.0)
+            base = self._transfers[key] = (seconds, k.mb if k.enc is not None else None)
+        seconds, mb = base
+        return seconds if mb is None else seconds * self.load_of(mb)
 
     def check_matches(self, meta: ScheduleMeta) -> None:
         """Raise ConfigError if this workload does not describe `meta`'s model."""
