@@ -110,3 +110,25 @@ def test_the_tiny_llava_digits_set(tmp_path):
             assert answer in ("first", "second")
     with pytest.raises(ConfigError, match="is not an empty folder"):
         write_llava_digits(tmp_path / "d", n=4)
+
+
+def test_llava_digits_drawn_from_a_distribution_of_images(tmp_path):
+    """`--images-per-sample DIST`: each record's image count is drawn from DIST (0 text-only,
+    1 digit, 2 compare, more: which of them shows the largest digit), every image has its
+    placeholder and its file, and the answer is one of the images."""
+    from megatron_mllm.data.llava_digits import write_llava_digits
+
+    dist = {0: 0.2, 1: 0.3, 4: 0.3, 8: 0.2}
+    path = write_llava_digits(tmp_path / "d", n=80, seed=2, images=dist)
+    raw = json.loads(path.read_text())
+    records = read_records(path, tmp_path / "d" / "images")
+    counts = [len(r.images) for r in records]
+    assert set(counts) == set(dist)
+    assert abs(sum(counts) / len(counts) - 3.1) < 0.8  # the distribution's mean, 80 draws
+    source = {0: "math", 1: "digit", 4: "largest", 8: "largest"}
+    assert [r["source"] for r in raw] == [source[c] for c in counts]
+    for r, rec in zip(raw, records, strict=True):
+        if r["source"] == "largest":
+            assert rec.turns[0][1].count(IMAGE) == len(rec.images)
+            assert 1 <= int(rec.turns[1][1]) <= len(rec.images)
+            assert all((tmp_path / "d" / "images" / f).is_file() for f in rec.images)

@@ -19,7 +19,8 @@ inside its timed step.
 
     python tools/bench_runtime.py [--steps 4] [--microbatches 8] [--json] [--device cpu|cuda]
 
-With --data-path (and --tokenizer-model) it runs the varying-load benchmark instead
+With --data-path (and --tokenizer-model), or --images-per-sample DIST (LLaVA digits drawn from
+DIST, made in a temporary folder), it runs the varying-load benchmark instead
 (tools/bench_varying_load.py): real conversations whose micro-batches hold different numbers
 of images, static Optimus against optimus-adaptive (each step planned for its own images).
 """
@@ -32,9 +33,12 @@ import statistics
 import sys
 import warnings
 
+from megatron_mllm.errors import exit_on_config_error
+
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl|cuda_graph).*")
 
 
+@exit_on_config_error
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=6, help="measured steps (one more warms up)")
@@ -61,6 +65,14 @@ def main() -> int:
     )
     ap.add_argument("--tokenizer-model", default=None, help="with --data-path: its tokenizer")
     ap.add_argument(
+        "--images-per-sample",
+        default=None,
+        metavar="DIST",
+        help="the varying-load benchmark on LLaVA digits whose image counts are drawn from DIST "
+        "(e.g. 0:0.2,1:0.3,4:0.3,8:0.2), made in a temporary folder; instead of --data-path",
+    )
+    ap.add_argument("--records", type=int, default=400, help="with --images-per-sample")
+    ap.add_argument(
         "--calculate-per-token-loss",
         action="store_true",
         help="with --data-path: every run with a per-token loss; optimus-adaptive then also "
@@ -86,7 +98,10 @@ def main() -> int:
         print("error: CUDA is available; run with --device cuda", file=sys.stderr)
         return 2
 
-    if args.data_path is not None:
+    if args.data_path is not None and args.images_per_sample is not None:
+        print("error: give --data-path or --images-per-sample, not both", file=sys.stderr)
+        return 2
+    if args.data_path is not None or args.images_per_sample is not None:
         from bench_varying_load import varying_load
 
         return varying_load(args)

@@ -1,7 +1,8 @@
-"""Varying-load benchmark (tools/bench_runtime.py --data-path DIR --tokenizer-model DIR): real
-steps on 2 ranks x 1 thread, PP=2, on LLaVA-format conversations whose micro-batches hold
-different numbers of images (text-only ones included), four runs interleaved step by step
-in one 2-process gloo job from the same weights and data:
+"""Varying-load benchmark (tools/bench_runtime.py --data-path DIR --tokenizer-model DIR, or
+--images-per-sample DIST for LLaVA digits drawn from DIST): real steps on 2 ranks x 1 thread,
+PP=2, on LLaVA-format conversations whose micro-batches hold different numbers of images
+(text-only ones included), four runs interleaved step by step in one 2-process gloo job from
+the same weights and data:
 
   megatron_core_1f1b  megatron-core's own 1F1B, encoder on stage 0, even split (its gradient
                       reduction at step end: its overlapped one refuses text-only micro-batches)
@@ -26,6 +27,37 @@ from dataclasses import replace
 
 
 def varying_load(args) -> int:
+    """The benchmark on `args.data_path`, or on data drawn from `args.images_per_sample` (made
+    in a temporary folder and removed after)."""
+    if args.images_per_sample is None:
+        return _varying_load(args, max_images=2)  # the demo's digits: 0-2 images a sample
+    import tempfile
+
+    from megatron_mllm.schedule.loads import parse_distribution
+
+    dist = parse_distribution(args.images_per_sample)  # bad input before any file is written
+    with tempfile.TemporaryDirectory(prefix="bench_varying_load_") as tmp:
+        args.data_path, args.tokenizer_model = drawn_data(tmp, dist, args.records)
+        return _varying_load(args, max_images=max(dist))
+
+
+def drawn_data(folder: str, dist: dict[int, float], records: int) -> tuple[str, str]:
+    """A LLaVA digits data set whose image counts are drawn from `dist`, as energon shards in
+    `folder`: (its path, its tokenizer's)."""
+    from pathlib import Path
+
+    from megatron_mllm.data.energon_llava import convert_llava
+    from megatron_mllm.data.llava_digits import conversation_texts, write_llava_digits
+    from megatron_mllm.data.tokenizer import train_tiny_tokenizer
+
+    raw, out = Path(folder) / "llava", Path(folder) / "energon"
+    path = write_llava_digits(raw, records, 0, dist)
+    train_tiny_tokenizer(conversation_texts(path), raw / "tokenizer", 384)
+    convert_llava(path, raw / "images", out, progress=False)
+    return str(out), str(raw / "tokenizer")
+
+
+def _varying_load(args, max_images: int) -> int:
     import torch
 
     from megatron_mllm.data.energon_llava import images_per_sample
@@ -53,8 +85,9 @@ def varying_load(args) -> int:
     if args.tokenizer_model is None:
         raise SystemExit("error: --data-path needs --tokenizer-model DIR (its tokenizer)")
     vocab = -(-len(load_tokenizer(args.tokenizer_model)) // 128) * 128
-    # Two images of 64 tokens each and their conversation fit in 256 positions.
-    cfg = replace(BENCH, vocab_size=vocab, text_len=256 - BENCH.image_tokens)
+    # The most images a sample has, 64 tokens each, and its conversation (128 positions).
+    seq = max_images * BENCH.image_tokens + 128
+    cfg = replace(BENCH, vocab_size=vocab, text_len=seq - BENCH.image_tokens)
     plan, n, mb = ParallelPlan(1, 1, 2), args.microbatches, max(args.micro_batch, 2)
     load = images_per_sample(args.data_path)
     data = LlavaData(args.data_path, args.tokenizer_model, cfg.seq_len, num_workers=1)
@@ -105,6 +138,7 @@ def varying_load(args) -> int:
         cfg, plan, mb, best.schedule, images_per_sample=load, measured=measured
     )
     result = {"microbatches": n, "micro_batch": mb, "measured_steps": args.steps}
+    result["seq_length"] = cfg.seq_len
     result["images_per_sample"] = load
     result["per_token_loss"] = per_token
     result["encoder_plan"] = str(best.options.encoder_plan)
@@ -150,8 +184,9 @@ def varying_load(args) -> int:
         print(json.dumps(result))
         return 0
     print(
-        f"BENCH MLLM on {args.data_path} ({load:.2f} images per sample on average), PP=2 on "
-        f"2 ranks x 1 thread, {n} micro-batches of {mb}; Optimus encoder {result['encoder_plan']}"
+        f"BENCH MLLM on {args.images_per_sample or args.data_path} ({load:.2f} images per "
+        f"sample on average), sequence {cfg.seq_len}, PP=2 on 2 ranks x 1 thread, {n} "
+        f"micro-batches of {mb}; Optimus encoder {result['encoder_plan']}"
     )
     print(f"{'run':<20}{'step s':>9}{'min-max':>16}{'vs mcore':>10}")
     base = result["megatron_core_1f1b_s"]

@@ -4,6 +4,7 @@ no-image conversations) to a new folder: OUT/llava.json, OUT/images/ and OUT/tok
 byte-level BPE trained on the conversations, with an image token and a chat template).
 
     python tools/make_llava_digits.py out/data/llava_digits [--records 400] [--seed 0]
+        [--images-per-sample 0:0.2,1:0.3,4:0.3,8:0.2]
 """
 
 import argparse
@@ -21,8 +22,20 @@ def main() -> int:
     ap.add_argument("--records", type=int, default=400)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=384, help="the tokenizer's vocabulary size")
+    ap.add_argument(
+        "--images-per-sample",
+        default=None,
+        metavar="DIST",
+        help="draw each record's image count from DIST, e.g. 0:0.2,1:0.3,4:0.3,8:0.2 (the "
+        "share of records with that many images); default: the four sources in turn (0-2)",
+    )
     args = ap.parse_args()
-    path = write_llava_digits(args.out, args.records, args.seed)
+    dist = None
+    if args.images_per_sample is not None:
+        from megatron_mllm.schedule.loads import parse_distribution
+
+        dist = parse_distribution(args.images_per_sample)
+    path = write_llava_digits(args.out, args.records, args.seed, dist)
     tok = train_tiny_tokenizer(conversation_texts(path), path.parent / "tokenizer", args.vocab)
     print(
         f"wrote {args.records} records to {path} (images in {path.parent / 'images'}), "

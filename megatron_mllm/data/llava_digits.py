@@ -3,7 +3,9 @@ JPEG files of varying size, in LLaVA-format conversations with zero, one or two 
 
 Sources (each record's "source" field): "digit" (what digit is shown, one image), "compare"
 (which of two images shows the larger digit, two images), "count" (how many digits a strip of
-1-4 shows, one wide image), "math" (text-only arithmetic from mathgenerator).
+1-4 shows, one wide image), "math" (text-only arithmetic from mathgenerator), and with a
+distribution of images per sample "largest" (which of three or more images shows the largest
+digit).
 """
 
 from __future__ import annotations
@@ -48,9 +50,14 @@ def _record(rid: str, source: str, images: list[str], question: str, answer: str
     return record
 
 
-def write_llava_digits(out: str | Path, n: int = 400, seed: int = 0) -> Path:
+def write_llava_digits(
+    out: str | Path, n: int = 400, seed: int = 0, images: dict[int, float] | None = None
+) -> Path:
     """Write `n` records to OUT/llava.json and their images to OUT/images/; returns the JSON's
-    path. Refuses a non-empty OUT (nothing is overwritten)."""
+    path. Refuses a non-empty OUT (nothing is overwritten). `images` (images in a record ->
+    share of records, `loads.parse_distribution`'s form): each record's image count is drawn
+    from it (0: math, 1: digit, 2: compare, more: largest); without it the four sources take
+    turns."""
     from sklearn.datasets import load_digits
 
     from megatron_mllm.data.mixture import _math
@@ -62,8 +69,9 @@ def write_llava_digits(out: str | Path, n: int = 400, seed: int = 0) -> Path:
     digits, rng = load_digits(), random.Random(seed)
     math = iter(_math("addition", rng, n))
     records = []
+    draw = _SourceDraw(images, rng)
     for k in range(n):
-        source, rid = SOURCES[k % len(SOURCES)], f"s{k:05d}"
+        source, rid = draw(k), f"s{k:05d}"
         picks = [rng.randrange(len(digits.target)) for _ in range(rng.randint(1, 4))]
         sizes = [rng.choice((16, 24, 32, 48)) for _ in picks]
         ext = rng.choice(("png", "jpg"))
@@ -76,13 +84,17 @@ def write_llava_digits(out: str | Path, n: int = 400, seed: int = 0) -> Path:
         if source == "digit":
             files, question, answer = [shown[:1]], "What digit is shown?", str(labels[0])
         elif source == "compare":
-            while len(shown) < 2:
-                i = rng.randrange(len(digits.target))
-                shown.append(_image(digits.images[i], 24))
-                labels.append(int(digits.target[i]))
+            shown, labels = _more_digits(shown[:2], labels[:2], 2, digits, rng)
             files = [shown[:1], shown[1:2]]
             question = f"First {IMAGE} second {IMAGE}: which shows the larger digit?"
             answer = "first" if labels[0] >= labels[1] else "second"
+        elif source == "largest":
+            shown, labels = _more_digits(shown, labels, draw.count, digits, rng)
+            files = [[img] for img in shown]
+            question = f"Which of these {len(shown)} images shows the largest digit? " + " ".join(
+                [IMAGE] * len(shown)
+            )
+            answer = str(labels.index(max(labels)) + 1)
         else:
             files, question, answer = (
                 [shown],
@@ -98,6 +110,33 @@ def write_llava_digits(out: str | Path, n: int = 400, seed: int = 0) -> Path:
     path = root / "llava.json"
     path.write_text(json.dumps(records, indent=1) + "\n")
     return path
+
+
+def _more_digits(shown: list, labels: list[int], count: int, digits, rng) -> tuple[list, list]:
+    """`count` images and their digits: the first of `shown`, then random ones of size 24."""
+    shown, labels = shown[:count], labels[:count]
+    while len(shown) < count:
+        i = rng.randrange(len(digits.target))
+        shown.append(_image(digits.images[i], 24))
+        labels.append(int(digits.target[i]))
+    return shown, labels
+
+
+class _SourceDraw:
+    """Record k's source: the four in turn, or by an image count drawn from a distribution
+    (`count` then holds the last count drawn)."""
+
+    def __init__(self, images: dict[int, float] | None, rng: random.Random) -> None:
+        self.images, self.rng, self.count = images, rng, 0
+        if images is not None and (not images or any(c < 0 for c in images)):
+            raise ConfigError(f"images per sample {images}: give counts >= 0 with their shares")
+
+    def __call__(self, k: int) -> str:
+        if self.images is None:
+            return SOURCES[k % len(SOURCES)]
+        counts, shares = zip(*sorted(self.images.items()), strict=True)
+        self.count = self.rng.choices(counts, weights=shares)[0]
+        return {0: "math", 1: "digit", 2: "compare"}.get(self.count, "largest")
 
 
 def conversation_texts(json_path: str | Path) -> list[str]:
