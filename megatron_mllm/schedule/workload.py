@@ -42,7 +42,7 @@ class Workload:
     # Fixed seconds each backbone action spends before its kernels, which nothing fills
     # (`HardwareProfile.chunk_overhead_s`).
     chunk_overhead_s: float = 0.0
-    # Kernel lists at a load, made once per workload (each `replace` starts a new one).
+    # Kernel lists at a load, made once per workload and shared by its `at_loads` copies.
     _scaled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # key -> (transfer seconds at load 1, the micro-batch whose load scales it, or None)
     _transfers: dict = field(default_factory=dict, init=False, repr=False, compare=False)
