@@ -666,6 +666,17 @@ def test_megatron_core_baseline_trains_as_our_executor(precision):
     assert not torch.equal(
         final[0]["backbone.output_layer.weight"].float(), state["backbone.output_layer.weight"]
     )
+    # Where each step's time went (runtime/breakdown.py), for both schedules: the parts add up
+    # to the step, megatron-core ran one forward step per micro-batch, ours every program op.
+    for run in (core, ours):
+        for o in run:
+            assert len(o["breakdowns"]) == 3
+            for b, seconds in zip(o["breakdowns"], o["seconds"], strict=True):
+                parts = b["compute_s"] + b["wait_s"] + b["comm_unhidden_s"] + b["overhead_s"]
+                assert b["seconds"] == seconds and parts == pytest.approx(seconds, rel=1e-6)
+                assert b["compute_s"] > 0 and b["wait_s"] > 0 and b["overhead_s"] > 0
+    assert all(b["actions"] == N for o in core for b in o["breakdowns"])
+    assert all(b["actions"] > 2 * N for o in ours for b in o["breakdowns"])
 
 
 def test_measured_memory_against_the_planner():

@@ -42,6 +42,20 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl|cuda_
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--steps", type=int, default=6, help="measured steps (one more warms up)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="the whole comparison this many times (each in fresh processes); medians and "
+        "min-max of every ratio over repeats",
+    )
+    ap.add_argument(
+        "--size",
+        choices=["tiny", "medium"],
+        default="tiny",
+        help="tiny: the fast default; medium: compute-bound (a backbone layer's forward about "
+        "11 ms in bf16 on one core)",
+    )
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -105,7 +119,38 @@ def main() -> int:
         from bench_varying_load import varying_load
 
         return varying_load(args)
-    from megatron_mllm.models.config import BENCH
+    import torch
+
+    from megatron_mllm.models.config import BENCH, BENCH_MEDIUM
+
+    cfg = {"tiny": BENCH, "medium": BENCH_MEDIUM}[args.size]
+    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
+    setup = plan_runs(args, cfg, dtype)
+    repeats = [one_repeat(setup, args) for _ in range(args.repeats)]
+    memory = measure_memory(setup["jobs"], setup["plan"], setup["planned"])
+    result = summarise(setup, repeats, memory, args)
+    if args.trace:
+        write_trace(args.trace, repeats[-1]["optimus_spans"], setup["best"])
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print_report(result, setup, args)
+    return 0
+
+
+RATIOS = (
+    "optimus_vs_executor_megatron",
+    "optimus_vs_megatron_core",
+    "optimus_vs_balanced",
+    "optimus_over_limit",
+    "predicted_error_optimus",
+)
+
+
+def plan_runs(args, cfg, dtype) -> dict:
+    """Profile the units (both ranks at once), plan the schedules and build every run's job."""
+    from bench_common import bench_optimizer
+
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.job import (
         Collect,
@@ -118,19 +163,15 @@ def main() -> int:
     from megatron_mllm.runtime.launch import spawn
     from megatron_mllm.runtime.profile_units import profile_units
     from megatron_mllm.runtime.reference import make_full_state
-    from megatron_mllm.runtime.runs import run_interleaved
     from megatron_mllm.runtime.schedules import job_of
     from megatron_mllm.schedule.baselines import megatron_schedule
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.planner import plan_optimus
     from megatron_mllm.schedule.simulator import simulate
 
-    cfg, plan, n, mb = BENCH, ParallelPlan(1, 1, 2), args.microbatches, args.micro_batch
+    plan, n, mb = ParallelPlan(1, 1, 2), args.microbatches, args.micro_batch
     state = spawn(make_full_state, 1, cfg, 0)[0]
     # Both ranks profile at once: the unit times then carry the two-process contention.
-    import torch
-
-    dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype)[0]
     costs = JobCosts(job_of(cfg, plan, mb, n), measured, unit="layer")
     even = megatron_schedule(costs, even_split=True)
@@ -142,155 +183,214 @@ def main() -> int:
         "executor_megatron": simulate(*balanced).step_time_s,
         "optimus": best.result.step_time_s,
         "optimus_dynamic": best.result.step_time_s,  # the simulator runs the static plan
-        "optimus_replanned": float("nan"),  # filled in from the run's own re-plan below
+        "optimus_replanned": float("nan"),  # filled in from the run's own re-plan
     }
-    steps = args.steps + 1
     # Every run: megatron-core's DDP (overlapped, as Megatron jobs run it) and optimizer, the
     # same settings for megatron-core's own 1F1B and for our executor.
-    from bench_common import bench_optimizer
+    common = dict(
+        steps=args.steps + 1, collect=Collect(grads=False), optimizer=bench_optimizer(args)
+    )
+    model = ModelParts(cfg, state, precision=args.precision)
 
-    optim = bench_optimizer(args)
-    common = dict(steps=steps, collect=Collect(grads=False), optimizer=optim)
+    def job(plans, **kw):
+        return RuntimeJob(model, plans, DataParts(mb, n), **kw, **common)
+
+    first = balanced[0].meta.backbone_layers[0]
     jobs = {
-        "megatron_core_1f1b": RuntimeJob(
-            ModelParts(cfg, state, precision=args.precision),
-            PlanParts(plan),
-            DataParts(mb, n),
-            mode="megatron_core",
-            **common,
-        ),
-        "balanced": RuntimeJob(
-            ModelParts(cfg, state, precision=args.precision),
-            PlanParts(plan, backbone_first_stage_layers=balanced[0].meta.backbone_layers[0]),
-            DataParts(mb, n),
-            mode="megatron_core",
-            **common,
-        ),
-        "executor_megatron": RuntimeJob(
-            ModelParts(cfg, state, precision=args.precision),
-            PlanParts(plan, schedule=balanced[0]),
-            DataParts(mb, n),
-            **common,
-        ),
-        "optimus": RuntimeJob(
-            ModelParts(cfg, state, precision=args.precision),
-            PlanParts(plan, schedule=best.schedule),
-            DataParts(mb, n),
-            **common,
-        ),
-        "optimus_dynamic": RuntimeJob(
-            ModelParts(cfg, state, precision=args.precision),
-            PlanParts(plan, schedule=best.schedule),
-            DataParts(mb, n),
-            executor=ExecutorSettings(dynamic=True),
-            **common,
+        "megatron_core_1f1b": job(PlanParts(plan), mode="megatron_core"),
+        "balanced": job(PlanParts(plan, backbone_first_stage_layers=first), mode="megatron_core"),
+        "executor_megatron": job(PlanParts(plan, schedule=balanced[0])),
+        "optimus": job(PlanParts(plan, schedule=best.schedule)),
+        "optimus_dynamic": job(
+            PlanParts(plan, schedule=best.schedule), executor=ExecutorSettings(dynamic=True)
         ),
         # Re-planned after the warm-up step from this run's own measured unit times (both
         # ranks, under the contention they really see): balances the ranks on what they cost.
-        "optimus_replanned": RuntimeJob(
-            ModelParts(cfg, state, precision=args.precision),
-            PlanParts(plan, schedule=best.schedule),
-            DataParts(mb, n),
-            executor=ExecutorSettings(replan_after=1),
-            **common,
+        "optimus_replanned": job(
+            PlanParts(plan, schedule=best.schedule), executor=ExecutorSettings(replan_after=1)
         ),
     }
-    per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
-    measured_s, spread, losses, outs, dp_share = {}, {}, {}, {}, {}
-    for i, name in enumerate(jobs):
-        out = [rank_results[i] for rank_results in per_rank]
-        outs[name] = out
-        per_step = [max(o["seconds"][s] for o in out) for s in range(1, steps)]
-        measured_s[name] = statistics.median(per_step)
-        spread[name] = (min(per_step), max(per_step))
-        losses[name] = {k: v for o in out for k, v in o["losses"].items()}
-        dp_share[name] = statistics.median(  # the rank that waited longest, per step
-            max(o["dp_seconds"][s] / o["seconds"][s] for o in out) for s in range(1, steps)
-        )
-    memory = measure_memory(
-        jobs,
-        plan,
-        {
-            "megatron_core_1f1b": even,
-            "balanced": balanced,
-            "executor_megatron": balanced,
-            "optimus": (best.schedule, best.workload),
-        },
+    planned = {
+        "megatron_core_1f1b": even,
+        "balanced": balanced,
+        "executor_megatron": balanced,
+        "optimus": (best.schedule, best.workload),
+    }
+    return dict(
+        cfg=cfg,
+        plan=plan,
+        n=n,
+        jobs=jobs,
+        planned=planned,
+        best=best,
+        balanced=balanced,
+        predicted=predicted,
     )
-    if outs["optimus_replanned"][0]["replan_predicted_s"] is not None:
-        predicted["optimus_replanned"] = outs["optimus_replanned"][0]["replan_predicted_s"]
+
+
+def one_repeat(setup: dict, args) -> dict:
+    """One whole comparison: every run in the same 2-process job, steps taken in turn."""
+    from megatron_mllm.runtime.breakdown import StepBreakdown, summary
+    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.runs import run_interleaved
+
+    jobs, plan, steps = setup["jobs"], setup["plan"], args.steps + 1
+    per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
+    out: dict = {"measured_s": {}, "spread": {}, "losses": {}, "dp_share": {}, "breakdown": {}}
+    outs = {}
+    for i, name in enumerate(jobs):
+        ranks = [rank_results[i] for rank_results in per_rank]
+        outs[name] = ranks
+        per_step = [max(o["seconds"][s] for o in ranks) for s in range(1, steps)]
+        out["measured_s"][name] = statistics.median(per_step)
+        out["spread"][name] = (min(per_step), max(per_step))
+        out["losses"][name] = {k: v for o in ranks for k, v in o["losses"].items()}
+        out["dp_share"][name] = statistics.median(  # the rank that waited longest, per step
+            max(o["dp_seconds"][s] / o["seconds"][s] for o in ranks) for s in range(1, steps)
+        )
+        out["breakdown"][name] = [
+            summary([StepBreakdown(**_fields(b)) for b in o["breakdowns"][1:]]) for o in ranks
+        ]
+    replanned = outs["optimus_replanned"][0]["replan_predicted_s"]
+    out["replan_predicted_s"] = replanned if replanned is not None else float("nan")
     # The limit from the same measured steps as the medians: each step's compute on every rank.
-    limit = statistics.median(
+    out["limit_s"] = statistics.median(
         sum(o["compute_seconds"][s] for o in outs["optimus"]) / plan.world_size
         for s in range(1, steps)
     )
-    keys = losses["megatron_core_1f1b"].keys()
-    diff = max(abs(losses[a][k] - losses["megatron_core_1f1b"][k]) for a in losses for k in keys)
-    if args.trace:
-        from megatron_mllm.schedule.trace import chrome_trace_events
-
-        real = [sp for o in outs["optimus"] for sp in o["spans"]]
-        sim = simulate(best.schedule, best.workload, keep_spans=True)
-        events = chrome_trace_events(real, "measured")
-        for e in chrome_trace_events(sim.spans, "predicted"):
-            e["pid"] = e.get("pid", 0) + 100
-            events.append(e)
-        with open(args.trace, "w") as f:
-            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
-    result = {
-        "megatron_core_1f1b_s": measured_s["megatron_core_1f1b"],
-        "balanced_s": measured_s["balanced"],
-        "executor_megatron_s": measured_s["executor_megatron"],
-        "optimus_s": measured_s["optimus"],
-        "optimus_dynamic_s": measured_s["optimus_dynamic"],
-        "optimus_replanned_s": measured_s["optimus_replanned"],
-        "limit_s": limit,
-        "optimus_vs_executor_megatron": measured_s["executor_megatron"] / measured_s["optimus"],
-        "optimus_vs_megatron_core": measured_s["megatron_core_1f1b"] / measured_s["optimus"],
-        "optimus_over_limit": measured_s["optimus"] / limit,
-        "predicted_error_optimus": (predicted["optimus"] - measured_s["optimus"])
-        / measured_s["optimus"],
-        "max_abs_loss_diff": diff,
-        "dp_unhidden_share": dp_share,
-        "memory": memory,
-        "precision": args.precision,
-        "predicted_s": predicted,
-        "step_range_s": spread,
-        "encoder_plan": str(best.options.encoder_plan),
-        "encoder_placement": best.options.placement,
-        "balanced_first_stage_layers": balanced[0].meta.backbone_layers[0],
-        "microbatches": n,
-        "measured_steps": args.steps,
+    m, limit = out["measured_s"], out["limit_s"]
+    out["ratios"] = {
+        "optimus_vs_executor_megatron": m["executor_megatron"] / m["optimus"],
+        "optimus_vs_megatron_core": m["megatron_core_1f1b"] / m["optimus"],
+        "optimus_vs_balanced": m["balanced"] / m["optimus"],
+        "optimus_over_limit": m["optimus"] / limit,
+        "predicted_error_optimus": (setup["predicted"]["optimus"] - m["optimus"]) / m["optimus"],
     }
-    if args.json:
-        print(json.dumps(result))
-        return 0
+    out["optimus_spans"] = [sp for o in outs["optimus"] for sp in o["spans"]]
+    return out
+
+
+def _fields(b: dict) -> dict:
+    """A StepBreakdown's constructor fields from its as_dict()."""
+    return {k: v for k, v in b.items() if k != "overhead_per_action_s"}
+
+
+def summarise(setup: dict, repeats: list[dict], memory: dict, args) -> dict:
+    """Medians over repeats (and min-max) of every step time and ratio; the breakdown from the
+    last repeat, per run and rank."""
+    names = list(setup["jobs"])
+
+    def over(values):
+        return statistics.median(values), min(values), max(values)
+
+    predicted = dict(setup["predicted"])
+    predicted["optimus_replanned"] = statistics.median(r["replan_predicted_s"] for r in repeats)
+    result: dict = {}
+    for name in names:
+        med, lo, hi = over([r["measured_s"][name] for r in repeats])
+        result[f"{name}_s"] = med
+        result[f"{name}_s_range"] = (lo, hi)
+    result["limit_s"] = statistics.median(r["limit_s"] for r in repeats)
+    for key in RATIOS:
+        med, lo, hi = over([r["ratios"][key] for r in repeats])
+        result[key], result[f"{key}_min"], result[f"{key}_max"] = med, lo, hi
+    base = repeats[0]["losses"]["megatron_core_1f1b"]
+    result["max_abs_loss_diff"] = max(
+        abs(r["losses"][a][k] - base[k]) for r in repeats for a in names for k in base
+    )
+    n = setup["n"]
+    breakdown = {}
+    for name in names:
+        breakdown[name] = []
+        for rank in repeats[-1]["breakdown"][name]:
+            rank = dict(rank)
+            rank["overhead_per_microbatch_s"] = rank["overhead_s"] / n
+            breakdown[name].append(rank)
+    best = setup["best"]
+    result.update(
+        breakdown=breakdown,
+        dp_unhidden_share={k: statistics.median(r["dp_share"][k] for r in repeats) for k in names},
+        memory=memory,
+        precision=args.precision,
+        size=args.size,
+        repeats=args.repeats,
+        predicted_s=predicted,
+        step_range_s={k: repeats[-1]["spread"][k] for k in names},
+        encoder_plan=str(best.options.encoder_plan),
+        encoder_placement=best.options.placement,
+        balanced_first_stage_layers=setup["balanced"][0].meta.backbone_layers[0],
+        microbatches=n,
+        measured_steps=args.steps,
+    )
+    return result
+
+
+def write_trace(path: str, real: list, best) -> None:
+    """The Optimus run's measured spans and the simulator's prediction as one Chrome trace."""
+    from megatron_mllm.schedule.simulator import simulate
+    from megatron_mllm.schedule.trace import chrome_trace_events
+
+    sim = simulate(best.schedule, best.workload, keep_spans=True)
+    events = chrome_trace_events(real, "measured")
+    for e in chrome_trace_events(sim.spans, "predicted"):
+        e["pid"] = e.get("pid", 0) + 100
+        events.append(e)
+    with open(path, "w") as f:
+        json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, f)
+
+
+def print_report(result: dict, setup: dict, args) -> None:
+    cfg, n, names = setup["cfg"], setup["n"], list(setup["jobs"])
     base = result["megatron_core_1f1b_s"]
     print(
-        f"tiny MLLM (ViT {cfg.vit_layers}x{cfg.vit_hidden}, GPT {cfg.llm_layers}x"
-        f"{cfg.llm_hidden}), PP=2 on 2 ranks x 1 thread, {n} micro-batches; Optimus plan: "
-        f"encoder {result['encoder_plan']} ({result['encoder_placement']})"
+        f"{args.size} MLLM (ViT {cfg.vit_layers}x{cfg.vit_hidden}, GPT {cfg.llm_layers}x"
+        f"{cfg.llm_hidden}), PP=2 on 2 ranks x 1 thread, {n} micro-batches, {args.repeats} "
+        f"repeats of {args.steps} steps; Optimus plan: encoder {result['encoder_plan']} "
+        f"({result['encoder_placement']})"
     )
     print(
-        f"{'run':<20}{'step s':>9}{'min-max':>14}{'vs mcore':>10}{'predicted s':>13}"
-        f"{'pred. err':>10}"
+        f"{'run':<20}{'step s':>9}{'min-max over repeats':>22}{'vs mcore':>10}"
+        f"{'predicted s':>13}{'pred. err':>10}"
     )
-    for name in jobs:
-        s, p, (lo, hi) = measured_s[name], predicted[name], spread[name]
+    for name in names:
+        s, p = result[f"{name}_s"], result["predicted_s"][name]
+        lo, hi = result[f"{name}_s_range"]
         print(
-            f"{name:<20}{s:>9.3f}{lo:>7.3f}-{hi:<6.3f}{base / s:>9.2f}x{p:>13.3f}"
+            f"{name:<20}{s:>9.3f}{lo:>13.3f}-{hi:<8.3f}{base / s:>9.2f}x{p:>13.3f}"
             f"{100 * (p - s) / s:>9.1f}%"
         )
-    print(f"{'zero-bubble limit':<20}{limit:>9.3f}{'':>14}{base / limit:>9.2f}x")
     print(
-        "DP communication not hidden (share of the step, slowest rank): "
-        + ", ".join(f"{k} {100 * v:.1f}%" for k, v in dp_share.items())
+        f"{'zero-bubble limit':<20}{result['limit_s']:>9.3f}{'':>22}"
+        f"{base / result['limit_s']:>9.2f}x"
     )
+    print("where the time goes (last repeat, per step, ms; overhead per action / per micro-batch):")
+    print(
+        f"{'run r':<22}{'step':>8}{'compute':>9}{'wait':>8}{'comm':>8}{'fill':>8}{'overhd':>8}"
+        f"{'/action':>9}{'/mb':>8}"
+    )
+    for name in names:
+        for r, b in enumerate(result["breakdown"][name]):
+            print(
+                f"{name + ' r' + str(r):<22}"
+                + "".join(
+                    f"{1e3 * b[k]:>{w}.1f}"
+                    for k, w in (
+                        ("seconds", 8),
+                        ("compute_s", 9),
+                        ("wait_s", 8),
+                        ("comm_unhidden_s", 8),
+                        ("fill_s", 8),
+                        ("overhead_s", 8),
+                    )
+                )
+                + f"{1e3 * b['overhead_per_action_s']:>9.3f}"
+                + f"{1e3 * b['overhead_per_microbatch_s']:>8.2f}"
+            )
     print(
         f"{'memory per rank (MB)':<28}{'params':>8}{'grads':>8}{'optim':>8}{'acts':>8}"
         f"{'total':>8}{'planned':>9}{'ratio':>7}"
     )
-    for name, ranks in memory.items():
+    for name, ranks in result["memory"].items():
         for r, m in enumerate(ranks):
             print(
                 f"{name + ' r' + str(r):<28}"
@@ -298,14 +398,13 @@ def main() -> int:
                 + f"{m['activations'] / 1e6:>8.2f}{m['total'] / 1e6:>8.2f}"
                 f"{m['planned_total'] / 1e6:>9.2f}{m['total'] / m['planned_total']:>7.2f}"
             )
-    print(
-        f"like for like (same executor, same split): optimus vs executor_megatron "
-        f"{result['optimus_vs_executor_megatron']:.2f}x; vs megatron-core 1F1B "
-        f"{result['optimus_vs_megatron_core']:.2f}x; vs balanced "
-        f"{measured_s['balanced'] / measured_s['optimus']:.2f}x; optimus / limit = "
-        f"{result['optimus_over_limit']:.3f}; max |loss diff| {diff:.2e}"
-    )
-    return 0
+    print("like for like, medians over repeats (min-max):")
+    for key in RATIOS:
+        print(
+            f"  {key:<32}{result[key]:>7.3f}  ({result[key + '_min']:.3f}-"
+            f"{result[key + '_max']:.3f})"
+        )
+    print(f"  max |loss diff| {result['max_abs_loss_diff']:.2e}")
 
 
 def measure_memory(jobs: dict, plan, planned: dict) -> dict:

@@ -450,6 +450,8 @@ class Executor:
         end = self.clock.mark()
         if backbone:
             self._backbone_time_later(action, start, end, self._fill_marks[first_fill:] + blocked)
+            for a, b in blocked:  # the TP collectives' waits inside it (fills may hide them)
+                self._span_later("comm", action, "tp", a, b)
         category = {"F": "backbone", "B": "backbone", "EF": "encoder", "EB": "encoder"}.get(
             action.kind, "dp"
         )

@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_mllm.models.weights import open_full_state
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.breakdown import StepBreakdown, breakdown_of_spans
 from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of, layer_overrides
 from megatron_mllm.runtime.model_builder import (
     BackbonePlacement,
@@ -82,6 +83,7 @@ class ExecutorRun:
         self.history, self.seconds, self.grads, self.spans = [], [], None, []
         self.compute_seconds: list[float] = []  # per step: time this rank computed
         self.dp_seconds: list[float] = []  # per step: time this rank waited for DP collectives
+        self.breakdowns: list[StepBreakdown] = []  # per step: where the time went
         self.skipped_iterations = 0  # steps not applied (NaN or Inf; fp16: an overflow)
         self.last_loss = float("nan")  # the last step's mean loss over every replica
         self.mean_losses: list[float] = []  # every step's
@@ -351,6 +353,7 @@ class ExecutorRun:
         for key, values in result.unit_times.items():
             self.unit_times.setdefault(key, []).extend(values)
         self.seconds.append(result.seconds)
+        self.breakdowns.append(breakdown_of_spans(result.spans, result.seconds))
         self.compute_seconds.append(busy_seconds(result.spans, "compute"))
         self.dp_seconds.append(busy_seconds(result.spans, "dp"))  # DP waits not hidden
         self.spans = result.spans
@@ -454,6 +457,7 @@ class ExecutorRun:
             "seconds": self.seconds,
             "compute_seconds": self.compute_seconds,
             "dp_seconds": self.dp_seconds,
+            "breakdowns": [b.as_dict() for b in self.breakdowns],
             "optimizers": [type(o).__name__ for o in sub_optimizers(self.optimizer)],
             # part -> (DDP buckets, per step: buckets already reducing when its RS action ran)
             "ddp": {k: (s.buckets, s.in_flight_at_rs) for k, s in self.grad_sync.items()},

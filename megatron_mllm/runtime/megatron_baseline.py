@@ -18,6 +18,7 @@ from torch import nn
 from megatron_mllm.data.batch import IGNORE_INDEX
 from megatron_mllm.models.loss import mean_over_ranks
 from megatron_mllm.models.weights import open_full_state
+from megatron_mllm.runtime.breakdown import ScheduleTimer
 
 
 class _Stage0Model(nn.Module):
@@ -134,6 +135,8 @@ class MegatronCoreRun:
 
             self.saved = SavedActivations(self.rank_model.modules)
         self.fb = get_forward_backward_func()
+        self.timer = ScheduleTimer()  # where the step's time goes (breakdown.py)
+        self.breakdowns: list = []
         self.seconds, self.history, self.grads = [], [], None
         self.mean_losses: list[float] = []  # every step's, over every replica
 
@@ -173,7 +176,7 @@ class MegatronCoreRun:
         self._dp_marks: list = []
         iterators = [microbatches() for _ in self.models]  # every chunk reads its own copy
         tracking = self.saved.tracking() if self.saved is not None else contextlib.nullcontext()
-        with tracking:
+        with tracking, self.timer.timing(clock):
             reduced = self.fb(
                 forward_step_func=forward_step,
                 data_iterator=iterators if len(self.models) > 1 else iterators[0],
@@ -191,6 +194,7 @@ class MegatronCoreRun:
         clock.finish()
         self.seconds.append(clock.since_start(end))
         self.dp_seconds.append(sum(clock.between(a, b) for a, b in self._dp_marks))
+        self.breakdowns.append(self.timer.breakdown(clock, self.seconds[-1], self._dp_marks))
         losses = torch.stack([r["lm loss"] for r in reduced]).tolist() if reduced else []
         pairs = losses if per_token else [(v, 1.0) for v in losses]
         self.mean_losses.append(mean_over_ranks(pairs, device))
@@ -234,6 +238,7 @@ class MegatronCoreRun:
             "grads": self.grads,
             "seconds": self.seconds,
             "dp_seconds": self.dp_seconds,  # per step: finalize_model_grads (unhidden DP)
+            "breakdowns": [b.as_dict() for b in self.breakdowns],
             "spans": [],
             "skipped_iterations": self.skipped_iterations,
         }
