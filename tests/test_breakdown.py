@@ -18,7 +18,10 @@ def test_union_measure_and_minus():
     assert minus([(0, 1)], [(-1, 2)]) == []
 
 
-def _span(stream, category, start, end, action=Action("F")):
+FORWARD = Action("F")
+
+
+def _span(stream, category, start, end, action=FORWARD):
     return Span(0, None, stream, action, "", start, end, category)
 
 
