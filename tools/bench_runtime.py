@@ -50,6 +50,13 @@ def main() -> int:
         "min-max of every ratio over repeats",
     )
     ap.add_argument(
+        "--plan-candidates",
+        type=int,
+        default=2,
+        help="the optimus_candidates run: the planner's K best plans and the Megatron schedule "
+        "each train real steps, the fastest measured is kept (pretrain_mllm.py's flag)",
+    )
+    ap.add_argument(
         "--size",
         choices=["tiny", "medium"],
         default="tiny",
@@ -139,6 +146,11 @@ def main() -> int:
 
 
 RATIOS = (
+    "candidates_vs_executor_megatron",
+    "candidates_vs_optimus",
+    "candidates_vs_megatron_core",
+    "candidate_prediction_error",
+    "kept_prediction_error",
     "optimus_vs_executor_megatron",
     "optimus_vs_megatron_core",
     "optimus_vs_balanced",
@@ -210,6 +222,18 @@ def plan_runs(args, cfg, dtype) -> dict:
             PlanParts(plan, schedule=best.schedule), executor=ExecutorSettings(replan_after=1)
         ),
     }
+    # Plan candidates (--plan-candidates): the planner's K best and the Megatron schedule each
+    # train real steps, the fastest measured is kept; this run's phase goes before the others.
+    from functools import partial
+
+    from megatron_mllm.training.plan_candidates import CandidatePhase, CandidateRun
+    from megatron_mllm.training.plan_candidates import plan_candidates as candidates_of
+
+    phase = CandidatePhase(tuple(candidates_of(costs, args.plan_candidates)))
+    jobs["optimus_candidates"] = job(PlanParts(plan, schedule=phase.candidates[0].schedule))
+    predicted["optimus_candidates"] = float("nan")  # the kept candidate's, from the run
+    makers = {"optimus_candidates": partial(CandidateRun, phase=phase)}
+    lead = {"optimus_candidates": phase.steps}
     planned = {
         "megatron_core_1f1b": even,
         "balanced": balanced,
@@ -225,6 +249,8 @@ def plan_runs(args, cfg, dtype) -> dict:
         best=best,
         balanced=balanced,
         predicted=predicted,
+        makers=makers,
+        lead=lead,
     )
 
 
@@ -235,22 +261,28 @@ def one_repeat(setup: dict, args) -> dict:
     from megatron_mllm.runtime.runs import run_interleaved
 
     jobs, plan, steps = setup["jobs"], setup["plan"], args.steps + 1
-    per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
+    makers = [setup["makers"].get(name) for name in jobs]
+    lead = [setup["lead"].get(name, 0) for name in jobs]
+    per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps, makers, lead)
     out: dict = {"measured_s": {}, "spread": {}, "losses": {}, "dp_share": {}, "breakdown": {}}
     outs = {}
     for i, name in enumerate(jobs):
         ranks = [rank_results[i] for rank_results in per_rank]
         outs[name] = ranks
-        per_step = [max(o["seconds"][s] for o in ranks) for s in range(1, steps)]
+        timed = range(lead[i] + 1, lead[i] + steps)  # the steps all runs took side by side
+        per_step = [max(o["seconds"][s] for o in ranks) for s in timed]
         out["measured_s"][name] = statistics.median(per_step)
         out["spread"][name] = (min(per_step), max(per_step))
-        out["losses"][name] = {k: v for o in ranks for k, v in o["losses"].items()}
+        out["losses"][name] = {k: v for o in ranks for k, v in o["losses"].items()}  # step 0
         out["dp_share"][name] = statistics.median(  # the rank that waited longest, per step
-            max(o["dp_seconds"][s] / o["seconds"][s] for o in ranks) for s in range(1, steps)
+            max(o["dp_seconds"][s] / o["seconds"][s] for o in ranks) for s in timed
         )
         out["breakdown"][name] = [
-            summary([StepBreakdown(**_fields(b)) for b in o["breakdowns"][1:]]) for o in ranks
+            summary([StepBreakdown(**_fields(o["breakdowns"][s])) for s in timed]) for o in ranks
         ]
+    out["candidates"] = outs["optimus_candidates"][0]["candidates"]
+    out["candidate_build_s"] = outs["optimus_candidates"][0]["candidate_build_s"]
+    out["calibration"] = outs["optimus_candidates"][0]["candidate_calibration"]
     replanned = outs["optimus_replanned"][0]["replan_predicted_s"]
     out["replan_predicted_s"] = replanned if replanned is not None else float("nan")
     # The limit from the same measured steps as the medians: each step's compute on every rank.
@@ -259,7 +291,16 @@ def one_repeat(setup: dict, args) -> dict:
         for s in range(1, steps)
     )
     m, limit = out["measured_s"], out["limit_s"]
+    kept = next(r for r in out["candidates"] if r["kept"])
     out["ratios"] = {
+        "candidates_vs_executor_megatron": m["executor_megatron"] / m["optimus_candidates"],
+        "candidates_vs_optimus": m["optimus"] / m["optimus_candidates"],
+        "candidates_vs_megatron_core": m["megatron_core_1f1b"] / m["optimus_candidates"],
+        "candidate_prediction_error": max(
+            abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in out["candidates"]
+        ),
+        "kept_prediction_error": (kept["predicted_s"] - m["optimus_candidates"])
+        / m["optimus_candidates"],
         "optimus_vs_executor_megatron": m["executor_megatron"] / m["optimus"],
         "optimus_vs_megatron_core": m["megatron_core_1f1b"] / m["optimus"],
         "optimus_vs_balanced": m["balanced"] / m["optimus"],
@@ -285,6 +326,9 @@ def summarise(setup: dict, repeats: list[dict], memory: dict, args) -> dict:
 
     predicted = dict(setup["predicted"])
     predicted["optimus_replanned"] = statistics.median(r["replan_predicted_s"] for r in repeats)
+    predicted["optimus_candidates"] = statistics.median(
+        next(c["predicted_s"] for c in r["candidates"] if c["kept"]) for r in repeats
+    )
     result: dict = {}
     for name in names:
         med, lo, hi = over([r["measured_s"][name] for r in repeats])
@@ -294,10 +338,18 @@ def summarise(setup: dict, repeats: list[dict], memory: dict, args) -> dict:
     for key in RATIOS:
         med, lo, hi = over([r["ratios"][key] for r in repeats])
         result[key], result[f"{key}_min"], result[f"{key}_max"] = med, lo, hi
-    base = repeats[0]["losses"]["megatron_core_1f1b"]
-    result["max_abs_loss_diff"] = max(
-        abs(r["losses"][a][k] - base[k]) for r in repeats for a in names for k in base
+    result["max_abs_loss_diff"] = max(  # step 0's: the same weights and data for every run
+        abs(r["losses"][a][k] - r["losses"]["megatron_core_1f1b"][k])
+        for r in repeats
+        for a in names
+        for k in r["losses"]["megatron_core_1f1b"]
     )
+    result["candidates"] = [r["candidates"] for r in repeats]
+    result["candidate_build_s"] = statistics.median(r["candidate_build_s"] for r in repeats)
+    result["calibration"] = [r["calibration"] for r in repeats]
+    result["kept_candidate"] = [
+        next(c["label"] for c in r["candidates"] if c["kept"]) for r in repeats
+    ]
     n = setup["n"]
     breakdown = {}
     for name in names:
@@ -398,6 +450,11 @@ def print_report(result: dict, setup: dict, args) -> None:
                 + f"{m['activations'] / 1e6:>8.2f}{m['total'] / 1e6:>8.2f}"
                 f"{m['planned_total'] / 1e6:>9.2f}{m['total'] / m['planned_total']:>7.2f}"
             )
+    from megatron_mllm.training.plan_candidates import table
+
+    for r, rows in enumerate(result["candidates"]):
+        print(f"repeat {r}:")
+        print(table(rows, result["candidate_build_s"], 0, 0).split("\n", 1)[1])
     print("like for like, medians over repeats (min-max):")
     for key in RATIOS:
         print(

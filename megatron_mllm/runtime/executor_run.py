@@ -28,7 +28,10 @@ from megatron_mllm.runtime.program import forward_only_program, gpu_program
 class ExecutorRun:
     """Our executor on one job: built once, then `step()` as often as wanted."""
 
-    def __init__(self, rank: int, world: int, job: RuntimeJob, device: torch.device) -> None:
+    def __init__(
+        self, rank: int, world: int, job: RuntimeJob, device: torch.device, data=None
+    ) -> None:
+        """`data`: another run's StepData to read from (plan candidates share one stream)."""
         from megatron_mllm.parallel.groups import build_colocated_groups
 
         self.rank, self.job, self.device = rank, job, device
@@ -96,7 +99,7 @@ class ExecutorRun:
             self.saved = SavedActivations(self.rank_model.modules)
         from megatron_mllm.runtime.batches import StepData
 
-        self.data = StepData(job, [c.dp])
+        self.data = data if data is not None else StepData(job, [c.dp])
         if job.data.balance_samples and plan.dp > 1:  # samples dealt across the replicas
             from megatron_mllm.runtime.sample_exchange import dp_exchange_group
 
@@ -196,14 +199,21 @@ class ExecutorRun:
         evaluation = {r: forward_only_program(p) for r, p in main.items()}
         self.eval_ordered = (receive_orders(evaluation, self.rank), groups)
 
-    def replan(self) -> bool:
-        """Online re-planning (collective: every rank calls it): plan Optimus again from every
-        rank's measured unit times and run the new schedule from the next step. False where
-        the schedule keeps the encoder on stage 0 or the new plan needs other modules."""
-        from megatron_mllm.runtime.replan import replan
-
+    def gathered_unit_times(self) -> list[dict]:
+        """Every rank's measured unit times (collective)."""
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.unit_times)
+        return gathered
+
+    def replan(self, gathered: list[dict] | None = None) -> bool:
+        """Online re-planning (collective unless `gathered`, every rank's unit times, is
+        given): plan Optimus again from the measured unit times and run the new schedule from
+        the next step. False where the schedule keeps the encoder on stage 0 or the new plan
+        needs other modules."""
+        from megatron_mllm.runtime.replan import replan
+
+        if gathered is None:
+            gathered = self.gathered_unit_times()
         job = self.job
         enc_plan, stage0 = encoder_plan_of(job.schedule, job.backbone)
         if stage0:
@@ -222,16 +232,23 @@ class ExecutorRun:
         )
         if out is None:
             return False
-        new_job = replace(job, plans=replace(job.plans, schedule=out[0]))
-        check_job(new_job, dist.get_world_size())
-        self.job, self.replanned = new_job, out
+        self.use_schedule(out[0])
+        self.replanned = out
+        return True
+
+    def use_schedule(self, schedule) -> None:
+        """Run `schedule` from the next step: another schedule for the same modules (the
+        same encoder plan and backbone split; collective where messages are ordered)."""
+        job = replace(self.job, plans=replace(self.job.plans, schedule=schedule))
+        check_job(job, dist.get_world_size())
+        self.job = job
         for sync in self.grad_sync.values():
             sync.relearn()
-        self.program = gpu_program(out[0], self.groups, self.enc_tp)
+        self.program = gpu_program(schedule, self.groups, self.enc_tp)
         self.eval_program = forward_only_program(self.program)
         if self.ordered is not None:
-            self._ordered_p2p(job.backbone, enc_plan)
-        return True
+            enc_plan, stage0 = encoder_plan_of(schedule, job.backbone)
+            self._ordered_p2p(job.backbone, job.backbone if stage0 else enc_plan)
 
     def executor_for(self, program, meta, data, **options):
         """An Executor for one pass of `program` over this rank's modules."""

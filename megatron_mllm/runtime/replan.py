@@ -12,6 +12,7 @@ re-decides micro-batch splits, warm-up, placement into bubbles and TP fills.
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan
@@ -95,7 +96,7 @@ def replan(
     return best.schedule, best.workload, times
 
 
-def predicted_with_measured(
+def measured_workload(
     schedule: Schedule,
     cfg: MLLMConfig,
     plan: ParallelPlan,
@@ -104,19 +105,19 @@ def predicted_with_measured(
     unit: str,
     frozen_encoder: bool = False,
     sequence_parallel: bool = False,
-) -> float | None:
-    """The simulator's step time for `schedule` itself (the one that ran) with the unit and
-    TP-collective times measured while it ran; None where its costs cannot be rebuilt (the
-    rebuilt layout has another backbone split)."""
+) -> Workload | None:
+    """`schedule`'s costs with the unit and TP-collective times measured in the job (they
+    need not be its own: units are the model's, whatever the schedule); None where its costs
+    cannot be rebuilt (the rebuilt layout has another backbone split)."""
     from megatron_mllm.runtime.job import encoder_plan_of
     from megatron_mllm.runtime.schedules import runtime_plan
-    from megatron_mllm.schedule.simulator import simulate
 
     n = schedule.meta.num_microbatches
     _, times = _job_and_times(
         cfg, plan, micro_batch, n, samples, unit, frozen_encoder, sequence_parallel
     )
     enc_plan, stage0 = encoder_plan_of(schedule, plan)
+    split = tuple(schedule.meta.backbone_layers) if plan.vpp == 1 else ()  # the built one
     for name in ("megatron", "balanced") if stage0 else ("optimus",):
         rebuilt, workload = runtime_plan(
             cfg,
@@ -129,8 +130,51 @@ def predicted_with_measured(
             frozen_encoder=frozen_encoder,
             unit=unit,
             sequence_parallel=sequence_parallel,
+            backbone_split=split,
         )
         if rebuilt.meta.backbone_layers == schedule.meta.backbone_layers:
             workload.check_matches(schedule.meta)
-            return simulate(schedule, workload).step_time_s
+            return workload
     return None
+
+
+def predicted_with_measured(schedule: Schedule, *args, **kwargs) -> float | None:
+    """The simulator's step time for `schedule` under measured times (`measured_workload`'s
+    arguments); None where its costs cannot be rebuilt."""
+    from megatron_mllm.schedule.simulator import simulate
+
+    workload = measured_workload(schedule, *args, **kwargs)
+    return None if workload is None else simulate(schedule, workload).step_time_s
+
+
+def calibrated(workload: Workload, overhead_s: float, latency_s: float) -> Workload:
+    """`workload` with a fixed host overhead before every compute action and a latency on
+    every message (measured on the running job)."""
+    return replace(
+        workload,
+        chunk_overhead_s=overhead_s,
+        encoder_overhead_s=overhead_s,
+        message_latency_s=latency_s,
+    )
+
+
+def fitted_latency(
+    schedule: Schedule, workload: Workload, overhead_s: float, measured_s: float
+) -> float:
+    """The per-message latency at which the simulated `schedule` (with `overhead_s` before
+    each action) takes the `measured_s` it measured; 0 where it is predicted slower already.
+    Step time grows monotonically with latency, so bisection finds it."""
+    from megatron_mllm.schedule.simulator import simulate
+
+    def step(latency: float) -> float:
+        return simulate(schedule, calibrated(workload, overhead_s, latency)).step_time_s
+
+    if step(0.0) >= measured_s:
+        return 0.0
+    lo, hi = 0.0, measured_s / max(len(schedule.ranks[0]), 1)
+    while step(hi) < measured_s and hi < measured_s:
+        hi *= 2
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < measured_s else (lo, mid)
+    return (lo + hi) / 2

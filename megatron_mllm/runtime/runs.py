@@ -49,16 +49,30 @@ def run_rank(rank: int, world: int, job: RuntimeJob) -> dict:
     return run_interleaved(rank, world, [job], job.steps)[0]
 
 
-def run_interleaved(rank: int, world: int, jobs: list[RuntimeJob], steps: int) -> list[dict]:
+def run_interleaved(
+    rank: int,
+    world: int,
+    jobs: list[RuntimeJob],
+    steps: int,
+    makers: list | None = None,
+    lead: list[int] | None = None,
+) -> list[dict]:
     """Several jobs in the same processes, taking steps in turn (A B C A B C ...): the fairest
-    comparison on a noisy machine. Returns each job's result."""
+    comparison on a noisy machine. Returns each job's result. `makers`: per job, what builds
+    its run from (rank, world, job, device), None for `make_run`; `lead`: per job, steps it
+    takes alone before the others start (its later steps are interleaved with theirs)."""
     for job in jobs:
         check_job(job, world)
     device = init_rank(rank, world, jobs[0].data.seed, jobs[0].timeout_s)
-    runs = [make_run(rank, world, job, device) for job in jobs]
-    for step in range(steps):
-        for job, run in zip(jobs, runs, strict=True):
+    makers = makers or [None] * len(jobs)
+    runs = [(m or make_run)(rank, world, job, device) for job, m in zip(jobs, makers, strict=True)]
+    lead = lead or [0] * len(jobs)
+    for run, extra in zip(runs, lead, strict=True):
+        for step in range(extra):
             run.step(step)
+    for step in range(steps):
+        for job, run, extra in zip(jobs, runs, lead, strict=True):
+            run.step(step + extra)
             if job.executor.replan_after is not None and step + 1 == job.executor.replan_after:
                 run.replan()
     dist.barrier()

@@ -144,6 +144,7 @@ def simulate(
         slot = flow.slot(a)
         kernels = workload.kernels(a.kind, a.stage, enc=a.enc, mb=a.mb)[a.k0 : a.k1]
         t = start = max(not_before, cursor[r], cfree[r][slot], ready(r, flow.needs(a)))
+        t += workload.encoder_overhead_s
         compute_end = t
         for k in kernels:
             span(r, slot, "compute", a, k.name, t, t + k.compute_s, "encoder")

@@ -42,6 +42,10 @@ class Workload:
     # Fixed seconds each backbone action spends before its kernels, which nothing fills
     # (`HardwareProfile.chunk_overhead_s`).
     chunk_overhead_s: float = 0.0
+    # Calibrated on a running job (runtime plan candidates): the same fixed seconds before each
+    # encoder action, and seconds added to every point-to-point message's transfer.
+    encoder_overhead_s: float = 0.0
+    message_latency_s: float = 0.0
     # Kernel lists at a load, made once per workload and shared by its `at_loads` copies.
     _scaled: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     # key -> (transfer seconds at load 1, the micro-batch whose load scales it, or None)
@@ -100,7 +104,7 @@ class Workload:
             seconds = self.transfer_s.get(k.cost_name, 0.0)
             base = self._transfers[key] = (seconds, k.mb if k.enc is not None else None)
         seconds, mb = base
-        return seconds if mb is None else seconds * self.load_of(mb)
+        return (seconds if mb is None else seconds * self.load_of(mb)) + self.message_latency_s
 
     def check_matches(self, meta: ScheduleMeta) -> None:
         """Raise ConfigError if this workload does not describe `meta`'s model."""

@@ -81,6 +81,21 @@ def build_parser() -> argparse.ArgumentParser:
         help="optimus: after N iterations, plan again from the unit times measured so far",
     )
     g.add_argument(
+        "--plan-candidates",
+        type=int,
+        default=None,
+        metavar="K",
+        help="optimus: the planner's K best plans and the Megatron schedule each train "
+        "--plan-candidate-steps real steps after warm-up (re-planned and predicted from the "
+        "times this job measured first); the fastest measured trains on",
+    )
+    g.add_argument(
+        "--plan-candidate-steps",
+        type=int,
+        default=3,
+        help="with --plan-candidates: steps per candidate (the first warms it up)",
+    )
+    g.add_argument(
         "--coreset-lookahead",
         action="store_true",
         help="coreset: the next step's pool goes forward in this step's pipeline bubbles and is "
@@ -596,6 +611,46 @@ def _check_data(args: argparse.Namespace) -> None:
         args.data_sources = list(train_sources(args.data_path))
 
 
+def _check_plan_candidates(args) -> None:
+    """--plan-candidates K: Optimus plans on our executor, each given its steps."""
+    k = args.plan_candidates
+    if k is None:
+        return
+    from megatron_mllm.training.plan_candidates import CandidatePhase
+
+    if k < 1:
+        raise ConfigError(f"--plan-candidates {k}: give K >= 1 (the planner's plans to try)")
+    if args.plan_candidate_steps < 2:
+        raise ConfigError(
+            f"--plan-candidate-steps {args.plan_candidate_steps}: give at least 2 (the first "
+            "step warms a candidate up, the rest are timed)"
+        )
+    others = {
+        "--bubble-schedule optimus-adaptive (it plans every step itself)": args.step_plans,
+        "--coreset-pool-ratio (its pool schedule is built for one layout)": args.coreset,
+        "--replan-after-iters (candidates are re-planned after warm-up)": (
+            args.replan_after_iters is not None
+        ),
+        "--encoder-tensor-model-parallel-size (a forced encoder plan leaves nothing to try)": (
+            args.encoder_tensor_model_parallel_size
+        ),
+    }
+    for what, given in others.items():
+        if given:
+            raise ConfigError(f"--plan-candidates does not run with {what}; drop one of the two")
+    if args.bubble_schedule != "optimus":
+        raise ConfigError(
+            f"--plan-candidates tries Optimus plans; use --bubble-schedule optimus (got "
+            f"{args.bubble_schedule})"
+        )
+    steps = CandidatePhase((None,) * (k + 1), args.plan_candidate_steps).steps
+    if args.train_iters < steps:
+        raise ConfigError(
+            f"--train-iters {args.train_iters} ends inside the plan-candidate phase (up to "
+            f"{steps} iterations for K={k}); train longer or lower --plan-candidates"
+        )
+
+
 def _check_lookahead(args: argparse.Namespace) -> None:
     """--coreset-lookahead needs a coreset and a fixed schedule; without pipeline stages it
     has no bubbles to hide the pool in: accepted with a warning (selection one step old)."""
@@ -731,6 +786,7 @@ def validate_args(args: argparse.Namespace) -> None:
             "with --coreset-pool-ratio or --replan-after-iters (use --bubble-schedule optimus)"
         )
     _check_lookahead(args)
+    _check_plan_candidates(args)
     if args.replan_after_iters is not None:
         if args.replan_after_iters < 1 or args.bubble_schedule != "optimus":
             raise ConfigError(

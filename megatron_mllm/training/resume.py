@@ -47,6 +47,18 @@ def _new_run_id() -> str:
     return box[0]
 
 
+def checkpoint_parts(run) -> list[tuple]:
+    """(module, TP rank, TP size, replica id) of everything an ExecutorRun holds, as
+    `checkpointing.save` and `load` take them."""
+    plan, c = run.job.backbone, run.groups.coords
+    enc_tp = c.tp if run.stage0 else c.enc_tp
+    enc_replica = (
+        c.dp if run.stage0 else (c.enc_slot + run.groups.slots * (c.dp + plan.dp * c.enc_row))
+    )
+    parts = [(chunk, c.tp, plan.tp, c.dp) for chunk in run.chunks]
+    return parts + [(encoder, enc_tp, run.enc_tp, enc_replica) for encoder in run.encoders]
+
+
 class Checkpointer:
     """Saves and loads one rank's share of a training run (`run`: an ExecutorRun)."""
 
@@ -54,12 +66,6 @@ class Checkpointer:
         self.args, self.run, self.full_shapes, self.scheduler = args, run, full_shapes, scheduler
         plan, c = run.job.backbone, run.groups.coords
         self.plan, self.coords = plan, c
-        enc_tp = c.tp if run.stage0 else c.enc_tp
-        enc_replica = (
-            c.dp if run.stage0 else (c.enc_slot + run.groups.slots * (c.dp + plan.dp * c.enc_row))
-        )
-        self.parts = [(chunk, c.tp, plan.tp, c.dp) for chunk in run.chunks]
-        self.parts += [(encoder, enc_tp, run.enc_tp, enc_replica) for encoder in run.encoders]
         # The coreset selector lives on the last stage's TP ranks (alike); TP rank 0 writes it.
         self.holds_selector = run.coreset is not None and run.backbone.post_process
         # Every rank of a replica holds its loader's state; stage 0's TP rank 0 writes it.
@@ -67,7 +73,13 @@ class Checkpointer:
         self.streams = bool(run.data.streams)
         self.lookahead = run.coreset is not None and run.coreset.lookahead
         self.source = None  # a converted model's origin (its LLaVA config), kept when saving
+        self.plan_record = None  # the plan a --plan-candidates phase kept, kept when saving
         self.run_id = _new_run_id()  # the lineage of checkpoints; a resumed run keeps its own
+
+    @property
+    def parts(self) -> list[tuple]:
+        """What the run holds now (plan candidates change it): see `checkpoint_parts`."""
+        return checkpoint_parts(self.run)
 
     def _objects(self, saving: bool) -> dict:
         """name -> (state or None, index, count) of the per-replica and per-rank objects."""
@@ -124,6 +136,9 @@ class Checkpointer:
         }
         if self.source is not None:
             common["source"] = self.source
+        record = self.run.checkpoint_record() if hasattr(self.run, "checkpoint_record") else None
+        if record is not None or self.plan_record is not None:  # --plan-candidates' kept plan
+            common["plan_candidates"] = record or self.plan_record
         checkpointing.save(
             args.save,
             iteration,
@@ -140,6 +155,7 @@ class Checkpointer:
         saved = checkpointing.read_common(args.load)
         saved_args = saved.get("args", {})
         self.source = saved.get("source")
+        self.plan_record = saved.get("plan_candidates")
         objects = self._objects(saving=False)
         same_layout = all(saved_args.get(k) == getattr(args, k) for k in LAYOUT_ARGS)
         if not same_layout:  # resharded: RNG streams belong to ranks that no longer exist

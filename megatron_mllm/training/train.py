@@ -50,20 +50,26 @@ def main(argv: list[str] | None = None) -> int:
         from megatron_mllm.training.save_lock import acquire
 
         acquire(args.save)
-    schedule, workload = runtime_plan(
-        cfg,
-        plan,
-        args.micro_batch_size,
-        n_mb,
-        args.bubble_schedule,
-        encoder_plan=forced,
-        frozen_encoder=args.freeze_ViT,
-        unit=args.fill_granularity if args.bubble_schedule == "optimus" else "layer",
-        sequence_parallel=args.sequence_parallel,
-        recompute=recompute_of(args),
-        images_per_sample=encoder_load(args),
-        backbone_split=args.backbone_split,
-    )
+    phase, kept = plan_candidates_of(args, cfg, plan, n_mb)
+    if kept is not None:  # resumed after the candidate phase: the plan it kept
+        schedule, workload = kept
+    elif phase is not None:
+        schedule, workload = phase.candidates[0].schedule, phase.candidates[0].workload
+    else:
+        schedule, workload = runtime_plan(
+            cfg,
+            plan,
+            args.micro_batch_size,
+            n_mb,
+            args.bubble_schedule,
+            encoder_plan=forced,
+            frozen_encoder=args.freeze_ViT,
+            unit=args.fill_granularity if args.bubble_schedule == "optimus" else "layer",
+            sequence_parallel=args.sequence_parallel,
+            recompute=recompute_of(args),
+            images_per_sample=encoder_load(args),
+            backbone_split=args.backbone_split,
+        )
     layers = schedule.meta.backbone_layers
     if plan.vpp > 1 and len(set(layers)) > 1:
         raise ConfigError(
@@ -74,7 +80,39 @@ def main(argv: list[str] | None = None) -> int:
 
     predicted = simulate(schedule, workload)
     pools = coreset_schedules(args, cfg, plan, schedule, workload)
-    return _train(args, cfg, plan, n_mb, schedule, pools, predicted)
+    return _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase)
+
+
+def plan_candidates_of(args, cfg, plan, n_mb) -> tuple:
+    """(the candidate phase, None) for --plan-candidates; (None, (schedule, workload)) where
+    --load holds a checkpoint saved after the phase (its kept plan trains on); (None, None)
+    without candidates."""
+    if not args.plan_candidates:
+        return None, None
+    from megatron_mllm.runtime.schedules import job_of
+    from megatron_mllm.schedule.blocks import JobCosts
+    from megatron_mllm.training.plan_candidates import CandidatePhase, kept_plan, plan_candidates
+
+    job = job_of(
+        cfg,
+        plan,
+        args.micro_batch_size,
+        n_mb,
+        args.freeze_ViT,
+        args.sequence_parallel,
+        recompute_of(args),
+        encoder_load(args),
+        args.backbone_split,
+    )
+    costs = JobCosts(job, unit=args.fill_granularity)
+    if args.load:
+        from megatron_mllm.training.checkpointing import read_common
+
+        kept = kept_plan(read_common(args.load), costs)
+        if kept is not None:
+            return None, kept
+    cands = tuple(plan_candidates(costs, args.plan_candidates, args.fill_granularity))
+    return CandidatePhase(cands, args.plan_candidate_steps), None
 
 
 def coreset_schedules(args, cfg, plan, schedule, workload) -> tuple:
@@ -179,7 +217,7 @@ def test_faults():
     return FaultHooks(nan_loss_steps=frozenset(int(s) for s in steps.split(",") if s))
 
 
-def _train(args, cfg, plan, n_mb, schedule, pools, predicted) -> int:
+def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None) -> int:
     import torch.distributed as dist
 
     from megatron_mllm.parallel.groups import build_colocated_groups
@@ -196,8 +234,15 @@ def _train(args, cfg, plan, n_mb, schedule, pools, predicted) -> int:
     state = initial_weights(cfg, probe)
     full_shapes = {k: tuple(v.shape) for k, v in state.items()}
     job = runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units)
-    run = ExecutorRun(rank, world, job, device)
+    if phase is not None:
+        from megatron_mllm.training.plan_candidates import CandidateRun
+
+        run = CandidateRun(rank, world, job, device, phase)
+    else:
+        run = ExecutorRun(rank, world, job, device)
     scheduler = lr_scheduler(args, run.optimizer)
+    if phase is not None:
+        run.on_switch = lambda new: follow(scheduler, new.optimizer)
     checkpointer = Checkpointer(args, run, full_shapes, scheduler)
     start = 0
     if args.load:
@@ -212,6 +257,8 @@ def _train(args, cfg, plan, n_mb, schedule, pools, predicted) -> int:
         print(summary, flush=True)
         if job.data.lookahead_schedule is not None:
             print(lookahead_line(job.data.lookahead_schedule.notes), flush=True)
+        if phase is not None:
+            print(run.startup_line(), flush=True)
     validation = Validation(args, run, device) if args.eval_iters and job.data.llava else None
     _loop(args, run, scheduler, checkpointer, validation, start, device)
     if validation is not None:
@@ -226,6 +273,12 @@ def _train(args, cfg, plan, n_mb, schedule, pools, predicted) -> int:
     dist.barrier()
     dist.destroy_process_group()
     return 0
+
+
+def follow(scheduler, optimizer) -> None:
+    """The LR scheduler drives `optimizer` from now on, at its current learning rate."""
+    scheduler.optimizer = optimizer
+    scheduler.step(0)
 
 
 def encoder_load(args) -> float:
@@ -288,6 +341,7 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
 
         writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.log_interval)
     skipped = nan = 0  # since the last log line, as Megatron counts them
+    deferred = None  # a save that fell inside the plan-candidate phase: done at its end
     nan_run = 0  # NaN or Inf steps in a row
     for it in range(start, args.train_iters):
         t0, before = time.perf_counter(), run.skipped_iterations
@@ -341,12 +395,31 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
         if validation is not None and args.eval_interval and (it + 1) % args.eval_interval == 0:
             if it + 1 < args.train_iters:  # the last iteration's comes after the loop
                 validation.report(it + 1)
-        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+        deferred = _candidate_phase_step(args, run, it + 1, deferred)
+        due = args.save and args.save_interval and (it + 1) % args.save_interval == 0
+        if due and getattr(run, "kept", 0) is None:  # inside the plan-candidate phase
+            deferred = it + 1
+        elif due or (deferred is not None and getattr(run, "kept", 0) is not None):
             checkpointer.save(it + 1)
+            deferred = None
     if args.save and (not args.save_interval or args.train_iters % args.save_interval):
         checkpointer.save(args.train_iters)
     if writer is not None:
         writer.close()
+
+
+def _candidate_phase_step(args, run, iteration: int, deferred):
+    """At the end of the plan-candidate phase: its table, and a deferred save's line."""
+    if getattr(run, "phase", None) is None or iteration != run.phase_end or args.rank != 0:
+        return deferred
+    print(run.table(), flush=True)
+    if deferred is not None:
+        print(
+            f" > the save at iteration {deferred} fell inside the plan-candidate phase: saved "
+            f"at iteration {iteration}, when it ended",
+            flush=True,
+        )
+    return deferred
 
 
 def not_finite_step(loss: float, grad_norm: float, fp16: bool) -> bool:

@@ -1,0 +1,462 @@
+"""--plan-candidates K: a plan is a hypothesis until it ran. The K plans the planner predicts
+fastest (the Megatron schedule on our executor always among them) each train a few real steps,
+and the one that measured fastest trains on.
+
+* At start-up every distinct module layout among the candidates (encoder plan and placement,
+  backbone split) is built once on the job's ranks; candidates that differ only in their bubble
+  schedule share one. The start-up line says what that cost in seconds and parameter bytes.
+* The first `warmup` steps run on the planner's first choice. Then every candidate's schedule
+  is planned again for its modules from the unit times measured in the job's last warm-up steps
+  (both ranks, its dtype, DDP and optimizer), the cost model's per-action overhead is the one
+  measured there and its message latency is fitted to the measured steps; each candidate's
+  step is predicted before it runs.
+* Candidates run in order of that prediction, `steps_each` steps each (the first warms the
+  candidate up; the rest are timed); the fastest median is kept.
+* Every step is a training step of the one run: a switch between layouts carries parameters,
+  Adam moments and fp32 main values through a checkpoint in a scratch folder (the resume path:
+  training/checkpointing.py), and every candidate reads the same data stream, so no sample is
+  skipped or read twice.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+import torch.distributed as dist
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
+from megatron_mllm.schedule.schedule import Schedule
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One plan to try: its schedule, encoder unit size and start-up prediction."""
+
+    label: str
+    schedule: Schedule
+    units: str = "layer"
+    predicted_s: float = float("nan")
+    workload: object = None  # its costs at start-up (a Workload)
+
+
+@dataclass(frozen=True)
+class CandidatePhase:
+    """The candidates, in the planner's order, and how long each runs."""
+
+    candidates: tuple[Candidate, ...]
+    steps_each: int = 3
+    warmup: int = 4
+
+    @property
+    def calibration_steps(self) -> int:
+        """The last warm-up steps the in-job plan reads (the first ones run cold)."""
+        return max(self.warmup // 2, 1)
+
+    @property
+    def steps(self) -> int:
+        """Steps until the kept plan runs alone (at most: candidates that re-planning makes one
+        run once)."""
+        return self.warmup + self.steps_each * len(self.candidates)
+
+
+def check_phase(k: int, steps_each: int, job: RuntimeJob) -> None:
+    """Refuse what cannot run candidates (before any process group)."""
+    if k < 1:
+        raise ConfigError(f"--plan-candidates {k}: give at least 1 (the planner's plans to try)")
+    if steps_each < 2:
+        raise ConfigError(
+            f"--plan-candidate-steps {steps_each}: each candidate needs at least 2 steps "
+            "(one warms it up, the rest are timed)"
+        )
+    blockers = {
+        "a coreset (its pool schedule is built for one layout)": job.data.coreset is not None,
+        "optimus-adaptive (it plans every step itself)": job.executor.adaptive,
+        "--replan-after-iters (the candidates are re-planned after warm-up)": (
+            job.executor.replan_after is not None
+        ),
+        "dynamic mode": job.executor.dynamic,
+        "megatron-core's own schedule (candidates run on our executor)": job.mode != "executor",
+    }
+    for what, present in blockers.items():
+        if present:
+            raise ConfigError(f"--plan-candidates cannot run with {what}; drop one of the two")
+
+
+def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
+    """The `k` plans the planner predicts fastest for `costs` (a JobCosts) and, where it is not
+    among them, the Megatron schedule (encoder on stage 0, balanced split) as the last."""
+    from megatron_mllm.schedule.baselines import megatron_schedule
+    from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
+    from megatron_mllm.schedule.planner import plan_optimus
+    from megatron_mllm.schedule.simulator import simulate
+    from megatron_mllm.schedule.validator import validate
+
+    _, options, _ = plan_optimus(costs)
+    memory = costs.job.hw.memory_gb
+    ranked = sorted((t, i, o) for i, (o, t, peak) in enumerate(options) if peak <= memory)
+    out: list[Candidate] = []
+    for seconds, _, opts in ranked[:k]:
+        if opts.placement == "stage0":
+            schedule, workload = megatron_schedule(costs)
+            out.append(Candidate("megatron", schedule, "layer", seconds, workload))
+            continue
+        schedule, workload = optimus_schedule(costs, opts)
+        validate(schedule)
+        fine = "fine" if opts.fine else "coarse"
+        label = f"optimus {opts.encoder_plan} {opts.split} {fine} +{opts.extra_warmup}"
+        out.append(Candidate(label, schedule, unit, seconds, workload))
+    if not any(c.label == "megatron" for c in out):
+        built = megatron_schedule(costs)
+        seconds = simulate(*built).step_time_s
+        out.append(Candidate("megatron", built[0], "layer", seconds, built[1]))
+    return out
+
+
+def kept_plan(common: dict, costs) -> tuple | None:
+    """(schedule, workload) of the plan a checkpoint's run kept after its candidate phase
+    (its common state's "plan_candidates" record); None where it holds none. `costs`: the
+    job's analytic JobCosts (the workload is rebuilt for the saved schedule's layout)."""
+    from megatron_mllm.schedule.baselines import megatron_schedule
+    from megatron_mllm.schedule.blocks import JobCosts
+    from megatron_mllm.schedule.bubble_scheduler import OptimusOptions, optimus_schedule
+    from megatron_mllm.schedule.validator import validate
+
+    record = common.get("plan_candidates") or {}
+    if record.get("schedule") is None:
+        return None
+    schedule = Schedule.from_csv(record["schedule"])
+    validate(schedule)
+    job = costs.job
+    enc_plan, stage0 = encoder_plan_of(schedule, job.plan)
+    if job.plan.vpp == 1:
+        job = replace(job, backbone_split=tuple(schedule.meta.backbone_layers))
+    built = JobCosts(job, unit=record["units"])
+    workload = (
+        megatron_schedule(built)[1]
+        if stage0
+        else optimus_schedule(built, OptimusOptions(enc_plan))[1]
+    )
+    workload.check_matches(schedule.meta)
+    return schedule, workload
+
+
+def layout_key(schedule: Schedule, backbone, units: str) -> tuple:
+    """What a candidate's modules depend on: runs with equal keys share one set."""
+    enc_plan, stage0 = encoder_plan_of(schedule, backbone)
+    return (enc_plan, stage0, tuple(schedule.meta.backbone_layers), units)
+
+
+@dataclass
+class Row:
+    """One candidate in the start-up table."""
+
+    label: str
+    predicted_startup_s: float
+    predicted_s: float = float("nan")  # in the job, after warm-up, before it ran
+    measured_s: float = float("nan")
+    kept: bool = False
+    timed: list[float] = field(default_factory=list)
+    same_as: str | None = None  # re-planned into another candidate's schedule: not run
+
+
+class CandidateRun:
+    """The Run protocol over K candidate plans (see the module's docstring); after the phase
+    every attribute not its own is the kept run's."""
+
+    def __init__(self, rank: int, world: int, job: RuntimeJob, device, phase: CandidatePhase):
+        from megatron_mllm.runtime.executor_run import ExecutorRun
+
+        self.phase, self.rank = phase, rank
+        self.jobs = [
+            replace(job, plans=replace(job.plans, schedule=c.schedule, encoder_units=c.units))
+            for c in phase.candidates
+        ]
+        self.rows = [Row(c.label, c.predicted_s) for c in phase.candidates]
+        built: dict[tuple, ExecutorRun] = {}
+        t0, self.runs, data = time.perf_counter(), [], None
+        for j in self.jobs:
+            key = layout_key(j.schedule, j.backbone, j.plans.encoder_units)
+            if key not in built:
+                built[key] = ExecutorRun(rank, world, j, device, data=data)
+                data = built[key].data
+            self.runs.append(built[key])
+        self.build_s = time.perf_counter() - t0
+        self.layouts = len(built)
+        self.extra_param_bytes = sum(  # beyond one layout's: what the others hold meanwhile
+            p.numel() * p.element_size()
+            for run in list(built.values())[1:]
+            for m in run.rank_model.modules
+            for p in m.parameters()
+        )
+        self.order = list(range(len(self.runs)))  # candidates in the order they run
+        self.current, self.kept = 0, None
+        self.phase_end = phase.steps  # fewer once re-planned candidates meet in one schedule
+        self.steps: list[dict] = []  # per step: what it measured and computed
+        self.on_switch = None  # called with the new run (the LR scheduler follows it)
+        self.scratch = None
+
+    @property
+    def run(self):
+        return self.runs[self.current]
+
+    def __getattr__(self, name: str):
+        if name in ("runs", "current", "calibration", "kept", "phase_end") or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.runs[self.current], name)
+
+    # -- the Run protocol --------------------------------------------------------------------
+    def step(self, step: int) -> None:
+        want = self._candidate_at(step)
+        if want != self.current or self.run.job.schedule is not self.jobs[want].schedule:
+            self._switch(want, step)
+        run = self.run
+        if step == self.phase.warmup - self.phase.calibration_steps:  # what the plan reads
+            run.unit_times.clear()
+        run.step(step)
+        self.steps.append(
+            {
+                "candidate": self.current,
+                "seconds": run.seconds[-1],
+                "history": run.history[-1],
+                "mean_loss": run.mean_losses[-1],
+                "breakdown": run.breakdowns[-1],
+                "compute_seconds": run.compute_seconds[-1],
+                "dp_seconds": run.dp_seconds[-1],
+            }
+        )
+        if step + 1 == self.phase.warmup:
+            self._plan_in_job()
+        if step + 1 == self.phase_end:
+            self._keep_fastest(step + 1)
+
+    def replan(self) -> bool:
+        return False
+
+    def checkpoint_record(self) -> dict:
+        """What a checkpoint keeps of the phase: the kept plan (None while it runs)."""
+        if self.kept is None:
+            return {"schedule": None}
+        return {
+            "kept": self.rows[self.kept].label,
+            "schedule": self.jobs[self.kept].schedule.to_csv(),
+            "units": self.jobs[self.kept].plans.encoder_units,
+            "rows": [_finite(vars(r)) for r in self.rows],
+        }
+
+    def startup_line(self) -> str:
+        """The start-up summary's line about the phase."""
+        p = self.phase
+        names = ", ".join(c.label for c in p.candidates)
+        return (
+            f" > plan candidates: {len(p.candidates)} ({names}) on {self.layouts} module "
+            f"layout(s), built in {self.build_s:.1f} s with {self.extra_param_bytes / 1e6:.1f} MB "
+            f"of parameters beside the first; {p.warmup} warm-up steps, then {p.steps_each} each "
+            f"(iterations 1-{p.steps} at most)"
+        )
+
+    def table(self) -> str:
+        """The phase's table (after it): predicted, measured, kept."""
+        return table(self.rows, self.build_s, self.layouts, self.extra_param_bytes)
+
+    def result(self) -> dict:
+        out = self.run.result()
+        out.update(
+            history=[s["history"] for s in self.steps],
+            losses=self.steps[0]["history"],
+            mean_losses=[s["mean_loss"] for s in self.steps],
+            seconds=[s["seconds"] for s in self.steps],
+            compute_seconds=[s["compute_seconds"] for s in self.steps],
+            dp_seconds=[s["dp_seconds"] for s in self.steps],
+            breakdowns=[s["breakdown"].as_dict() for s in self.steps],
+            candidates=[vars(r) for r in self.rows],
+            candidate_of_step=[s["candidate"] for s in self.steps],
+            candidate_build_s=self.build_s,
+            candidate_layouts=self.layouts,
+            candidate_extra_param_bytes=self.extra_param_bytes,
+            candidate_calibration=getattr(self, "calibration", None),
+        )
+        return out
+
+    # -- the phase ---------------------------------------------------------------------------
+    def _candidate_at(self, step: int) -> int:
+        """Which candidate trains step `step`."""
+        if self.kept is not None:
+            return self.kept
+        if step < self.phase.warmup:
+            return 0
+        return self.order[
+            min((step - self.phase.warmup) // self.phase.steps_each, len(self.order) - 1)
+        ]
+
+    def _switch(self, want: int, iteration: int) -> None:
+        """Train on candidate `want` from step `iteration` (collective)."""
+        src, dst = self.run, self.runs[want]
+        if dst is not src:
+            self._transfer(src, dst, iteration)
+            for name in ("skipped_iterations", "last_loss", "last_grad_norm"):
+                setattr(dst, name, getattr(src, name, float("nan")))
+        dst.use_schedule(self.jobs[want].schedule)
+        self.current = want
+        if self.on_switch is not None and dst is not src:
+            self.on_switch(dst)
+
+    def _transfer(self, src, dst, iteration: int) -> None:
+        """Parameters, moments and main values from `src`'s modules into `dst`'s, through a
+        checkpoint in a scratch folder (collective)."""
+        from megatron_mllm.models.weights import open_full_state
+        from megatron_mllm.training import checkpointing
+        from megatron_mllm.training.resume import checkpoint_parts
+
+        if self.scratch is None:
+            shapes = open_full_state(src.job.model.weights)
+            self.full_shapes = {k: tuple(v.shape) for k, v in shapes.items()}
+            box = [_scratch_dir() if dist.get_rank() == 0 else None]
+            dist.broadcast_object_list(box, src=0)
+            self.scratch = box[0]
+        src.sync_params()
+        common = {"iteration": iteration}
+        checkpointing.save(
+            self.scratch, iteration, checkpoint_parts(src), self.full_shapes, src.optimizer, common
+        )
+        checkpointing.load(self.scratch, checkpoint_parts(dst), self.full_shapes, dst.optimizer)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(checkpointing.checkpoint_dir(self.scratch, iteration))
+
+    def _plan_in_job(self) -> None:
+        """After warm-up (collective): every candidate re-planned and predicted from the job's
+        measured unit times, overhead and fitted latency; run in that order."""
+        from megatron_mllm.runtime.replan import calibrated, fitted_latency, measured_workload
+        from megatron_mllm.schedule.simulator import simulate
+
+        run, job, n = self.run, self.jobs[0], self.phase.calibration_steps
+        gathered = run.gathered_unit_times()
+        last = [None] * dist.get_world_size()
+        steps = zip(run.seconds[-n:], run.breakdowns[-n:], strict=True)
+        mine = [(s, b.overhead_per_action_s) for s, b in steps]
+        dist.all_gather_object(last, mine)
+        measured_s = statistics.median(max(r[i][0] for r in last) for i in range(n))
+        overhead = statistics.median(o for r in last for _, o in r)
+        args = (job.cfg, job.backbone, job.micro_batch, gathered)
+        opts = dict(
+            frozen_encoder=job.model.frozen_encoder, sequence_parallel=job.plans.sequence_parallel
+        )
+        ran = measured_workload(run.job.schedule, *args, job.plans.encoder_units, **opts)
+        latency = fitted_latency(run.job.schedule, ran, overhead, measured_s) if ran else 0.0
+        self.calibration = {"overhead_s": overhead, "latency_s": latency}
+        for i, cand_job in enumerate(self.jobs):
+            self.jobs[i] = cand_job = self._replanned(cand_job, gathered)
+            workload = measured_workload(
+                cand_job.schedule, *args, cand_job.plans.encoder_units, **opts
+            )
+            if workload is not None:
+                calib = calibrated(workload, overhead, latency)
+                self.rows[i].predicted_s = simulate(cand_job.schedule, calib).step_time_s
+        # Re-planned for the same modules, candidates may meet in one schedule: it runs once.
+        first: dict[tuple, int] = {}
+        for i, cand_job in enumerate(self.jobs):
+            same = first.setdefault(_ranks(cand_job.schedule), i)
+            if same != i:
+                self.rows[i].same_as = self.rows[same].label
+        unique = [i for i in range(len(self.jobs)) if self.rows[i].same_as is None]
+        self.order = sorted(unique, key=lambda i: (self.rows[i].predicted_s, i))
+        self.phase_end = self.phase.warmup + self.phase.steps_each * len(self.order)
+
+    def _replanned(self, job: RuntimeJob, gathered: list[dict]) -> RuntimeJob:
+        """An Optimus candidate planned again for its modules from the measured times."""
+        from megatron_mllm.runtime.replan import replan
+
+        enc_plan, stage0 = encoder_plan_of(job.schedule, job.backbone)
+        if stage0:
+            return job
+        out = replan(
+            job.cfg,
+            job.backbone,
+            job.micro_batch,
+            job.num_microbatches,
+            job.schedule,
+            enc_plan,
+            gathered,
+            job.plans.encoder_units,
+            job.model.frozen_encoder,
+            job.plans.sequence_parallel,
+        )
+        if out is None:
+            return job
+        return replace(job, plans=replace(job.plans, schedule=out[0]))
+
+    def _keep_fastest(self, iteration: int) -> None:
+        """The candidate whose timed steps (slowest rank per step) had the lowest median."""
+        seconds = torch.tensor([s["seconds"] for s in self.steps], dtype=torch.float64)
+        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+        best, timed = fastest(seconds.tolist(), self.order, self.phase)
+        for i, values in timed.items():
+            self.rows[i].timed, self.rows[i].measured_s = values, statistics.median(values)
+        self.rows[best].kept = True
+        if best != self.current:
+            self._switch(best, iteration)
+        self.kept = best
+        keep = self.runs[best]
+        self.runs = [keep if r is keep else None for r in self.runs]  # free the others
+        gc.collect()
+        if self.scratch is not None and dist.get_rank() == 0:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def fastest(seconds: list[float], order: list[int], phase: CandidatePhase) -> tuple[int, dict]:
+    """The candidate kept and each one's timed step seconds, from every step's seconds (the
+    slowest rank's) in the phase: candidates ran in `order`, each `steps_each` steps after
+    `warmup`; a window's first step warms its candidate up and is not timed. Ties go to the
+    earlier candidate."""
+    timed = {}
+    for n, i in enumerate(order):
+        start = phase.warmup + n * phase.steps_each
+        timed[i] = seconds[start + 1 : start + phase.steps_each]
+    best = min(order, key=lambda i: (statistics.median(timed[i]), i))
+    return best, timed
+
+
+def _finite(row: dict) -> dict:
+    """A row for a checkpoint's common state: None for NaN (equal on every rank)."""
+    return {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
+
+
+def _ranks(schedule: Schedule) -> tuple:
+    """A schedule's action lists, comparable."""
+    return tuple(tuple(acts) for acts in schedule.ranks)
+
+
+def _scratch_dir() -> str:
+    """A private folder for the switch checkpoints (shared memory where there is some)."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+    return tempfile.mkdtemp(prefix="megatron_mllm_candidates_", dir=base)
+
+
+def table(rows: list, build_s: float, layouts: int, extra_bytes: int) -> str:
+    """The start-up summary's candidate table (after the phase)."""
+    lines = [
+        f" > plan candidates: {len(rows)} plans on {layouts} module layout(s), built in "
+        f"{build_s:.1f} s, {extra_bytes / 1e6:.1f} MB of parameters held beside the first "
+        "during the phase",
+        f"   {'candidate':<40}{'predicted at start':>20}{'predicted in job':>18}"
+        f"{'measured':>10}  kept",
+    ]
+    for r in rows:
+        r = r if isinstance(r, dict) else vars(r)
+        if r.get("same_as"):
+            lines.append(f"   {r['label']:<40}  re-planned into the schedule of {r['same_as']}")
+            continue
+        lines.append(
+            f"   {r['label']:<40}{1e3 * r['predicted_startup_s']:>17.1f} ms"
+            f"{1e3 * r['predicted_s']:>15.1f} ms{1e3 * r['measured_s']:>7.1f} ms  "
+            f"{'yes' if r['kept'] else ''}"
+        )
+    return "\n".join(lines)

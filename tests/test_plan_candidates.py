@@ -1,0 +1,122 @@
+"""--plan-candidates (training/plan_candidates.py): the planner's K best plans and the Megatron
+schedule each train real steps, and the fastest measured is kept; the steps train as one run."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from functools import partial
+
+import pytest
+
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.models.config import TINY
+from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.job import (
+    Collect,
+    DataParts,
+    ExecutorSettings,
+    ModelParts,
+    OptimizerSettings,
+    PlanParts,
+    RuntimeJob,
+)
+from megatron_mllm.runtime.launch import spawn
+from megatron_mllm.runtime.reference import make_full_state
+from megatron_mllm.runtime.runs import run_interleaved, run_rank
+from megatron_mllm.runtime.schedules import job_of
+from megatron_mllm.schedule.blocks import JobCosts
+from megatron_mllm.training.plan_candidates import (
+    CandidatePhase,
+    CandidateRun,
+    check_phase,
+    fastest,
+    plan_candidates,
+)
+
+warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
+N = 4
+PLAN = ParallelPlan(1, 1, 2)
+OPT = OptimizerSettings(lr=1e-2, clip_grad=0.5)
+
+
+def test_plan_candidates_are_the_k_best_and_the_megatron_schedule():
+    costs = JobCosts(job_of(TINY, PLAN, 1, N), unit="layer")
+    for k in (1, 2, 3):
+        cands = plan_candidates(costs, k)
+        labels = [c.label for c in cands]
+        assert "megatron" in labels and len(set(labels)) == len(labels)
+        assert len(cands) in (k, k + 1)
+        optimus = [c.predicted_s for c in cands if c.label != "megatron"]
+        assert optimus == sorted(optimus)
+    assert plan_candidates(costs, 2)[0].label == plan_candidates(costs, 1)[0].label
+
+
+def test_the_fastest_recorded_candidate_is_kept(tmp_path):
+    """From a recorded file of per-step seconds: candidate 2 ran first after warm-up and its
+    timed steps (not its warm-up step) are the fastest; ties go to the earlier candidate."""
+    phase = CandidatePhase(candidates=(None, None, None), steps_each=3, warmup=2)
+    record = tmp_path / "steps.json"
+    # warm-up 2 steps | candidate 2: 9.0 (warm-up), 1.0, 1.2 | 0: 1.1, 1.3, 1.4 | 1: 0.5, 2, 2
+    record.write_text(json.dumps([5.0, 5.0, 9.0, 1.0, 1.2, 1.1, 1.3, 1.4, 0.5, 2.0, 2.0]))
+    best, timed = fastest(json.loads(record.read_text()), [2, 0, 1], phase)
+    assert best == 2 and timed == {2: [1.0, 1.2], 0: [1.3, 1.4], 1: [2.0, 2.0]}
+    tie = [0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    assert fastest(tie, [2, 0, 1], phase)[0] == 0
+
+
+def _job(state, schedule=None, **kw):
+    return RuntimeJob(
+        ModelParts(TINY, state), PlanParts(PLAN, schedule), DataParts(1, N), optimizer=OPT, **kw
+    )
+
+
+def test_refusals_in_one_line():
+    job = _job({})
+    with pytest.raises(ConfigError, match="at least 1"):
+        check_phase(0, 3, job)
+    with pytest.raises(ConfigError, match="at least 2 steps"):
+        check_phase(2, 1, job)
+    adaptive = _job({}, executor=ExecutorSettings(adaptive=True))
+    with pytest.raises(ConfigError, match="optimus-adaptive"):
+        check_phase(2, 3, adaptive)
+    with pytest.raises(ConfigError, match="megatron-core"):
+        check_phase(2, 3, _job({}, mode="megatron_core"))
+
+
+def test_candidate_steps_train_as_one_run():
+    """Two candidates on two module layouts (Optimus with its encoder replicated on both ranks,
+    the Megatron schedule with it on stage 0): every step's losses, in and after the phase,
+    equal the one-process reference's; the first switch carried the state across layouts."""
+    costs = JobCosts(job_of(TINY, PLAN, 1, N), unit="layer")
+    cands = tuple(plan_candidates(costs, 1))
+    assert [c.label for c in cands][-1] == "megatron" and len(cands) == 2
+    phase = CandidatePhase(cands, steps_each=2, warmup=2)  # calibrated on step 1
+    steps = phase.steps + 1
+    state = spawn(make_full_state, 1, TINY, 0)[0]
+    ref_job = RuntimeJob(
+        ModelParts(TINY, state),
+        PlanParts(ParallelPlan(1, 1, 1)),
+        DataParts(1, N),
+        mode="reference",
+        steps=steps,
+        optimizer=OPT,
+        collect=Collect(grads=False),
+    )
+    ref = spawn(run_rank, 1, ref_job)[0]
+    job = _job(state, cands[0].schedule, steps=steps, collect=Collect(grads=False))
+    outs = spawn(run_interleaved, 2, [job], steps, [partial(CandidateRun, phase=phase)])
+    outs = [o[0] for o in outs]
+    assert len(outs[0]["history"]) == steps
+    for step, losses in enumerate(ref["history"]):
+        mine = {k: v for o in outs for k, v in o["history"][step].items()}
+        assert mine.keys() == losses.keys()
+        assert all(mine[k] == pytest.approx(v, abs=1e-5) for k, v in losses.items()), step
+    ran = outs[0]["candidate_of_step"]
+    assert set(ran) == {0, 1} and ran[: phase.warmup] == [0, 0]
+    rows = outs[0]["candidates"]
+    kept = [r for r in rows if r["kept"]]
+    assert len(kept) == 1 and ran[-1] == rows.index(kept[0])
+    assert all(len(r["timed"]) == 1 and r["predicted_s"] > 0 for r in rows), rows
+    assert kept[0]["measured_s"] == min(r["measured_s"] for r in rows)
+    assert outs[0]["candidate_layouts"] == 2
