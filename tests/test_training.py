@@ -319,6 +319,11 @@ def test_log_line_counts_nan_and_skipped_iterations():
             ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"],
             "does not split into PP 2 stages",
         ),
+        (["--plan-candidates", "0"], "--plan-candidates 0: give K >= 1"),
+        (["--plan-candidates", "1", "--plan-candidate-steps", "1"], "give at least 2"),
+        (["--plan-candidates", "1", "--bubble-schedule", "megatron"], "--bubble-schedule optimus"),
+        (["--plan-candidates", "1", "--replan-after-iters", "2"], "--replan-after-iters"),
+        (["--plan-candidates", "2", "--train-iters", "5"], "ends inside the plan-candidate phase"),
     ],
 )
 def test_bad_arguments_fail_before_any_group(args, msg, monkeypatch):
@@ -552,3 +557,30 @@ def test_coreset_selects_from_energon_pools_and_resumes_exactly(tmp_path, llava_
             "--use-distributed-optimizer", *lookahead]  # fmt: skip
     straight, _, _ = resumed_at_2_is_bit_exact(tmp_path, args)
     assert "consumed samples:           16 |" in straight.stdout  # 4 iterations x pools of 8
+
+
+def test_plan_candidates_train_and_resume_bit_exactly_after_the_phase(tmp_path):
+    """--plan-candidates 1 on PP 2: the planner's best and the Megatron schedule each train 2
+    steps after 4 warm-up steps; the table names the one kept; the save at iteration 6 falls
+    inside the phase and is taken when it ends (8); resumed from 8, the kept plan trains on
+    (no new phase) with the uninterrupted run's losses and iteration-10 tensors, bit for bit."""
+    args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "10"]
+    args += ["--plan-candidates", "1", "--plan-candidate-steps", "2"]
+    straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "6")
+    assert straight.returncode == 0, straight.stderr[-2000:]
+    out = straight.stdout
+    assert "plan candidates: 2 (" in out and out.count("yes") == 1, out
+    assert "the save at iteration 6 fell inside the plan-candidate phase" in out
+    assert sorted(p.name for p in (tmp_path / "a").glob("iter_*")) == [
+        "iter_0000008",
+        "iter_0000010",
+    ]
+    ref = losses(out)
+    assert len(ref) == 10
+    (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("8")
+    resumed = torchrun(*args, "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "the plan the checkpoint's candidate phase kept" in resumed.stdout
+    assert "plan candidates: 2 (" not in resumed.stdout
+    assert losses(resumed.stdout) == {i: ref[i] for i in (9, 10)}
+    assert_same_checkpoint(tmp_path / "a" / "iter_0000010", tmp_path / "b" / "iter_0000010")

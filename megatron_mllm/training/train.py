@@ -259,6 +259,12 @@ def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None) -> int
             print(lookahead_line(job.data.lookahead_schedule.notes), flush=True)
         if phase is not None:
             print(run.startup_line(), flush=True)
+        elif args.plan_candidates:
+            print(
+                " > plan candidates: the plan the checkpoint's candidate phase kept trains on "
+                "(no new phase)",
+                flush=True,
+            )
     validation = Validation(args, run, device) if args.eval_iters and job.data.llava else None
     _loop(args, run, scheduler, checkpointer, validation, start, device)
     if validation is not None:
