@@ -25,7 +25,7 @@ demo: $(STAMP)
 		--trace out/optimus_trace.json --png out/optimus_timeline.png
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -m "not slow" --durations=15 tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -683,7 +683,8 @@ def test_measured_memory_against_the_planner():
     """bf16 with the distributed optimizer on PP=2 Optimus, measured per rank: parameters,
     gradient buffers and optimizer state as the planner's memory model counts them (within
     0.5%); saved activations (saved-tensor hooks) above the planner's count but within 1.6x
-    (it counts flash-attention layers; megatron-core's local layers keep more: see README)."""
+    (it counts flash-attention layers; megatron-core's local layers keep more: see
+    docs/features.md)."""
     from megatron_mllm.runtime.memory import planned_memory
     from megatron_mllm.runtime.schedules import runtime_plan
 

@@ -100,7 +100,8 @@ def loader_assignment(global_batch: int, dp: int, micro_batch: int) -> Assignmen
 def balanced_assignment(counts: list[int], dp: int, micro_batch: int) -> Assignment:
     """Samples into micro-batches and micro-batches into replicas with equal image counts as
     far as they go (largest first into the lightest bin with room, for both). The global batch
-    is the same samples (README, "Data-aware Optimus", says when the gradient is unchanged)."""
+    is the same samples (docs/performance.md, "Data-aware Optimus", says when the gradient is
+    unchanged)."""
     n_mb = len(counts) // micro_batch
     bins: list[list[int]] = [[] for _ in range(n_mb)]
     heap = [(0, b) for b in range(n_mb)]

@@ -190,11 +190,8 @@ class CandidateRun:
             self.runs.append(built[key])
         self.build_s = time.perf_counter() - t0
         self.layouts = len(built)
-        self.extra_param_bytes = sum(  # beyond one layout's: what the others hold meanwhile
-            p.numel() * p.element_size()
-            for run in list(built.values())[1:]
-            for m in run.rank_model.modules
-            for p in m.parameters()
+        self.extra_state_bytes = sum(  # beyond one layout's: what the others hold meanwhile
+            sum(_state_bytes(run).values()) for run in list(built.values())[1:]
         )
         self.order = list(range(len(self.runs)))  # candidates in the order they run
         self.current, self.kept = 0, None
@@ -257,14 +254,14 @@ class CandidateRun:
         names = ", ".join(c.label for c in p.candidates)
         return (
             f" > plan candidates: {len(p.candidates)} ({names}) on {self.layouts} module "
-            f"layout(s), built in {self.build_s:.1f} s with {self.extra_param_bytes / 1e6:.1f} MB "
-            f"of parameters beside the first; {p.warmup} warm-up steps, then {p.steps_each} each "
-            f"(iterations 1-{p.steps} at most)"
+            f"layout(s), built in {self.build_s:.1f} s with {self.extra_state_bytes / 1e6:.1f} "
+            f"MB of model states beside the first's; {p.warmup} warm-up steps, then "
+            f"{p.steps_each} each (iterations 1-{p.steps} at most)"
         )
 
     def table(self) -> str:
         """The phase's table (after it): predicted, measured, kept."""
-        return table(self.rows, self.build_s, self.layouts, self.extra_param_bytes)
+        return table(self.rows, self.build_s, self.layouts, self.extra_state_bytes)
 
     def result(self) -> dict:
         out = self.run.result()
@@ -280,7 +277,7 @@ class CandidateRun:
             candidate_of_step=[s["candidate"] for s in self.steps],
             candidate_build_s=self.build_s,
             candidate_layouts=self.layouts,
-            candidate_extra_param_bytes=self.extra_param_bytes,
+            candidate_extra_state_bytes=self.extra_state_bytes,
             candidate_calibration=getattr(self, "calibration", None),
         )
         return out
@@ -424,6 +421,14 @@ def fastest(seconds: list[float], order: list[int], phase: CandidatePhase) -> tu
     return best, timed
 
 
+def _state_bytes(run) -> dict:
+    """An ExecutorRun's parameters, gradient buffers and optimizer state, in bytes."""
+    from megatron_mllm.runtime.memory import model_state_bytes
+
+    ddps = [d for sync in run.grad_sync.values() for d in sync.ddps]
+    return model_state_bytes(run.rank_model.modules, ddps, run.optimizer)
+
+
 def _finite(row: dict) -> dict:
     """A row for a checkpoint's common state: None for NaN (equal on every rank)."""
     return {k: (None if isinstance(v, float) and v != v else v) for k, v in row.items()}
@@ -444,8 +449,8 @@ def table(rows: list, build_s: float, layouts: int, extra_bytes: int) -> str:
     """The start-up summary's candidate table (after the phase)."""
     lines = [
         f" > plan candidates: {len(rows)} plans on {layouts} module layout(s), built in "
-        f"{build_s:.1f} s, {extra_bytes / 1e6:.1f} MB of parameters held beside the first "
-        "during the phase",
+        f"{build_s:.1f} s, {extra_bytes / 1e6:.1f} MB of model states held beside the first "
+        "layout's during the phase (Adam moments once a layout has run: more)",
         f"   {'candidate':<40}{'predicted at start':>20}{'predicted in job':>18}"
         f"{'measured':>10}  kept",
     ]
