@@ -31,6 +31,7 @@ from megatron_mllm.training.plan_candidates import (
     CandidateRun,
     check_phase,
     fastest,
+    layout_key,
     plan_candidates,
 )
 
@@ -50,6 +51,8 @@ def test_plan_candidates_are_the_k_best_and_the_megatron_schedule():
         optimus = [c.predicted_s for c in cands if c.label != "megatron"]
         assert optimus == sorted(optimus)
     assert plan_candidates(costs, 2)[0].label == plan_candidates(costs, 1)[0].label
+    layouts = [layout_key(c.schedule, PLAN, c.units) for c in plan_candidates(costs, 3)]
+    assert len(set(layouts)) == len(layouts)  # one candidate per module layout
 
 
 def test_the_fastest_recorded_candidate_is_kept(tmp_path):

@@ -72,6 +72,8 @@ def run_interleaved(
             run.step(step)
     for step in range(steps):
         for job, run, extra in zip(jobs, runs, lead, strict=True):
+            if len(jobs) > 1:  # every rank starts it together, not skewed by the run before
+                dist.barrier()
             run.step(step + extra)
             if job.executor.replan_after is not None and step + 1 == job.executor.replan_after:
                 run.replan()

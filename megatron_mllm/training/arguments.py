@@ -85,9 +85,10 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="K",
-        help="optimus: the planner's K best plans and the Megatron schedule each train "
-        "--plan-candidate-steps real steps after warm-up (re-planned and predicted from the "
-        "times this job measured first); the fastest measured trains on",
+        help="optimus: the planner's K best plans (one per encoder plan and placement) and the "
+        "Megatron schedule each train --plan-candidate-steps real steps after warm-up "
+        "(re-planned and predicted from the times this job measured first); the fastest "
+        "measured trains on",
     )
     g.add_argument(
         "--plan-candidate-steps",

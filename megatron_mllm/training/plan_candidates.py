@@ -91,8 +91,9 @@ def check_phase(k: int, steps_each: int, job: RuntimeJob) -> None:
 
 
 def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
-    """The `k` plans the planner predicts fastest for `costs` (a JobCosts) and, where it is not
-    among them, the Megatron schedule (encoder on stage 0, balanced split) as the last."""
+    """The `k` module layouts the planner predicts fastest for `costs` (a JobCosts), each with
+    its best schedule, and, where it is not among them, the Megatron schedule (encoder on stage
+    0, balanced split) as the last."""
     from megatron_mllm.schedule.baselines import megatron_schedule
     from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
     from megatron_mllm.schedule.planner import plan_optimus
@@ -101,7 +102,14 @@ def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
 
     _, options, _ = plan_optimus(costs)
     memory = costs.job.hw.memory_gb
-    ranked = sorted((t, i, o) for i, (o, t, peak) in enumerate(options) if peak <= memory)
+    # One per module layout (encoder plan and placement): its best bubble-schedule variant, as
+    # the in-job re-plan makes every candidate of one layout that layout's best anyway.
+    best: dict[tuple, tuple] = {}
+    for i, (o, t, peak) in enumerate(options):
+        key = (o.encoder_plan, o.placement)
+        if peak <= memory and (key not in best or t < best[key][0]):
+            best[key] = (t, i, o)
+    ranked = sorted(best.values())
     out: list[Candidate] = []
     for seconds, _, opts in ranked[:k]:
         if opts.placement == "stage0":
