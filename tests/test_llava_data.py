@@ -72,7 +72,7 @@ def test_files_and_images_are_checked_and_named(tmp_path):
     for image, why in (("gone.png", "does not exist"), ("broken.jpg", "does not decode")):
         bad = tmp_path / f"bad_{why[:4]}.json"
         bad.write_text(json.dumps([{"id": "z", "image": image, "conversations": turns("?", "!")}]))
-        with pytest.raises(ConfigError, match=f"record z: image .*{image} {why}"):
+        with pytest.raises(ConfigError, match=f"record z: image '{image}' {why}"):
             read_records(bad, folder)
     for content, why in (("{}", "expected a list of records"), ("[1, 2]", "expected a list"),
                          ("[{", "not JSON")):  # fmt: skip
@@ -132,3 +132,38 @@ def test_llava_digits_drawn_from_a_distribution_of_images(tmp_path):
             assert rec.turns[0][1].count(IMAGE) == len(rec.images)
             assert 1 <= int(rec.turns[1][1]) <= len(rec.images)
             assert all((tmp_path / "d" / "images" / f).is_file() for f in rec.images)
+
+
+def test_image_paths_stay_inside_the_image_folder(tmp_path):
+    """Absolute names, '..' and links that lead outside --image-folder are refused with one
+    line that does not say whether the file exists; a link inside the folder is followed; an
+    image over the pixel bound is refused naming record and file."""
+    from megatron_mllm.data.llava import check_images, parse_record
+
+    folder, outside = tmp_path / "images", tmp_path / "secret"
+    folder.mkdir()
+    outside.mkdir()
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(folder / "ok.png")
+    Image.fromarray(np.zeros((16, 16, 3), np.uint8)).save(outside / "there.png")
+    (folder / "inside.png").symlink_to(folder / "ok.png")
+    (folder / "out.png").symlink_to(outside / "there.png")
+    (folder / "out_missing.png").symlink_to(outside / "nothing.png")
+
+    def record(name):
+        return parse_record({"id": "r", "image": name, "conversations": turns("?", "!")}, 0)
+
+    check_images(record("inside.png"), folder)
+    lines = {}
+    for name in ("../secret/there.png", "../secret/nothing.png", str(outside / "there.png"),
+                 str(outside / "nothing.png"), "out.png", "out_missing.png"):  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            check_images(record(name), folder)
+        msg = str(err.value)
+        assert "\n" not in msg and "exist" not in msg and "decode" not in msg, msg
+        lines[name] = msg.replace(name, "NAME")
+    # an existing and a missing file outside get the same line
+    assert lines["../secret/there.png"] == lines["../secret/nothing.png"]
+    assert lines[str(outside / "there.png")] == lines[str(outside / "nothing.png")]
+    assert lines["out.png"] == lines["out_missing.png"]
+    with pytest.raises(ConfigError, match=r"record r: image 'ok.png' has 16x16 pixels, over"):
+        check_images(record("ok.png"), folder, max_pixels=100)

@@ -166,7 +166,7 @@ def test_bad_record_or_argument_refused_before_output_exists(tmp_path):
     records = json.loads(json_path.read_text())
     records[4]["image"] = "missing.png"  # a one-image "digit" record
     json_path.write_text(json.dumps(records))
-    with pytest.raises(ConfigError, match="missing.png does not exist"):
+    with pytest.raises(ConfigError, match="'missing.png' does not exist"):
         convert_llava(json_path, tmp_path / "src" / "images", tmp_path / "out", progress=False)
     for kw, what in (({"shard_size": 0}, "--shard-size"), ({"val_fraction": 1.0}, "--val-frac")):
         with pytest.raises(ConfigError, match=what):

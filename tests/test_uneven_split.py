@@ -65,3 +65,36 @@ def test_layers_that_pp_does_not_divide_train_under_every_schedule(schedule):
     out = torchrun(*args, nproc=4)
     assert out.returncode == 0, out.stderr[-2000:]
     assert sorted(losses(out.stdout)) == [1, 2]
+
+
+def test_the_runtime_accepts_the_uneven_splits_the_planner_makes():
+    """check_job (also called by online re-planning) accepts a schedule whose backbone split is
+    the planner's closest-to-even one (5 layers on PP 2: 2/3), and megatron-core's own schedule
+    with a first-stage override whose rest splits evenly; it refuses what megatron-core cannot
+    build."""
+    from dataclasses import replace
+
+    from megatron_mllm.models.config import TINY
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob, check_job
+    from megatron_mllm.runtime.schedules import runtime_schedule
+
+    cfg, plan = replace(TINY, llm_layers=5), ParallelPlan(1, 1, 2)
+    for name in ("megatron", "optimus"):
+        schedule = runtime_schedule(cfg, plan, 1, 4, name, backbone_split=(2, 3))
+        assert list(schedule.meta.backbone_layers) == [2, 3]
+        check_job(RuntimeJob(ModelParts(cfg, {}), PlanParts(plan, schedule), DataParts(1, 4)), 2)
+    core = PlanParts(plan, backbone_first_stage_layers=2)
+    check_job(RuntimeJob(ModelParts(cfg, {}), core, DataParts(1, 4), mode="megatron_core"), 2)
+    with pytest.raises(ConfigError, match="do not split evenly over PP 2"):
+        job = RuntimeJob(
+            ModelParts(cfg, {}), PlanParts(plan), DataParts(1, 4), mode="megatron_core"
+        )
+        check_job(job, 2)
+    four = ParallelPlan(1, 1, 4)
+    cfg10 = replace(TINY, llm_layers=10)
+    schedule = runtime_schedule(cfg10, four, 1, 4, "megatron", backbone_split=(2, 3, 3, 2))
+    check_job(RuntimeJob(ModelParts(cfg10, {}), PlanParts(four, schedule), DataParts(1, 4)), 4)
+    bad = replace(schedule, meta=replace(schedule.meta, backbone_layers=(2, 2, 4, 2)))
+    with pytest.raises(ConfigError, match="middle stages must hold equal layer counts"):
+        check_job(RuntimeJob(ModelParts(cfg10, {}), PlanParts(four, bad), DataParts(1, 4)), 4)

@@ -41,7 +41,7 @@ import sys
 import warnings
 from dataclasses import replace
 
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl|cuda_graph).*")
+warnings.filterwarnings("ignore", message=".*absl.*")
 
 
 def second_encoder(cfg):

@@ -35,7 +35,7 @@ import warnings
 
 from megatron_mllm.errors import exit_on_config_error
 
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl|cuda_graph).*")
+warnings.filterwarnings("ignore", message=".*absl.*")
 
 
 @exit_on_config_error

@@ -16,6 +16,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_mllm.data.llava import DEFAULT_MAX_IMAGE_PIXELS  # noqa: E402
 from megatron_mllm.errors import ConfigError, exit_on_config_error  # noqa: E402
 
 
@@ -28,7 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shard-size", type=int, default=1000, help="records per tar shard")
     p.add_argument("--val-fraction", type=float, default=0.05, help="share of records for val")
     p.add_argument("--seed", type=int, default=0, help="seed of the shuffle before the split")
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=DEFAULT_MAX_IMAGE_PIXELS,
+        help="refuse an image with more pixels (default: Pillow's decompression-bomb bound)",
+    )
     args = p.parse_args(argv)
+    if args.max_image_pixels < 1:
+        raise ConfigError(f"--max-image-pixels {args.max_image_pixels}: give a positive count")
     if args.shard_size < 1:
         raise ConfigError(f"--shard-size {args.shard_size}: give a whole number of records >= 1")
     if not 0 <= args.val_fraction < 1:
@@ -43,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         shard_size=args.shard_size,
         val_fraction=args.val_fraction,
         seed=args.seed,
+        max_image_pixels=args.max_image_pixels,
     )
     print(
         f"wrote {counts['train']} train and {counts['val']} val records in {counts['shards']} "

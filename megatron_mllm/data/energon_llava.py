@@ -48,7 +48,14 @@ import yaml
 from braceexpand import braceexpand
 from megatron.energon import Cooker, Sample, TaskEncoder, basic_sample_keys, edataclass, stateless
 
-from megatron_mllm.data.llava import LlavaRecord, check_images, load_raw, parse_record
+from megatron_mllm.data.llava import (
+    DEFAULT_MAX_IMAGE_PIXELS,
+    LlavaRecord,
+    check_images,
+    image_path,
+    load_raw,
+    parse_record,
+)
 from megatron_mllm.errors import ConfigError
 
 #: energon's description of the dataset: crude samples (a dict of the raw tar members per key),
@@ -127,6 +134,7 @@ def convert_llava(
     val_fraction: float = 0.05,
     seed: int = 0,
     progress: bool = True,
+    max_image_pixels: int = DEFAULT_MAX_IMAGE_PIXELS,
 ) -> dict[str, int]:
     """Write the LLaVA file `json_path` (images under `image_folder`) as an energon dataset in
     the new folder `out_dir` (see the module docstring); returns {"train", "val", "shards"}.
@@ -144,7 +152,7 @@ def convert_llava(
         raise ConfigError(f"{json_path}: no records; give a LLaVA file with at least one")
     records = [parse_record(r, i) for i, r in enumerate(raw)]
     for record in tqdm(records, desc="checking images", unit="rec", disable=not progress):
-        check_images(record, folder)
+        check_images(record, folder, max_image_pixels)
     sources = [raw_record.get("source") for raw_record in raw]
     train, val = _split(len(records), val_fraction, seed)
 
@@ -204,7 +212,7 @@ def _write_sample(
     _add(tar, f"{key}.json", json.dumps(meta, ensure_ascii=False).encode("utf-8"))
     for j, name in enumerate(record.images):
         ext = Path(name).suffix.lstrip(".").lower() or "img"
-        _add(tar, f"{key}.img{j}.{ext}", (folder / name).read_bytes())
+        _add(tar, f"{key}.img{j}.{ext}", image_path(record.id, folder, name).read_bytes())
 
 
 def _prepare(root: Path, shards: list[str], has_val: bool) -> None:

@@ -85,19 +85,66 @@ def parse_record(raw: dict, index: int) -> LlavaRecord:
     return LlavaRecord(rid, tuple(images), tuple(turns))
 
 
-def check_images(record: LlavaRecord, folder: str | Path) -> None:
-    """Every image of `record` exists under `folder` and decodes (JPEG, PNG, any size)."""
+# Pillow's own default bound on an image's pixels (its decompression-bomb check).
+DEFAULT_MAX_IMAGE_PIXELS = 89_478_485
+
+
+def image_path(record_id: str, folder: str | Path, name: str) -> Path:
+    """The file image `name` of a record names, confined to `folder`: an absolute name, one with
+    '..', or one whose links lead outside the folder is refused before the file system is
+    asked whether it exists (the line is the same either way). Links that stay inside the
+    folder are followed (data sets share files that way)."""
+    root = Path(folder).resolve()
+    rel = Path(name)
+    if rel.is_absolute() or ".." in rel.parts or not rel.parts:
+        raise ConfigError(
+            f"record {record_id}: image {name!r} is not a path inside --image-folder (absolute "
+            "or with '..'); give it relative to the folder"
+        )
+    path = (root / rel).resolve()
+    if not path.is_relative_to(root):
+        raise ConfigError(
+            f"record {record_id}: image {name!r} leads outside --image-folder through a "
+            "link; copy the file into the folder"
+        )
+    return path
+
+
+def check_images(
+    record: LlavaRecord, folder: str | Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
+) -> None:
+    """Every image of `record` is a file inside `folder` (`image_path`) that decodes (JPEG,
+    PNG, any size up to `max_pixels`)."""
+    from PIL import Image
+
+    bound, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # ours, from the header below
+    try:
+        _check_record_images(record, folder, max_pixels)
+    finally:
+        Image.MAX_IMAGE_PIXELS = bound
+
+
+def _check_record_images(record: LlavaRecord, folder: str | Path, max_pixels: int) -> None:
     from PIL import Image, UnidentifiedImageError
 
     for name in record.images:
-        path = Path(folder) / name
+        path = image_path(record.id, folder, name)
         if not path.is_file():
-            raise ConfigError(f"record {record.id}: image {path} does not exist")
+            raise ConfigError(f"record {record.id}: image {name!r} does not exist")
         try:
             with Image.open(path) as img:
+                if img.width * img.height > max_pixels:
+                    raise ConfigError(
+                        f"record {record.id}: image {name!r} has {img.width}x{img.height} "
+                        f"pixels, over --max-image-pixels {max_pixels}; resize it or raise the "
+                        "bound"
+                    )
                 img.load()
-        except (UnidentifiedImageError, OSError) as err:
-            raise ConfigError(f"record {record.id}: image {path} does not decode ({err})") from None
+        except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
+            why = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise ConfigError(
+                f"record {record.id}: image {name!r} does not decode ({why})"
+            ) from None
 
 
 def read_records(path: str | Path, folder: str | Path | None = None) -> list[LlavaRecord]:

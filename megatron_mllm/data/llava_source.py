@@ -10,14 +10,12 @@ replicas read disjoint samples.
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import dataclass
 
 from megatron_mllm.data.batch import MicroBatch
 from megatron_mllm.data.task_encoder import CLIP_MEAN, CLIP_STD, PLAIN_MEAN, PLAIN_STD, EncodeSpec
 
 # energon's loader always asks for pinned memory, which torch warns about without a GPU.
-warnings.filterwarnings("ignore", message=".*'pin_memory' argument is set as true.*")
 
 
 @dataclass(frozen=True)

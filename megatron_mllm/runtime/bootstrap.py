@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -48,9 +47,6 @@ def init_rank(rank: int, world: int, seed: int, timeout_s: float) -> torch.devic
     group's communicator eagerly, in the order `new_group` is called, which is the same on
     every rank; lazily created communicators would instead be built on the first send of each
     pair, blocking in rank-dependent order."""
-    warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
-    # megatron-core 0.16.1 still calls these torch names (sequence parallelism)
-    warnings.filterwarnings("ignore", message=".*(all_gather_into_tensor|reduce_scatter_tensor)")
     import megatron_mllm_patches
 
     megatron_mllm_patches.apply_cpu_patches()

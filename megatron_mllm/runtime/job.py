@@ -221,10 +221,7 @@ def check_job(job: RuntimeJob, world: int) -> None:
             "megatron-core's own schedule with overlapped reductions expects every step's last "
             "micro-batch to reach the encoder; a text-only one does not: drop the overlap"
         )
-    if job.cfg.llm_layers % job.backbone.pp:
-        raise ConfigError(
-            f"{job.cfg.llm_layers} backbone layers do not split evenly over PP {job.backbone.pp}"
-        )
+    _check_backbone_split(job)
     if job.model.transformer_impl == "transformer_engine":
         import importlib.util
 
@@ -333,6 +330,32 @@ def check_job(job: RuntimeJob, world: int) -> None:
                     f"model's has {units} at {job.plans.encoder_units} granularity (plan with "
                     f"unit='{job.plans.encoder_units}')"
                 )
+
+
+def _check_backbone_split(job: RuntimeJob) -> None:
+    """The backbone's layers per stage must be what megatron-core can build: an even split, or
+    (its first/last-stage knobs) equal middle stages with the first and last taking the rest,
+    as the planner's uneven splits are (10 layers on PP 4: 2/3/3/2)."""
+    pp, layers = job.backbone.pp, job.cfg.llm_layers
+    if job.mode == "megatron_core" and job.plans.backbone_first_stage_layers is not None:
+        first = job.plans.backbone_first_stage_layers
+        if pp > 1 and (layers - first) % (pp - 1):
+            raise ConfigError(
+                f"{layers - first} backbone layers after a first stage of {first} do not split "
+                f"evenly over the other {pp - 1} stages"
+            )
+        return
+    split = job.schedule.meta.backbone_layers if job.mode == "executor" and job.schedule else ()
+    if not split or job.backbone.vpp > 1:
+        if layers % pp:
+            raise ConfigError(f"{layers} backbone layers do not split evenly over PP {pp}")
+        return
+    middle = set(split[1:-1])
+    if len(split) != pp or len(middle) > 1:
+        raise ConfigError(
+            f"the schedule's backbone split {list(split)} is not one megatron-core builds on PP "
+            f"{pp}: its middle stages must hold equal layer counts"
+        )
 
 
 def _check_per_token(job: RuntimeJob) -> None:

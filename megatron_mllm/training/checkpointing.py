@@ -13,7 +13,6 @@ and no optimizer, scheduler or RNG state.
 
 from __future__ import annotations
 
-import os
 import shutil
 import warnings
 from pathlib import Path
@@ -176,6 +175,7 @@ def save(
 
     path = checkpoint_dir(root, iteration)
     if dist.get_rank() == 0:
+        refuse_links(root, path)
         if path.exists():  # a save of this iteration that a kill cut short (never the latest)
             shutil.rmtree(path)
         path.mkdir(parents=True)
@@ -191,10 +191,24 @@ def save(
     if dist.get_rank() == 0:
         manifest.write(path, shares, common.get("run_id", ""))
     if dist.get_rank() == 0:  # the tracker last: a half-written checkpoint is never "latest"
-        tmp = Path(root) / (TRACKER + ".tmp")
-        tmp.write_text(str(iteration))
-        os.replace(tmp, Path(root) / TRACKER)
+        write_tracker(root, iteration)
     dist.barrier()
+
+
+def refuse_links(root: str | Path, path: Path) -> None:
+    """A save writes nothing through a link planted in --save: its iteration folder and the
+    tracker are refused in one line where they are links."""
+    for p in (path, Path(root) / TRACKER):
+        if p.is_symlink():
+            raise ConfigError(
+                f"--save {root}: {p.name} is a symbolic link; a save writes only plain files "
+                "and folders there: remove the link"
+            )
+
+
+def write_tracker(root: str | Path, iteration: int) -> None:
+    """The tracker, replaced atomically (`manifest.atomic_write`)."""
+    manifest.atomic_write(Path(root), TRACKER, str(iteration))
 
 
 def load(root: str, parts, full_shapes: dict, optimizer, objects: dict | None = None) -> dict:

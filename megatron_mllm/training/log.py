@@ -7,6 +7,7 @@ import datetime
 
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.upstream_warnings import fallbacks
 
 
 def startup_summary(
@@ -29,6 +30,7 @@ def startup_summary(
             f"{args.micro_batch_size} per step and DP replica, planned for {load:.2f} images "
             "per sample" + _adaptive_note(args),
             " > " + training_summary(args),
+            f" > optional libraries: {fallbacks()}",
             f" > predicted by the analytic CPU cost model (uncalibrated): step "
             f"{1000 * p.step_time_s:.1f} ms, bubble ratio "
             f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",

@@ -47,9 +47,26 @@ def entries(directory: Path, rank: int) -> dict[str, list[int]]:
 def write(directory: Path, shares: list[dict], run_id: str) -> None:
     """Rank 0: the manifest from every rank's share, written atomically."""
     files = {name: v for share in shares for name, v in share.items()}
-    tmp = directory / (MANIFEST + ".tmp")
-    tmp.write_text(json.dumps({"run_id": run_id, "files": files}, sort_keys=True))
-    os.replace(tmp, directory / MANIFEST)
+    atomic_write(
+        directory, MANIFEST, json.dumps({"run_id": run_id, "files": files}, sort_keys=True)
+    )
+
+
+def atomic_write(directory: Path, name: str, text: str) -> None:
+    """`directory / name` replaced atomically: `text` goes into a fresh temporary file created
+    inside `directory` (exclusively: never through a link), which is then renamed over the old
+    file (a rename replaces a link itself, not what it points to)."""
+    import tempfile
+
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, directory / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 def read(directory: Path) -> dict | None:

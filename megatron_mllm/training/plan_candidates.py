@@ -207,6 +207,7 @@ class CandidateRun:
         self.steps: list[dict] = []  # per step: what it measured and computed
         self.on_switch = None  # called with the new run (the LR scheduler follows it)
         self.scratch = None
+        self.switch_s = self.plan_s = 0.0  # the phase's own cost beyond its training steps
 
     @property
     def run(self):
@@ -269,7 +270,11 @@ class CandidateRun:
 
     def table(self) -> str:
         """The phase's table (after it): predicted, measured, kept."""
-        return table(self.rows, self.build_s, self.layouts, self.extra_state_bytes)
+        return (
+            table(self.rows, self.build_s, self.layouts, self.extra_state_bytes)
+            + f"\n   the phase's own cost: re-planning {self.plan_s:.1f} s, switching layouts "
+            f"{self.switch_s:.1f} s"
+        )
 
     def result(self) -> dict:
         out = self.run.result()
@@ -287,6 +292,8 @@ class CandidateRun:
             candidate_layouts=self.layouts,
             candidate_extra_state_bytes=self.extra_state_bytes,
             candidate_calibration=getattr(self, "calibration", None),
+            candidate_plan_s=self.plan_s,
+            candidate_switch_s=self.switch_s,
         )
         return out
 
@@ -303,6 +310,13 @@ class CandidateRun:
 
     def _switch(self, want: int, iteration: int) -> None:
         """Train on candidate `want` from step `iteration` (collective)."""
+        t0 = time.perf_counter()
+        try:
+            self._switch_to(want, iteration)
+        finally:
+            self.switch_s += time.perf_counter() - t0
+
+    def _switch_to(self, want: int, iteration: int) -> None:
         src, dst = self.run, self.runs[want]
         if dst is not src:
             self._transfer(src, dst, iteration)
@@ -339,6 +353,13 @@ class CandidateRun:
     def _plan_in_job(self) -> None:
         """After warm-up (collective): every candidate re-planned and predicted from the job's
         measured unit times, overhead and fitted latency; run in that order."""
+        t0 = time.perf_counter()
+        try:
+            self._plan_from_measured()
+        finally:
+            self.plan_s = time.perf_counter() - t0
+
+    def _plan_from_measured(self) -> None:
         from megatron_mllm.runtime.replan import calibrated, fitted_latency, measured_workload
         from megatron_mllm.schedule.simulator import simulate
 

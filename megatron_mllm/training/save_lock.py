@@ -42,7 +42,15 @@ def acquire(save: str) -> Path:
     root = Path(save)
     root.mkdir(parents=True, exist_ok=True)
     path = root / LOCK
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link someone planted there
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as err:
+        if path.is_symlink():
+            raise ConfigError(
+                f"--save {save}: {LOCK} is a symbolic link; a run writes its lock only as a "
+                "plain file there: remove the link"
+            ) from None
+        raise ConfigError(f"--save {save}: cannot open its lock {path} ({err.strerror})") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
