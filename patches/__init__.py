@@ -21,6 +21,7 @@ CPU_PATCHES = (
     "distributed_optimizer_on_cpu",
 )
 RUNTIME_PATCHES = (  # on every device
+    "safe_checkpoint_loading",
     "async_tp_collectives",
     "sequence_parallel_torch_norm",
     "checkpoint_helpers_die_with_rank",

@@ -14,6 +14,7 @@ acts like the pool's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -280,11 +281,11 @@ class CoresetSelector:
             "m": self.m,
             "v": self.v,
             "t": self.t,
-            "config": self.config,
+            "config": dataclasses.asdict(self.config),  # plain data: checkpoints load no class
         }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["config"] != self.config:
+        if state["config"] != dataclasses.asdict(self.config):
             raise ConfigError(
                 "coreset state was saved with a different configuration "
                 f"({state['config']}); resume with the same --coreset-* options"

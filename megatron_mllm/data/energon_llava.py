@@ -523,9 +523,10 @@ def _train_dataset(path, common: dict, shuffle_buffer_size, max_samples_per_sequ
 
 def loader_state(loader) -> Any:
     """What a checkpoint stores for this DP rank: the position of `loader` (every worker's
-    shard, slice, shuffle-buffer and batching state and which worker is next), a picklable
-    object for `torch.save`; None before anything was read. Each DP rank saves its own."""
-    return loader.save_state_rank()
+    shard, slice, shuffle-buffer and batching state and which worker is next) as plain data
+    (`plain_state`: a checkpoint never unpickles a class); None before anything was read. Each
+    DP rank saves its own."""
+    return plain_state(loader.save_state_rank())
 
 
 def restore_loader(loader, state: Any) -> None:
@@ -533,7 +534,78 @@ def restore_loader(loader, state: Any) -> None:
     not yet iterated) at the position `state` from `loader_state`; None means the start."""
     if getattr(loader, "_has_workers", False):
         raise RuntimeError("restore_loader: the loader was already iterated; open a fresh one")
-    loader.restore_state_rank(state)
+    loader.restore_state_rank(state_of_plain(state))
+
+
+def plain_state(obj: Any) -> Any:
+    """energon's loader state as tensors, numbers, strings, lists and dicts: a dataclass as
+    {"__class__": its name, "fields": ...}, a dict subclass (FlexState) likewise with its
+    items, a dict or tuple tagged, a NumPy array as an int64 or float64 tensor and its dtype."""
+    import dataclasses
+
+    import numpy as np
+    import torch
+
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes, torch.Tensor)):
+        return obj
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, np.ndarray):
+        wide = np.float64 if obj.dtype.kind == "f" else np.int64
+        return {"__ndarray__": torch.from_numpy(obj.astype(wide)), "dtype": str(obj.dtype)}
+    name = f"{type(obj).__module__}.{type(obj).__qualname__}"
+    if dataclasses.is_dataclass(obj):
+        fields = {f.name: plain_state(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+        return {"__class__": name, "fields": fields}
+    if isinstance(obj, dict):
+        items = [[plain_state(k), plain_state(v)] for k, v in obj.items()]
+        return {"__class__": name, "items": items} if type(obj) is not dict else {"__dict__": items}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [plain_state(v) for v in obj]}
+    if isinstance(obj, list):
+        return [plain_state(v) for v in obj]
+    raise TypeError(f"energon's loader state holds a {name}, which plain_state cannot write")
+
+
+def state_of_plain(data: Any) -> Any:
+    """`plain_state`'s inverse. Only energon's own classes are made (dataclasses and dict
+    subclasses under megatron.energon, filled field by field without calling anything they
+    define); any other name is refused in one line."""
+    import numpy as np
+
+    if isinstance(data, list):
+        return [state_of_plain(v) for v in data]
+    if not isinstance(data, dict):
+        return data
+    if "__ndarray__" in data:
+        return data["__ndarray__"].numpy().astype(np.dtype(data["dtype"]))
+    if "__tuple__" in data:
+        return tuple(state_of_plain(v) for v in data["__tuple__"])
+    if "__dict__" in data:
+        return {state_of_plain(k): state_of_plain(v) for k, v in data["__dict__"]}
+    cls = _energon_class(data.get("__class__"))
+    if "items" in data:
+        return cls({state_of_plain(k): state_of_plain(v) for k, v in data["items"]})
+    obj = object.__new__(cls)
+    for key, value in data["fields"].items():
+        object.__setattr__(obj, key, state_of_plain(value))
+    return obj
+
+
+def _energon_class(name: Any) -> type:
+    """An energon state class by its dotted name; ConfigError for anything else."""
+    import dataclasses
+    import importlib
+
+    module, _, qual = str(name).rpartition(".")
+    ok = module.startswith("megatron.energon.") and qual.isidentifier()
+    cls = getattr(importlib.import_module(module), qual, None) if ok else None
+    if not (isinstance(cls, type) and (dataclasses.is_dataclass(cls) or issubclass(cls, dict))):
+        raise ConfigError(
+            f"the checkpoint's data-loader state names {name!r}, not one of energon's state "
+            "classes; refusing to build it"
+        )
+    return cls
 
 
 def close_loader(loader) -> None:

@@ -310,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument(
+        "--allow-unverified-checkpoint",
+        action="store_true",
+        help="--load a checkpoint without a manifest even where other checkpoints of its run "
+        "have one (its files are then not checked against sizes and checksums)",
+    )
+    g.add_argument(
         "--use-checkpoint-args",
         action="store_true",
         help="take the model arguments from the --load checkpoint (e.g. a converted LLaVA)",

@@ -18,11 +18,14 @@ import warnings
 from pathlib import Path
 
 import torch
+from megatron_mllm_patches import safe_checkpoint_loading
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.weights import canonical_names, gated_names, gated_view, split_dim
 from megatron_mllm.training import manifest, optimizer_state
 from megatron_mllm.training.optimizer_state import MOMENTS
+
+safe_checkpoint_loading.apply()  # every load below reads plain data only
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -57,7 +60,16 @@ def read_common(root: str, flag: str = "--load") -> dict:
         warnings.simplefilter("ignore", UserWarning)
         from megatron.core.dist_checkpointing import load_common_state_dict
 
-    return load_common_state_dict(str(path))["common"]
+    import pickle
+
+    try:  # torch.load's weights_only default: plain data only
+        return load_common_state_dict(str(path))["common"]
+    except pickle.UnpicklingError as err:
+        why = str(err).splitlines()[-1] if str(err) else type(err).__name__
+        raise ConfigError(
+            f"{flag} {root}: {path.name}/common.pt is not plain data ({why}); refusing to "
+            "unpickle it, as it could run code"
+        ) from None
 
 
 def plain_tensors(rank: int, world: int, path: str) -> dict:
@@ -77,9 +89,10 @@ def capture_rng_state() -> dict:
     import numpy as np
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
+    return {  # plain data only (tuples, numbers, tensors): loaded with weights_only
         "random": random.getstate(),
-        "numpy": np.random.get_state(),
+        "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), pos, has_gauss, gauss),
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
         "tracker": get_cuda_rng_tracker().get_states(),
@@ -93,7 +106,10 @@ def restore_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
     random.setstate(state["random"])
-    np.random.set_state(state["numpy"])
+    kind, keys, pos, has_gauss, gauss = state["numpy"]
+    np.random.set_state(
+        (kind, np.asarray(keys, dtype=np.int64).astype(np.uint32), pos, has_gauss, gauss)
+    )
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
@@ -225,7 +241,13 @@ def load(root: str, parts, full_shapes: dict, optimizer, objects: dict | None = 
     wanted = rank_objects(objects or {})
     state.update(wanted)
     state["common"] = None
-    loaded = dist_checkpointing.load(state, str(checkpoint_dir(root, iteration)))
+    try:
+        loaded = dist_checkpointing.load(state, str(checkpoint_dir(root, iteration)))
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        refusal = safe_checkpoint_loading.refusal_in(err)
+        if refusal is None:
+            raise
+        raise ConfigError(f"--load {root}: {refusal}") from None
     common = loaded.pop("common")
     common["objects"] = {name: loaded.pop(name) for name in wanted}
     with torch.no_grad():

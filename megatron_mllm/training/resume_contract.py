@@ -28,6 +28,32 @@ from megatron_mllm.training.checkpointing import (
 )
 
 
+def _unverified(args: argparse.Namespace, iteration: int) -> None:
+    """A checkpoint without a manifest: refused where another checkpoint of the same --load
+    has one (its manifest was removed), unless --allow-unverified-checkpoint; else loaded
+    with a warning (saved before manifests were written)."""
+    from pathlib import Path
+
+    siblings = [
+        p.parent.name
+        for p in Path(args.load).glob(f"iter_*/{manifest.MANIFEST}")
+        if p.parent.name != checkpoint_dir(args.load, iteration).name
+    ]
+    if siblings and not args.allow_unverified_checkpoint:
+        raise ConfigError(
+            f"--load {args.load}: iteration {iteration} has no manifest while "
+            f"{sorted(siblings)[0]} of the same run has one; its files cannot be verified "
+            "(restore the manifest, load another checkpoint, or pass "
+            "--allow-unverified-checkpoint)"
+        )
+    if args.rank == 0:
+        print(
+            f"WARNING: --load {args.load}: iteration {iteration} has no manifest; its files are "
+            "not verified",
+            file=sys.stderr,
+        )
+
+
 def check_resume(args: argparse.Namespace, model_args: tuple[str, ...]) -> None:
     """Refuse, in one line, a --load that this run cannot continue faithfully."""
     if args.use_checkpoint_opt_param_scheduler and args.override_opt_param_scheduler:
@@ -40,12 +66,7 @@ def check_resume(args: argparse.Namespace, model_args: tuple[str, ...]) -> None:
     iteration = latest_iteration(args.load)
     _one_run(args.load)
     if not manifest.verify(checkpoint_dir(args.load, iteration), args.rank, args.world_size):
-        if args.rank == 0:
-            print(
-                f"WARNING: --load {args.load}: iteration {iteration} has no manifest (saved "
-                "before manifests were written); its files are not verified",
-                file=sys.stderr,
-            )
+        _unverified(args, iteration)
     common = read_common(args.load)
     saved = common.get("args", {})
     _same_model(args, saved, model_args)
