@@ -132,3 +132,61 @@ def test_a_directory_mixing_two_runs_is_refused(saved, tmp_path, monkeypatch):
     refused_load(
         root, "mixes checkpoints of 2 runs (iter_0000001 and iter_0000002 differ)", monkeypatch
     )
+
+
+def test_consumed_samples_carry_on_from_the_checkpoint_across_a_batch_size_change():
+    """Saved at iteration 2 by a run of global batch 8 (16 samples); resumed with 16 a step:
+    iteration 3 has consumed 32, not 3 x 16 (Megatron carries the count forward)."""
+    from types import SimpleNamespace
+
+    from megatron_mllm.training.resume import consumed_samples
+
+    args = SimpleNamespace(global_batch_size=16, coreset=None)
+    assert consumed_samples(args, 3, since=(2, 16)) == 32
+    assert consumed_samples(args, 3) == 48  # a run that started here
+    pools = SimpleNamespace(global_batch_size=8, coreset=SimpleNamespace(pool_ratio=2.0))
+    assert consumed_samples(pools, 4, since=(2, 40)) == 40 + 2 * 16
+
+
+@pytest.mark.slow  # two torchrun jobs
+def test_a_resume_with_another_global_batch_logs_the_carried_count(tmp_path):
+    from tests.test_training import COMMON, torchrun
+
+    args = [*COMMON, "--train-iters", "2", "--save", str(tmp_path / "a")]
+    first = torchrun(*args)
+    assert first.returncode == 0, first.stderr[-2000:]
+    resumed = torchrun(  # the later --global-batch-size wins
+        *COMMON, "--train-iters", "3", "--global-batch-size", "16", "--load", str(tmp_path / "a"),
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "consumed samples:           32 |" in resumed.stdout, resumed.stdout[-800:]
+
+
+def test_a_different_tokenizer_is_refused_on_resume(tmp_path, llava_dataset, monkeypatch):
+    """The checkpoint records its tokenizer (files and image token); a resume with another,
+    even one padding to the same vocabulary, is refused unless --allow-tokenizer-change."""
+    import shutil
+
+    import torch
+
+    from megatron_mllm.data.tokenizer import tokenizer_identity
+    from tests.test_checkpoint_safety import METADATA_JSON
+    from tests.test_training import refused
+
+    data, tokenizer = llava_dataset
+    other = tmp_path / "other_tokenizer"
+    shutil.copytree(tokenizer, other)
+    config = other / "tokenizer.json"
+    config.write_text(config.read_text().replace('"<image>"', '"<image>"', 1) + " ")
+    root = tmp_path / "ckpt"
+    (root / "iter_0000002").mkdir(parents=True)
+    (root / "latest_checkpointed_iteration.txt").write_text("2")
+    (root / "iter_0000002" / "metadata.json").write_text(METADATA_JSON)
+    (root / "iter_0000002" / "manifest.json").write_text('{"run_id": "r", "files": {}}')
+    common = {"iteration": 2, "args": {}, "tokenizer": tokenizer_identity(tokenizer)}
+    torch.save({"common": common}, root / "iter_0000002" / "common.pt")
+    args = ["--load", str(root), "--data-path", str(data), "--tokenizer-type",
+            "HuggingFaceTokenizer", "--train-iters", "6"]  # fmt: skip
+    refused([*args, "--tokenizer-model", str(other)], "trained with another tokenizer", monkeypatch)
+    refused([*args, "--tokenizer-model", str(tokenizer), "--image-token", "<pad>"],
+            "(image token differ", monkeypatch)  # fmt: skip

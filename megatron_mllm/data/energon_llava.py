@@ -181,13 +181,25 @@ def convert_llava(
             "sources": _count_sources(sources[i] for i in train),
         }
         (tmp / STATS).write_text(json.dumps(stats) + "\n")
-        if out.exists():
-            out.rmdir()
-        tmp.rename(out)
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return {"train": len(train), "val": len(val), "shards": len(shards)}
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished dataset to OUT; another conversion that filled OUT meanwhile is one
+    line (this one's work is removed, theirs kept)."""
+    try:
+        if out.exists():
+            out.rmdir()  # empty when checked at the start; fails if another wrote into it
+        tmp.rename(out)
+    except OSError:
+        raise ConfigError(
+            f"--output-dir {out}: another conversion wrote it while this one ran; this one's "
+            "output was removed, give another --output-dir"
+        ) from None
 
 
 def _count_sources(sources) -> dict[str, int]:

@@ -39,16 +39,26 @@ def load_raw(path: str | Path) -> list[dict]:
         text = p.read_text(encoding="utf-8")
     except UnicodeDecodeError:
         raise ConfigError(f"{p}: not UTF-8 text (a LLaVA JSON or JSONL file)") from None
-    try:
-        if p.suffix == ".jsonl":
-            raw = [json.loads(line) for line in text.splitlines() if line.strip()]
-        else:
+    if p.suffix == ".jsonl":
+        raw = [
+            _json_line(p, n, line) for n, line in enumerate(text.splitlines(), 1) if line.strip()
+        ]
+    else:
+        try:
             raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise ConfigError(f"{p}: not JSON (line {err.lineno}: {err.msg})") from None
+        except json.JSONDecodeError as err:
+            raise ConfigError(f"{p}: not JSON (line {err.lineno}: {err.msg})") from None
     if not isinstance(raw, list) or not all(isinstance(r, dict) for r in raw):
         raise ConfigError(f"{p}: expected a list of records ({{'id', 'conversations', ...}})")
     return raw
+
+
+def _json_line(path: Path, lineno: int, line: str):
+    """One JSONL record; ConfigError naming the file's line where it does not parse."""
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not JSON (line {lineno}: {err.msg})") from None
 
 
 def parse_record(raw: dict, index: int) -> LlavaRecord:

@@ -72,3 +72,30 @@ def load_tokenizer(path: str | Path, image_token: str | None = None):
     tok.image_token = token
     tok.image_token_id = tok.convert_tokens_to_ids(token)
     return tok
+
+
+# The files that define a Hugging Face tokenizer's behaviour (whichever a directory has).
+DEFINING_FILES = (
+    "tokenizer.json",
+    "tokenizer.model",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "added_tokens.json",
+    "special_tokens_map.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+)
+
+
+def tokenizer_identity(path: str | Path, image_token: str | None = None) -> dict:
+    """What a checkpoint records of its tokenizer: a SHA-256 over the files that define it and
+    the image token; a run resumed with another is refused (resume_contract.py)."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    for name in DEFINING_FILES:
+        f = Path(path) / name
+        if f.is_file():
+            digest.update(name.encode() + b"\0" + f.read_bytes() + b"\0")
+    return {"sha256": digest.hexdigest(), "image_token": image_token or IMAGE_TOKEN}

@@ -310,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument(
+        "--allow-tokenizer-change",
+        action="store_true",
+        help="--load a checkpoint trained with another tokenizer (its embeddings then belong "
+        "to other tokens)",
+    )
+    g.add_argument(
         "--allow-unverified-checkpoint",
         action="store_true",
         help="--load a checkpoint without a manifest even where other checkpoints of its run "

@@ -37,7 +37,18 @@ def checkpoint_dir(root: str, iteration: int) -> Path:
 def tracked(root: str | Path) -> str | None:
     """What the tracker under `root` says (stripped), or None where there is none."""
     tracker = Path(root) / TRACKER
-    return tracker.read_text().strip() if tracker.is_file() else None
+    return _tracker_text(tracker) if tracker.is_file() else None
+
+
+def _tracker_text(tracker: Path) -> str:
+    """The tracker's text; ConfigError in one line where it is not text."""
+    try:
+        return tracker.read_bytes().decode("ascii").strip()
+    except UnicodeDecodeError:
+        raise ConfigError(
+            f"{tracker} is not an iteration number (binary bytes); write the number of the "
+            "checkpoint to continue from into it, or remove it"
+        ) from None
 
 
 def latest_iteration(root: str, flag: str = "--load") -> int:
@@ -47,7 +58,7 @@ def latest_iteration(root: str, flag: str = "--load") -> int:
             f"{flag} {root}: no {TRACKER} there (no finished checkpoint); "
             f"point {flag} at a --save directory of a run that saved"
         )
-    text = tracker.read_text().strip()
+    text = _tracker_text(tracker)
     if not text.isdigit() or not checkpoint_dir(root, int(text)).is_dir():
         raise ConfigError(f"{flag} {root}: {TRACKER} says '{text}' but that checkpoint is missing")
     return int(text)

@@ -30,10 +30,13 @@ def loader_position_fits(saved_args: dict, args: argparse.Namespace) -> bool:
     return same and left_out == getattr(args, "data_left_out", [])
 
 
-def consumed_samples(args, iteration: int) -> int:
-    """Samples read by `iteration` (coreset: every sample of each pool, as the log line says)."""
+def consumed_samples(args, iteration: int, since: tuple[int, int] = (0, 0)) -> int:
+    """Samples read by `iteration` (coreset: every sample of each pool, as the log line says),
+    counted on from `since` (a checkpoint's iteration and consumed samples: the batch size of
+    the run that wrote it may have been another)."""
     ratio = args.coreset.pool_ratio if getattr(args, "coreset", None) is not None else 1
-    return int(iteration * args.global_batch_size * ratio)
+    start, samples = since
+    return samples + int((iteration - start) * args.global_batch_size * ratio)
 
 
 def _new_run_id() -> str:
@@ -75,6 +78,7 @@ class Checkpointer:
         self.source = None  # a converted model's origin (its LLaVA config), kept when saving
         self.plan_record = None  # the plan a --plan-candidates phase kept, kept when saving
         self.run_id = _new_run_id()  # the lineage of checkpoints; a resumed run keeps its own
+        self.consumed_since = (0, 0)  # (iteration, samples) the count goes on from
 
     @property
     def parts(self) -> list[tuple]:
@@ -96,6 +100,10 @@ class Checkpointer:
             state = list(run.coreset.pending) if saving else None
             out["coreset_lookahead"] = (state, c.dp, plan.dp, self.data_copy)
         return out
+
+    def consumed(self, iteration: int) -> int:
+        """Samples consumed by `iteration`, carried on from the loaded checkpoint's count."""
+        return consumed_samples(self.args, iteration, self.consumed_since)
 
     def latest_saved(self) -> str:
         """Where the run's last finished checkpoint is, in words."""
@@ -130,12 +138,16 @@ class Checkpointer:
             "iteration": iteration,
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": grad_scaler_state(grad_scaler) if grad_scaler is not None else None,
-            "consumed_samples": consumed_samples(args, iteration),
+            "consumed_samples": self.consumed(iteration),
             "args": _saved_args(args),
             "run_id": self.run_id,
         }
         if self.source is not None:
             common["source"] = self.source
+        if args.tokenizer_model:
+            from megatron_mllm.data.tokenizer import tokenizer_identity
+
+            common["tokenizer"] = tokenizer_identity(args.tokenizer_model, args.image_token)
         record = self.run.checkpoint_record() if hasattr(self.run, "checkpoint_record") else None
         if record is not None or self.plan_record is not None:  # --plan-candidates' kept plan
             common["plan_candidates"] = record or self.plan_record
@@ -171,6 +183,8 @@ class Checkpointer:
         if saved.get("model_only"):
             return 0, "model weights only (no optimizer, scheduler or RNG state)"
         self.run_id = saved.get("run_id") or self.run_id
+        it = common["iteration"]
+        self.consumed_since = (it, common.get("consumed_samples", consumed_samples(args, it)))
         loaded = common["objects"]
         if self.holds_selector:
             run.coreset.selector.load_state_dict(loaded["coreset_selector"])

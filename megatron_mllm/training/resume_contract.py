@@ -80,6 +80,25 @@ def check_resume(args: argparse.Namespace, model_args: tuple[str, ...]) -> None:
         )
     if "scheduler" in common:
         _same_schedule(args, common["scheduler"])
+    _same_tokenizer(args, common.get("tokenizer"))
+
+
+def _same_tokenizer(args: argparse.Namespace, saved: dict | None) -> None:
+    """The tokenizer that wrote the checkpoint's embeddings is the one training goes on with
+    (two tokenizers padded to one vocabulary size would silently misalign every token)."""
+    if saved is None or not args.tokenizer_model or args.allow_tokenizer_change:
+        return
+    from megatron_mllm.data.tokenizer import tokenizer_identity
+
+    mine = tokenizer_identity(args.tokenizer_model, args.image_token)
+    if mine != saved:
+        what = "image token" if mine["sha256"] == saved["sha256"] else "tokenizer files"
+        raise ConfigError(
+            f"--load {args.load} was trained with another tokenizer ({what} differ: "
+            f"{saved['sha256'][:12]} {saved['image_token']!r} there, {mine['sha256'][:12]} "
+            f"{mine['image_token']!r} in --tokenizer-model {args.tokenizer_model}); resume with "
+            "its tokenizer, or pass --allow-tokenizer-change"
+        )
 
 
 def _one_run(root: str) -> None:

@@ -20,7 +20,6 @@ from megatron_mllm.training.log import (
     validation_lines,
 )
 from megatron_mllm.training.model_args import initial_weights, model_config
-from megatron_mllm.training.resume import consumed_samples
 
 
 @exit_on_config_error
@@ -367,7 +366,7 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
             line = log_line(
                 it + 1,
                 args.train_iters,
-                consumed_samples(args, it + 1),
+                checkpointer.consumed(it + 1),
                 ms,
                 lr,
                 args.global_batch_size,
