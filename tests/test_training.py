@@ -584,3 +584,32 @@ def test_plan_candidates_train_and_resume_bit_exactly_after_the_phase(tmp_path):
     assert "plan candidates: 2 (" not in resumed.stdout
     assert losses(resumed.stdout) == {i: ref[i] for i in (9, 10)}
     assert_same_checkpoint(tmp_path / "a" / "iter_0000010", tmp_path / "b" / "iter_0000010")
+
+
+@pytest.mark.slow  # a torchrun job stopped from outside
+def test_sigterm_to_the_launcher_saves_and_exits_cleanly(tmp_path):
+    """--exit-signal-handler: SIGTERM to torchrun (as a cluster pre-empts a job) reaches every
+    rank; each finishes its iteration, the run saves it and the ranks exit 0."""
+    import signal
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), str(ROOT / "pretrain_mllm.py"),
+           "--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "500",
+           "--save", str(tmp_path / "ckpt"), "--exit-signal-handler"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)  # fmt: skip
+    try:
+        for line in proc.stdout:
+            if re.search(r"iteration\s+3/", line):
+                break
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    stopped = re.search(r"SIGTERM received: stopped after iteration (\d+)", out)
+    assert stopped, (out[-1500:], err[-1500:])
+    it = int(stopped[1])
+    assert 3 <= it < 500
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(it)
+    assert "exitcode" not in err or "exitcode  : 0" in err

@@ -310,6 +310,24 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save", default=None)
     g.add_argument("--load", default=None)
     g.add_argument(
+        "--max-param-norm-growth",
+        type=float,
+        default=100.0,
+        help="a save is not taken where the parameters' norm grew more than this many times "
+        "since the last save (finite but exploded weights); 0 turns the check off",
+    )
+    g.add_argument(
+        "--exit-signal-handler",
+        action="store_true",
+        help="Megatron's: on --exit-signal every rank finishes its iteration, saves and exits 0",
+    )
+    g.add_argument(
+        "--exit-signal",
+        default="SIGTERM",
+        choices=["SIGTERM", "SIGINT", "SIGUSR1", "SIGUSR2"],
+        help="the signal --exit-signal-handler stops on (default SIGTERM, how clusters pre-empt)",
+    )
+    g.add_argument(
         "--allow-tokenizer-change",
         action="store_true",
         help="--load a checkpoint trained with another tokenizer (its embeddings then belong "
@@ -806,6 +824,11 @@ def validate_args(args: argparse.Namespace) -> None:
                 "--replan-after-iters N needs N >= 1 and --bubble-schedule optimus "
                 f"(got {args.replan_after_iters}, {args.bubble_schedule})"
             )
+    if not 0 <= args.max_param_norm_growth < float("inf"):  # NaN fails too
+        raise ConfigError(
+            f"--max-param-norm-growth {args.max_param_norm_growth}: give a factor >= 1, or 0 to "
+            "turn the check off"
+        )
     if args.save_interval is not None and args.save is None:
         raise ConfigError("--save-interval needs --save DIR")
     from megatron_mllm.training.resume_contract import check_resume, check_save

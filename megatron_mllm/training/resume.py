@@ -79,6 +79,7 @@ class Checkpointer:
         self.plan_record = None  # the plan a --plan-candidates phase kept, kept when saving
         self.run_id = _new_run_id()  # the lineage of checkpoints; a resumed run keeps its own
         self.consumed_since = (0, 0)  # (iteration, samples) the count goes on from
+        self.saved_norm: float | None = None  # the parameters' norm at the last save
 
     @property
     def parts(self) -> list[tuple]:
@@ -112,30 +113,59 @@ class Checkpointer:
             return "no checkpoint was saved"
         return f"the latest checkpoint stays iteration {held} in {self.args.save}"
 
-    def _finite(self) -> bool:
-        """Every rank's parameters are finite (collective)."""
+    def reference_norm(self) -> None:
+        """Before the first save of a run that loaded no norm: the norm to compare with is the
+        starting parameters' (collective)."""
+        if self.saved_norm is None:
+            self.saved_norm = self._norm()[0]
+
+    def _norm(self) -> tuple[float, bool]:
+        """The norm of every rank's parameters (replicas counted each time, as in every save)
+        and whether all of them are finite (collective)."""
+        import math
+
         import torch
         import torch.distributed as dist
 
-        bad = torch.zeros((), device=self.run.device)
+        acc = torch.zeros(2, dtype=torch.float64, device=self.run.device)
         for module, *_ in self.parts:
             for p in module.parameters() if module is not None else ():
-                bad += (~torch.isfinite(p)).any()
-        dist.all_reduce(bad)
-        return not bool(bad)
+                acc[0] += (~torch.isfinite(p)).any()
+                acc[1] += p.detach().double().pow(2).sum()
+        dist.all_reduce(acc)
+        return math.sqrt(float(acc[1])) if not acc[0] else float("nan"), not bool(acc[0])
 
-    def save(self, iteration: int) -> None:
-        """Save iteration `iteration`, unless a parameter is NaN or Inf (RunStopped)."""
-        if not self._finite():
+    def save(self, iteration: int) -> bool:
+        """Save iteration `iteration`; RunStopped where a parameter is NaN or Inf, and False
+        (not saved, said in one line) where the parameters' norm grew more than
+        --max-param-norm-growth times since the last save (finite but exploded)."""
+        norm, finite = self._norm()
+        if not finite:
             raise RunStopped(
                 f"parameters hold NaN or Inf at iteration {iteration}: not saved; "
                 f"{self.latest_saved()}"
             )
+        bound = self.args.max_param_norm_growth
+        if bound and self.saved_norm and norm > bound * self.saved_norm:
+            if self.args.rank == 0:
+                print(
+                    f" > save at iteration {iteration} not taken: the parameters' norm "
+                    f"{norm:.3g} is over {bound:g} x the last saved one ({self.saved_norm:.3g}; "
+                    f"--max-param-norm-growth); {self.latest_saved()}",
+                    flush=True,
+                )
+            return False
+        self._write(iteration, norm)
+        self.saved_norm = norm
+        return True
+
+    def _write(self, iteration: int, norm: float) -> None:
         args, grad_scaler = self.args, self.run.grad_scaler
         from megatron_mllm.runtime.optimizer import grad_scaler_state
 
         common = {
             "iteration": iteration,
+            "param_norm": norm,
             "scheduler": self.scheduler.state_dict(),
             "grad_scaler": grad_scaler_state(grad_scaler) if grad_scaler is not None else None,
             "consumed_samples": self.consumed(iteration),
@@ -183,6 +213,7 @@ class Checkpointer:
         if saved.get("model_only"):
             return 0, "model weights only (no optimizer, scheduler or RNG state)"
         self.run_id = saved.get("run_id") or self.run_id
+        self.saved_norm = common.get("param_norm")
         it = common["iteration"]
         self.consumed_since = (it, common.get("consumed_samples", consumed_samples(args, it)))
         loaded = common["objects"]

@@ -346,7 +346,10 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
 
         writer = SummaryWriter(log_dir=args.tensorboard_dir, max_queue=args.log_interval)
     skipped = nan = 0  # since the last log line, as Megatron counts them
-    deferred = None  # a save that fell inside the plan-candidate phase: done at its end
+    saves = SavePolicy(args, run, checkpointer)
+    if args.save and args.max_param_norm_growth:
+        checkpointer.reference_norm()
+    signals = ExitSignal(args.exit_signal) if args.exit_signal_handler else None
     nan_run = 0  # NaN or Inf steps in a row
     for it in range(start, args.train_iters):
         t0, before = time.perf_counter(), run.skipped_iterations
@@ -400,31 +403,92 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
         if validation is not None and args.eval_interval and (it + 1) % args.eval_interval == 0:
             if it + 1 < args.train_iters:  # the last iteration's comes after the loop
                 validation.report(it + 1)
-        deferred = _candidate_phase_step(args, run, it + 1, deferred)
-        due = args.save and args.save_interval and (it + 1) % args.save_interval == 0
-        if due and getattr(run, "kept", 0) is None:  # inside the plan-candidate phase
-            deferred = it + 1
-        elif due or (deferred is not None and getattr(run, "kept", 0) is not None):
-            checkpointer.save(it + 1)
-            deferred = None
-    if args.save and (not args.save_interval or args.train_iters % args.save_interval):
-        checkpointer.save(args.train_iters)
+        _candidate_phase_step(args, run, it + 1)
+        saves.after(it + 1, nan_run)
+        if signals is not None and signals.received(device):
+            saves.after(it + 1, nan_run, last=True)
+            if args.rank == 0:
+                print(
+                    f" > {signals.name} received: stopped after iteration {it + 1}, "
+                    f"{checkpointer.latest_saved()}",
+                    flush=True,
+                )
+            break
+    else:
+        saves.after(args.train_iters, nan_run, last=True)
     if writer is not None:
         writer.close()
 
 
-def _candidate_phase_step(args, run, iteration: int, deferred):
-    """At the end of the plan-candidate phase: its table, and a deferred save's line."""
-    if getattr(run, "phase", None) is None or iteration != run.phase_end or args.rank != 0:
-        return deferred
-    print(run.table(), flush=True)
-    if deferred is not None:
-        print(
-            f" > the save at iteration {deferred} fell inside the plan-candidate phase: saved "
-            f"at iteration {iteration}, when it ended",
-            flush=True,
-        )
-    return deferred
+def _candidate_phase_step(args, run, iteration: int) -> None:
+    """At the end of the plan-candidate phase: its table."""
+    if getattr(run, "phase", None) is not None and iteration == run.phase_end and args.rank == 0:
+        print(run.table(), flush=True)
+
+
+class SavePolicy:
+    """When the loop saves: every --save-interval iterations and at the end, except inside the
+    plan-candidate phase (the save is taken when the phase ends) and right after iterations
+    skipped for NaN or Inf (not taken, said in one line: the latest stays a healthy state)."""
+
+    def __init__(self, args, run, checkpointer) -> None:
+        self.args, self.run, self.checkpointer = args, run, checkpointer
+        self.deferred: int | None = None  # a save that fell inside the candidate phase
+        self.saved_at: int | None = None
+
+    def after(self, iteration: int, nan_run: int, last: bool = False) -> None:
+        """After iteration `iteration` (`last`: the run ends there); `nan_run`: iterations
+        skipped in a row up to it."""
+        args = self.args
+        interval = bool(args.save_interval) and iteration % args.save_interval == 0
+        if not args.save or self.saved_at == iteration:
+            return
+        if not (last or interval or self.deferred is not None):
+            return
+        if getattr(self.run, "kept", 0) is None:  # inside the plan-candidate phase
+            self.deferred = self.deferred or iteration
+            return
+        if nan_run and args.check_for_nan_in_loss_and_grad:  # they were skipped
+            self._say(
+                f" > save at iteration {iteration} not taken: the last {nan_run} iteration(s) "
+                f"had a NaN or Inf loss or gradient norm and were skipped; "
+                f"{self.checkpointer.latest_saved()}"
+            )
+            return
+        if self.deferred is not None and self.deferred != iteration:
+            self._say(
+                f" > the save at iteration {self.deferred} fell inside the plan-candidate "
+                f"phase: saved at iteration {iteration}, when it ended"
+            )
+        if self.checkpointer.save(iteration):
+            self.saved_at, self.deferred = iteration, None
+
+    def _say(self, line: str) -> None:
+        if self.args.rank == 0:
+            print(line, flush=True)
+
+
+class ExitSignal:
+    """--exit-signal-handler: the signal (--exit-signal, default SIGTERM, how clusters pre-empt
+    jobs) is noted when it arrives; after each iteration every rank learns whether any rank got
+    it (one all-reduce), so all of them save and stop after the same iteration."""
+
+    def __init__(self, name: str) -> None:
+        import signal
+
+        self.name, self.got = name, False
+        signal.signal(getattr(signal, name), self._note)
+
+    def _note(self, signum, frame) -> None:
+        self.got = True
+
+    def received(self, device) -> bool:
+        import torch
+        import torch.distributed as dist
+
+        flag = torch.tensor([float(self.got)], device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
 
 
 def not_finite_step(loss: float, grad_norm: float, fp16: bool) -> bool:
