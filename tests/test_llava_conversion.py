@@ -22,7 +22,14 @@ IMAGE_TOKEN = 99
 TEXT = 6
 
 
-def tiny_llava(image_size=16, patch_size=4, vocab_size=100, image_token=IMAGE_TOKEN, **overrides):
+def tiny_llava(
+    image_size=16,
+    patch_size=4,
+    vocab_size=100,
+    image_token=IMAGE_TOKEN,
+    num_text_layers=2,
+    **overrides,
+):
     from transformers import (
         CLIPVisionConfig,
         LlamaConfig,
@@ -41,7 +48,7 @@ def tiny_llava(image_size=16, patch_size=4, vocab_size=100, image_token=IMAGE_TO
     text = LlamaConfig(
         hidden_size=48,
         intermediate_size=96,
-        num_hidden_layers=2,
+        num_hidden_layers=num_text_layers,
         num_attention_heads=4,
         num_key_value_heads=2,  # grouped-query attention
         vocab_size=vocab_size,
@@ -223,3 +230,25 @@ def test_llava_fine_tunes_on_conversations_and_generates(tmp_path, llava_dataset
             input_ids=ids, pixel_values=batch.images, max_new_tokens=4, do_sample=False
         )
     assert generated.shape[1] == ids.shape[1] + 4 or tok.eos_token_id in generated[0].tolist()
+
+
+@pytest.mark.slow  # a conversion and a torchrun job each
+@pytest.mark.parametrize("schedule", ["optimus", "megatron"])
+def test_a_converted_layer_count_pp_does_not_divide_trains_under_every_schedule(tmp_path, schedule):
+    """3 text layers on PP 2 (split 1/2 or 2/1, as megatron-core can build it), the model taken
+    from the converted checkpoint: Optimus loads and trains what the Megatron schedule does."""
+    tiny_llava(num_text_layers=3).save_pretrained(tmp_path / "hf")
+    rc, log = convert(
+        "hf-to-mcore", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mcore",
+        "--seq-length", TEXT,
+    )  # fmt: skip
+    assert rc == 0, log
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        str(ROOT / "pretrain_mllm.py"), "--pipeline-model-parallel-size", "2",
+        "--bubble-schedule", schedule, "--load", str(tmp_path / "mcore"),
+        "--use-checkpoint-args", "--train-iters", "2", "--global-batch-size", "4",
+    ]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "iteration        2/       2" in out.stdout
