@@ -60,6 +60,32 @@ def _tensor_pairs(a, b):
     return [(name, t, y[name]) for name, t in x.items() if hasattr(t, "shape")]
 
 
+def checkpoint_objects(path) -> dict:
+    """Every non-tensor object a torch_dist checkpoint holds (RNG streams, loader positions),
+    as comparable plain data (tensors as lists)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    import megatron_mllm.training.checkpointing  # noqa: F401  (the safe loading)
+
+    meta = FileSystemReader(str(path)).read_metadata()
+    keys = [k for k, v in meta.state_dict_metadata.items() if isinstance(v, BytesStorageMetadata)]
+    state = dict.fromkeys(keys)
+    dcp.load(state, checkpoint_id=str(path), no_dist=True)
+
+    def plain(x):
+        if isinstance(x, torch.Tensor):
+            return x.tolist()
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [plain(v) for v in x]
+        return x
+
+    return {k: plain(v) for k, v in state.items()}
+
+
 def assert_same_checkpoint(a, b) -> None:
     """Bit for bit: the same tensors (weights and optimizer moments) in both checkpoints."""
     for name, x, y in _tensor_pairs(a, b):
@@ -423,13 +449,18 @@ LLAVA = [
 
 
 def test_trains_on_llava_conversations_validates_and_resumes_exactly(tmp_path, llava_dataset):
-    """PP=2 Optimus on the energon LLaVA digits (one loader worker): Megatron's validation
-    lines with the answers' exact match, truncation reported, and a run resumed at iteration 2
-    continues with the uninterrupted run's losses (the loader state is in the checkpoint)."""
+    """PP=2 Optimus on the energon LLaVA digits (one loader worker), with dropout: Megatron's
+    validation lines with the answers' exact match, truncation reported, and a run resumed at
+    iteration 2 continues with the uninterrupted run's losses, tensors and saved RNG streams
+    (the loader state is in the checkpoint, and the loader's start draws on no global RNG)."""
     data, tokenizer = llava_dataset
     args = [*LLAVA, "--data-path", str(data), "--tokenizer-model", str(tokenizer),
-            "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1"]  # fmt: skip
+            "--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1",
+            "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # fmt: skip
     straight, _, _ = resumed_at_2_is_bit_exact(tmp_path, args)
+    a, b = (checkpoint_objects(tmp_path / d / "iter_0000004") for d in ("a", "b"))
+    assert a.keys() == b.keys() and any(k.startswith("rng_state") for k in a)
+    assert a == b
     assert straight.stdout.count("validation loss at iteration 2 |") == 1
     assert "validation loss at the end of training for val data |" in straight.stdout
     assert re.search(r"answer exact match: [0-9.]+ \(\d+ samples\)", straight.stdout)

@@ -9,6 +9,7 @@ replicas read disjoint samples.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 
@@ -47,6 +48,26 @@ class LlavaData:
             self.loss_on_prompt,
             self.sources,
         )
+
+
+@contextlib.contextmanager
+def rng_untouched():
+    """Python's, NumPy's and torch's global RNG states are what they were before: a loader
+    that seeds or draws from them while it starts (torch's data loader draws its workers' base
+    seed; energon sets the RNG state it saved) leaves training's streams, dropout included,
+    as an uninterrupted run has them, wherever the loader starts."""
+    import random
+
+    import numpy as np
+    import torch
+
+    saved = (random.getstate(), np.random.get_state(), torch.get_rng_state())
+    try:
+        yield
+    finally:
+        random.setstate(saved[0])
+        np.random.set_state(saved[1])
+        torch.set_rng_state(saved[2])
 
 
 class LlavaStream:
@@ -90,10 +111,11 @@ class LlavaStream:
         messages have one micro-batch size)."""
         restarts = 0
         while True:
-            if self._it is None:
-                self._it = iter(self.loader)
             try:
-                batch = next(self._it)
+                with rng_untouched():  # the loader's start and reads draw on no global RNG
+                    if self._it is None:
+                        self._it = iter(self.loader)
+                    batch = next(self._it)
             except StopIteration:
                 if self.split == "train" or restarts:
                     raise RuntimeError(f"the {self.split} split has no full micro-batch") from None
