@@ -644,3 +644,25 @@ def test_sigterm_to_the_launcher_saves_and_exits_cleanly(tmp_path):
     assert 3 <= it < 500
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text() == str(it)
     assert "exitcode" not in err or "exitcode  : 0" in err
+
+
+@pytest.mark.slow  # a torchrun job on a tmpfs too small for its checkpoint
+def test_a_full_disk_is_one_line_and_leaves_no_partial_checkpoint(tmp_path):
+    """--save on a 1 MB file system: the first save runs out of space; the run stops with one
+    line naming --save and what was needed, and the partial iteration folder is removed."""
+    small = tmp_path / "small"
+    small.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1M", "tmpfs", str(small)],
+                             capture_output=True, text=True)  # fmt: skip
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {mounted.stderr.strip()}")
+    try:
+        out = torchrun(*COMMON, "--train-iters", "2", "--save", str(small / "ckpt"),
+                       "--save-interval", "1")  # fmt: skip
+        line = [x for x in out.stderr.splitlines() if "no space left on the device" in x]
+        assert out.returncode != 0 and line, out.stderr[-3000:]
+        assert f"--save {small / 'ckpt'}" in line[0] and "MB needed" in line[0]
+        assert not list((small / "ckpt").glob("iter_*"))
+        assert not (small / "ckpt" / "latest_checkpointed_iteration.txt").exists()
+    finally:
+        subprocess.run(["umount", str(small)], capture_output=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from megatron_mllm_patches import safe_checkpoint_loading
 
-from megatron_mllm.errors import ConfigError
+from megatron_mllm.errors import ConfigError, RunStopped
 from megatron_mllm.models.weights import canonical_names, gated_names, gated_view, split_dim
 from megatron_mllm.training import manifest, optimizer_state
 from megatron_mllm.training.optimizer_state import MOMENTS
@@ -211,15 +211,46 @@ def save(
     state, _ = sharded_state(parts, full_shapes, states)
     state.update(rank_objects(objects or {}))
     state["common"] = common
-    dist_checkpointing.save(state, str(path))
-    dist.barrier()
-    shares = [None] * dist.get_world_size()
-    dist.all_gather_object(shares, manifest.entries(path, dist.get_rank()))
-    if dist.get_rank() == 0:
-        manifest.write(path, shares, common.get("run_id", ""))
+    try:
+        dist_checkpointing.save(state, str(path))
+        dist.barrier()
+        shares = [None] * dist.get_world_size()
+        dist.all_gather_object(shares, manifest.entries(path, dist.get_rank()))
+        if dist.get_rank() == 0:
+            manifest.write(path, shares, common.get("run_id", ""))
+    except BaseException as err:  # torch's CheckpointException is a BaseException
+        if not _no_space(err):
+            raise
+        need = _state_bytes(state) * dist.get_world_size()
+        if dist.get_rank() == 0:
+            shutil.rmtree(path, ignore_errors=True)  # a partial save must not keep the disk full
+        raise RunStopped(
+            f"--save {root}: no space left on the device while saving iteration {iteration} "
+            f"(about {need / 1e6:.0f} MB needed); the partial {path.name} was removed; free "
+            "space or give another --save"
+        ) from None
     if dist.get_rank() == 0:  # the tracker last: a half-written checkpoint is never "latest"
         write_tracker(root, iteration)
     dist.barrier()
+
+
+def _no_space(err: BaseException) -> bool:
+    """Whether `err` (or what torch's CheckpointException wraps) is a full device."""
+    import errno
+
+    if isinstance(err, OSError) and err.errno == errno.ENOSPC:
+        return True
+    return "No space left on device" in str(err) or "[Errno 28]" in str(err)
+
+
+def _state_bytes(state: dict) -> int:
+    """About what a rank's share of a checkpoint takes on disk (its tensors)."""
+    total = 0
+    for value in state.values():
+        data = getattr(value, "data", None)
+        if isinstance(data, torch.Tensor):
+            total += data.numel() * data.element_size()
+    return total
 
 
 def refuse_links(root: str | Path, path: Path) -> None:
