@@ -37,9 +37,12 @@ test-slow: $(STAMP)
 # On a CUDA machine: the tests marked gpu (NCCL, CUDA tensors). Unlike make test, nothing skips
 # here: no CUDA stops it with one line before any test runs, and a test marked gpus(n) fails
 # when fewer than n GPUs are present. On the one-GPU machine: bash tools/gpu_check.sh.
-gpu-check: $(STAMP)
-	@$(PY) tests/conftest.py
-	MEGATRON_MLLM_GPU_CHECK=1 $(PY) -m pytest -q -m gpu tests -rfEs
+# Installs nothing (a GPU machine has its own CUDA torch): GPU_PYTHON is the interpreter it is
+# given, .venv's where one exists, else python3.
+GPU_PYTHON ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:
+	@$(GPU_PYTHON) tests/conftest.py
+	MEGATRON_MLLM_GPU_CHECK=1 $(GPU_PYTHON) -m pytest -q -m gpu tests -rfEs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check . && $(VENV)/bin/ruff format --check .

@@ -156,3 +156,32 @@ def test_no_tensor_is_made_without_a_device(mode):
     job = _with_state(job)
     violations = sorted({v for out in spawn(_guarded_steps, plan.world_size, job) for v in out})
     assert violations == []
+
+
+def test_the_message_mode_knows_composite_backends():
+    """A GPU rank's group is "cpu:gloo,cuda:nccl": its tensors go over NCCL, which has no tags,
+    so the executor orders its messages (and megatron-core's baseline batches them)."""
+    from megatron_mllm.runtime.bootstrap import backend_for, nccl_messages
+
+    assert nccl_messages(backend_for(torch.device("cuda", 0)))
+    assert nccl_messages("nccl") and nccl_messages("cuda:nccl,cpu:gloo")
+    assert not nccl_messages("gloo") and not nccl_messages("cpu:gloo")
+    assert not nccl_messages(backend_for(torch.device("cpu")))
+
+
+def _fails_deep(rank: int, world: int) -> None:
+    def inner():
+        raise ValueError(f"rank {rank} broke here")
+
+    inner()
+
+
+def test_a_failed_ranks_traceback_is_kept():
+    from megatron_mllm.runtime.launch import RankFailed, spawn
+
+    with pytest.raises(RankFailed) as err:
+        spawn(_fails_deep, 2)
+    assert "\n" not in str(err.value) and "ValueError: rank 0 broke here" in str(err.value)
+    for rank in (0, 1):
+        report = err.value.tracebacks[rank]
+        assert "Traceback" in report and "in inner" in report and "_fails_deep" in report

@@ -28,6 +28,15 @@ def backend_for(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
+def nccl_messages(backend: str | None = None) -> bool:
+    """Whether the default group's tensors travel over NCCL (which matches point-to-point
+    messages by posting order, without tags): "nccl", or a composite backend such as
+    "cpu:gloo,cuda:nccl" (what `backend_for` gives a GPU rank) that names it."""
+    if backend is None:
+        backend = dist.get_backend()
+    return any(part.split(":")[-1] == "nccl" for part in str(backend).split(","))
+
+
 def seed_model_parallel(seed: int) -> None:
     """megatron-core's RNG streams (data-parallel, model-parallel, expert) from `seed`.
 

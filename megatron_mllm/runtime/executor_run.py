@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from megatron_mllm.models.weights import open_full_state
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.bootstrap import nccl_messages
 from megatron_mllm.runtime.breakdown import StepBreakdown, breakdown_of_spans
 from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of, layer_overrides
 from megatron_mllm.runtime.model_builder import (
@@ -66,7 +67,7 @@ class ExecutorRun:
         self.program = gpu_program(job.schedule, groups, self.enc_tp)
         self.eval_program = forward_only_program(self.program)
         self.ordered = self.pool_ordered = self.eval_ordered = self.ahead_ordered = None
-        if job.executor.ordered_p2p or dist.get_backend() == "nccl":
+        if job.executor.ordered_p2p or nccl_messages():
             self._ordered_p2p(plan, plan if self.stage0 else enc_plan)
         if job.faults.fail_rank == rank:
             self.program = self.program[: job.faults.fail_at_op]

@@ -16,10 +16,12 @@ from typing import Any
 
 
 class RankFailed(RuntimeError):
-    """One or more ranks failed; `errors` maps rank -> its error line."""
+    """One or more ranks failed; `errors` maps rank -> its error line, `tracebacks` rank -> the
+    whole report the rank sent (its traceback), kept for diagnosis."""
 
-    def __init__(self, errors: dict[int, str]) -> None:
+    def __init__(self, errors: dict[int, str], tracebacks: dict[int, str] | None = None) -> None:
         self.errors = errors
+        self.tracebacks = tracebacks or {}
         super().__init__("; ".join(f"rank {r}: {e}" for r, e in sorted(errors.items())))
 
 
@@ -139,7 +141,7 @@ def spawn(
     for r in missing:
         errors[r] = f"no result within {timeout_s:.0f} s (exit code {procs[r].exitcode})"
     if errors and not allow_failures:
-        raise RankFailed({r: e.splitlines()[0] for r, e in errors.items()})
+        raise RankFailed({r: e.splitlines()[0] for r, e in errors.items()}, dict(errors))
     if allow_failures:
         return [results.get(r, errors.get(r)) for r in range(world)]
     return [results[r] for r in range(world)]

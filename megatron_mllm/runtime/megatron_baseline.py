@@ -80,7 +80,9 @@ class MegatronCoreRun:
         solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
         # NCCL: batched p2p (upstream's default). Gloo matches a batch's messages in posting
         # order, which interleaved PP=2 gets wrong (MEGATRON_CORE_ON_CPU.md).
-        overrides = {"batch_p2p_comm": dist.get_backend() == "nccl"}
+        from megatron_mllm.runtime.bootstrap import nccl_messages
+
+        overrides = {"batch_p2p_comm": nccl_messages()}
         overrides["batch_p2p_sync"] = overrides["batch_p2p_comm"]
         if job.plans.backbone_first_stage_layers is not None and plan.pp > 1:
             rest = job.cfg.llm_layers - job.plans.backbone_first_stage_layers
