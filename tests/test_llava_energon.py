@@ -316,3 +316,74 @@ def test_sources_are_counted_and_a_record_without_one_is_named(digits, tmp_path)
     with pytest.raises(ConfigError, match='1 of 30 training records have no "source"') as err:
         energon_llava.train_sources(tmp_path / "o")
     assert "\n" not in str(err.value)
+
+
+def test_a_member_that_does_not_decode_is_skipped_counted_and_named(llava_dataset):
+    """In a loader worker: a sample whose image bytes or record JSON do not decode is skipped
+    (energon's SkipSample, no traceback) and the next batch names it, with its shard, for the
+    training process to count (and refuse past --max-skipped-samples-fraction)."""
+    import json as json_module
+    from dataclasses import replace
+
+    from megatron.energon import SkipSample
+
+    from megatron_mllm.data import energon_llava
+    from megatron_mllm.data.llava_source import LlavaData
+
+    _, tokenizer = llava_dataset
+    spec = LlavaData("unused", str(tokenizer), 128).spec(4, 16)
+    encoder = energon_llava.LlavaTaskEncoder(spec)
+    meta = {"id": "r1", "images": ["a.png"], "turns": [["human", "<image>\nwhat?"], ["gpt", "1"]]}
+    from megatron.energon.source_info import SourceInfo
+
+    where = (SourceInfo(dataset_path="data", index=7, shard_name="train-000003.tar",
+                        file_names=("r1.json",)),)  # fmt: skip
+    crude = {"__key__": "r1", "__sources__": where, "__restore_key__": ("Webdataset", 7),
+             "json": json_module.dumps(meta).encode(), "img0.png": b"\x89PNG broken"}  # fmt: skip
+    sample = energon_llava.cook_llava(crude)
+    with pytest.raises(SkipSample):
+        encoder.encode_sample(sample)
+    with pytest.raises(SkipSample):
+        energon_llava.cook_llava({**crude, "__key__": "r2", "json": b"\xff{not json"})
+    good = replace(sample, record=replace(sample.record, images=()), image_bytes=[])
+    good = replace(good, record=replace(good.record, turns=(("human", "1+1?"), ("gpt", "2"))))
+    batch = encoder.batch([encoder.encode_sample(good)])
+    assert len(batch.corrupted) == 2
+    assert batch.corrupted[0].startswith("sample r1 of shard train-000003.tar (")
+    assert batch.corrupted[1].startswith("sample r2 of shard train-000003.tar (")
+    assert encoder.batch([encoder.encode_sample(good)]).corrupted == ()  # each named once
+
+
+@pytest.mark.slow  # two torchrun jobs
+def test_corrupted_members_at_training_time_are_counted_and_refused_past_the_fraction(
+    tmp_path, llava_dataset
+):
+    """Image members overwritten in place (the shards' index still fits): the run counts the
+    samples it skips in its log line and names them; past --max-skipped-samples-fraction it
+    stops in one line."""
+    import re
+    import shutil
+    import tarfile
+
+    from tests.test_training import LLAVA, torchrun
+
+    data, tokenizer = llava_dataset
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    for shard in copy.glob("train-*.tar"):
+        with tarfile.open(shard) as tar:
+            spans = [(m.offset_data, m.size) for m in tar.getmembers() if ".img" in m.name]
+        with open(shard, "r+b") as f:
+            for offset, size in spans:
+                f.seek(offset)
+                f.write(b"\0" * size)
+    args = [*LLAVA, "--train-iters", "2", "--data-path", str(copy),
+            "--tokenizer-model", str(tokenizer)]  # fmt: skip
+    tolerated = torchrun(*args, "--max-skipped-samples-fraction", "0.99")
+    assert tolerated.returncode == 0, tolerated.stderr[-3000:]
+    counts = [int(n) for n in re.findall(r"corrupted samples skipped: (\d+)", tolerated.stdout)]
+    assert counts and counts[-1] > 0 and counts == sorted(counts)
+    assert re.search(r"WARNING: train data: skipped sample \S+ of shard train-", tolerated.stderr)
+    stopped = torchrun(*args)
+    line = [x for x in stopped.stderr.splitlines() if "had members that do not decode" in x]
+    assert stopped.returncode != 0 and line and "--max-skipped-samples-fraction 0.01" in line[0]

@@ -27,6 +27,8 @@ class MicroBatch:
     no_answer: int = 0  # of those, samples the cut left without any answer token
     image_tokens: int = 0  # positions per image (checked against the mask on the host)
     sources: tuple[int, ...] = field(default=())  # each sample's source id (coreset budgets)
+    # samples the loader's worker skipped before this batch: a member that does not decode
+    corrupted: tuple[str, ...] = field(default=())
 
     def __post_init__(self) -> None:
         if self.image_tokens and self.image_mask.device.type == "cpu":

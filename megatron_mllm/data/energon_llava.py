@@ -258,13 +258,34 @@ class LlavaRawSample(Sample):
     source: str | None
 
 
+# Samples this loader worker skipped since its last batch (each worker process has its own);
+# the next batch carries them to the training process, which counts them.
+_CORRUPTED: list[str] = []
+
+
+def skip_corrupted(key: str, sources, err: BaseException):
+    """Skip a sample whose members do not decode, noting it (its shard, from energon's source
+    info, where it has one) for the next batch (energon's SkipSample: no traceback; the
+    training process counts and names it)."""
+    from megatron.energon import SkipSample
+
+    shard = next((s.shard_name for s in sources or () if getattr(s, "shard_name", None)), None)
+    why = str(err).splitlines()[0][:80] if str(err) else type(err).__name__
+    where = f"sample {key}" + (f" of shard {shard}" if shard else "")
+    _CORRUPTED.append(f"{where} ({type(err).__name__}: {why})")
+    raise SkipSample()
+
+
 @stateless
 def cook_llava(sample: dict) -> LlavaRawSample:
     """energon's crude sample (the raw members of one key, with `decoder = None` on the task
     encoder) as a LlavaRawSample. Use as `cookers = [Cooker(cook_llava)]`."""
     meta = sample["json"]
     if isinstance(meta, (bytes, bytearray)):
-        meta = json.loads(meta)
+        try:
+            meta = json.loads(meta)
+        except ValueError as err:  # UnicodeDecodeError and JSONDecodeError alike
+            skip_corrupted(sample["__key__"], sample.get("__sources__"), err)
     record = LlavaRecord(
         str(meta["id"]),
         tuple(meta["images"]),
@@ -652,7 +673,10 @@ class LlavaTaskEncoder(TaskEncoder):
     def encode_sample(self, sample: LlavaRawSample):
         from megatron_mllm.data.task_encoder import encode_record
 
-        encoded = encode_record(sample.record, sample.image_bytes, self.spec)
+        try:
+            encoded = encode_record(sample.record, sample.image_bytes, self.spec)
+        except (OSError, ValueError, SyntaxError) as err:  # what Pillow raises on bad bytes
+            skip_corrupted(sample.__key__, sample.__sources__, err)
         if not self.spec.sources:
             return encoded
         return replace(encoded, sources=(self.spec.sources.index(sample.source),))
@@ -661,4 +685,7 @@ class LlavaTaskEncoder(TaskEncoder):
     def batch(self, samples: list):
         from megatron_mllm.data.batch import collate
 
-        return collate(samples)
+        batch = collate(samples)
+        skipped = tuple(_CORRUPTED)
+        _CORRUPTED.clear()
+        return replace(batch, corrupted=skipped) if skipped else batch

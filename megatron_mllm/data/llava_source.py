@@ -102,6 +102,7 @@ class LlavaStream:
             exclude_shards=data.exclude_shards,
         )
         self._it = None
+        self.corrupted = 0  # samples skipped so far: a member that does not decode
         self.truncated = 0  # samples cut to the sequence length so far
         self.no_answer = 0  # of those, samples left without an answer token
 
@@ -121,10 +122,19 @@ class LlavaStream:
                     raise RuntimeError(f"the {self.split} split has no full micro-batch") from None
                 self._it, restarts = None, restarts + 1
                 continue
+            self._skipped(batch.corrupted)
             if batch.num_samples == self.micro_batch:
                 self.truncated += batch.truncated
                 self.no_answer += batch.no_answer
                 return batch
+
+    def _skipped(self, names: tuple[str, ...]) -> None:
+        """Count (and name, once, on this rank's stderr) samples the loader skipped."""
+        import sys
+
+        for name in names:
+            self.corrupted += 1
+            print(f"WARNING: {self.split} data: skipped {name}", file=sys.stderr, flush=True)
 
     def take(self, n: int) -> list[MicroBatch]:
         return [self.next() for _ in range(n)]
@@ -137,6 +147,7 @@ class LlavaStream:
             "loader": loader_state(self.loader),
             "truncated": self.truncated,
             "no_answer": self.no_answer,
+            "corrupted": self.corrupted,
         }
 
     def restore(self, state: dict) -> None:
@@ -146,6 +157,7 @@ class LlavaStream:
         restore_loader(self.loader, state["loader"])
         self.truncated = state["truncated"]
         self.no_answer = state.get("no_answer", 0)  # absent in older checkpoints
+        self.corrupted = state.get("corrupted", 0)
 
     def close(self) -> None:
         from megatron_mllm.data.energon_llava import close_loader

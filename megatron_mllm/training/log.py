@@ -119,12 +119,13 @@ def log_line(
     skipped: int = 0,
     nan: int = 0,
     loss_scale: float | None = None,
-    truncated: tuple[int, int] | None = None,
+    truncated: tuple[int, int, int] | None = None,
 ) -> str:
     """Megatron's iteration line; `skipped` / `nan`: iterations since the last line whose step
     was not applied (non-finite gradient norm, fp16 overflow) / whose loss was NaN or Inf;
     `loss_scale`: fp16's current loss scale; `truncated`: conversation data's samples cut to
-    --seq-length so far, and of them those left without an answer token."""
+    --seq-length so far, those of them left without an answer token, and samples skipped as
+    corrupted."""
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     scale = f"loss scale: {loss_scale:.1f} | " if loss_scale is not None else ""
     return (
@@ -135,6 +136,7 @@ def log_line(
         f"number of skipped iterations: {skipped:3d} | number of nan iterations: {nan:3d} |"
         + (
             f" truncated samples: {truncated[0]} (no answer left: {truncated[1]}) |"
+            f" corrupted samples skipped: {truncated[2]} |"
             if truncated is not None
             else ""
         )

@@ -365,6 +365,7 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
         nan_run = nan_run + 1 if not_finite else 0
         log_now = (it + 1) % args.log_interval == 0 or it + 1 == args.train_iters
         truncated = truncated_samples(run, device) if log_now and run.data.streams else None
+        check_corrupted(args, truncated, checkpointer.consumed(it + 1))
         if args.rank == 0 and log_now:
             line = log_line(
                 it + 1,
@@ -497,17 +498,31 @@ def not_finite_step(loss: float, grad_norm: float, fp16: bool) -> bool:
     return not math.isfinite(loss) or (not fp16 and not math.isfinite(grad_norm))
 
 
-def truncated_samples(run, device) -> tuple[int, int]:
-    """Samples cut to --seq-length so far, and of them those left without an answer token, over
-    every DP replica (collective: each replica's stage-0 TP-rank-0 counts its stream)."""
+def truncated_samples(run, device) -> tuple[int, int, int]:
+    """Samples cut to --seq-length so far, those of them left without an answer token, and
+    samples skipped as corrupted, over every DP replica (collective: each replica's
+    stage-0 TP-rank-0 counts its stream)."""
     import torch
     import torch.distributed as dist
 
     c = run.groups.coords
-    mine = run.data.cut() if (c.tp == 0 and c.stage == 0) else (0, 0)
+    mine = run.data.cut() if (c.tp == 0 and c.stage == 0) else (0, 0, 0)
     total = torch.tensor(mine, dtype=torch.long, device=device)
     dist.all_reduce(total)
-    return int(total[0]), int(total[1])
+    return int(total[0]), int(total[1]), int(total[2])
+
+
+def check_corrupted(args, counts: tuple[int, int, int] | None, consumed: int) -> None:
+    """Samples skipped as corrupted stay within --max-skipped-samples-fraction of those read."""
+    if counts is None or not counts[2]:
+        return
+    read = consumed + counts[2]  # the skipped ones were read and not trained on
+    if counts[2] > args.max_skipped_samples_fraction * read:
+        raise RunStopped(
+            f"{counts[2]} of {read} samples read so far had members that do not decode "
+            f"(named on the ranks' stderr), over --max-skipped-samples-fraction "
+            f"{args.max_skipped_samples_fraction}; repair or re-convert the data set"
+        )
 
 
 def _replan(run, rank: int) -> None:
