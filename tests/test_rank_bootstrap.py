@@ -48,6 +48,29 @@ def _upstream_seeding(rank: int, world: int, explicit: bool) -> dict:
     return {"names": sorted(mc_random.get_cuda_rng_tracker().get_states())}
 
 
+def _first_weights(rank: int, world: int, upstream: bool) -> dict:
+    """Initial weights after seeding with 7: megatron-core's own seeding (every CUDA rank's
+    path) or the CPU patch's (init_rank on CPU)."""
+    from megatron_mllm.models.weights import full_state
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.model_builder import build_full_model
+
+    if upstream:
+        _upstream_seeding(rank, world, True)
+    else:
+        init_rank(rank, world, 7, 60)
+    state = full_state(*build_full_model(TINY).modules)
+    return {k: state[k] for k in sorted(state)[:6]}
+
+
+def test_one_seed_gives_the_same_initial_weights_on_the_gpu_and_the_cpu_path():
+    (gpu_path,) = spawn(_first_weights, 1, True)
+    (cpu_path,) = spawn(_first_weights, 1, False)
+    assert gpu_path.keys() == cpu_path.keys()
+    for name, tensor in gpu_path.items():
+        assert torch.equal(tensor, cpu_path[name]), name
+
+
 def test_seeding_runs_megatron_cores_unpatched_path():
     (out,) = spawn(_upstream_seeding, 1, True)
     assert len(out["names"]) == 3  # data-parallel, model-parallel and expert streams

@@ -46,6 +46,9 @@ def seed_model_parallel(seed: int) -> None:
     its seed arithmetic. Looked up at call time, so the CPU patch (a CPU tracker) applies."""
     from megatron.core.tensor_parallel import random as mc_random
 
+    # The host generator too, on every device: initial weights are made on the CPU, and
+    # upstream's seeding on a GPU seeds only CUDA's (the CPU patch seeds it the same way).
+    torch.manual_seed(seed)
     mc_random.model_parallel_cuda_manual_seed(seed, tp_rank=0, ep_rank=0, etp_rank=0)
 
 

@@ -219,19 +219,31 @@ def save(
         if dist.get_rank() == 0:
             manifest.write(path, shares, common.get("run_id", ""))
     except BaseException as err:  # torch's CheckpointException is a BaseException
-        if not _no_space(err):
+        if isinstance(err, KeyboardInterrupt | SystemExit):
             raise
-        need = _state_bytes(state) * dist.get_world_size()
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)  # a partial save must not keep the disk full
+        if _no_space(err):
+            need = _state_bytes(state) * dist.get_world_size()
+            raise RunStopped(
+                f"--save {root}: no space left on the device while saving iteration {iteration} "
+                f"(about {need / 1e6:.0f} MB needed); the partial {path.name} was removed; free "
+                "space or give another --save"
+            ) from None
         raise RunStopped(
-            f"--save {root}: no space left on the device while saving iteration {iteration} "
-            f"(about {need / 1e6:.0f} MB needed); the partial {path.name} was removed; free "
-            "space or give another --save"
+            f"--save {root}: saving iteration {iteration} failed ({_first_line(err)}); the "
+            f"partial {path.name} was removed"
         ) from None
     if dist.get_rank() == 0:  # the tracker last: a half-written checkpoint is never "latest"
         write_tracker(root, iteration)
     dist.barrier()
+
+
+def _first_line(err: BaseException) -> str:
+    """The innermost message of `err` (torch's CheckpointException carries each rank's
+    traceback: its last line is the error)."""
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()]
+    return (lines[-1] if lines else type(err).__name__)[:200]
 
 
 def _no_space(err: BaseException) -> bool:
