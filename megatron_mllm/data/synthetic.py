@@ -5,15 +5,25 @@ image through the encoder."""
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from megatron_mllm.models.config import MLLMConfig
+
+class Sizes(Protocol):
+    """What the synthetic data reads of a model's configuration (an MLLMConfig has them)."""
+
+    channels: int
+    image_size: int
+    text_len: int
+    vocab_size: int
+
 
 NUM_CLASSES = 10
 HOST = "cpu"  # batches are made on the host; each run mode moves them to its device
 
 
-def _patterns(cfg: MLLMConfig) -> torch.Tensor:
+def _patterns(cfg: Sizes) -> torch.Tensor:
     g = torch.Generator().manual_seed(12345)
     return torch.randn(
         NUM_CLASSES, cfg.channels, cfg.image_size, cfg.image_size, generator=g, device=HOST
@@ -21,7 +31,7 @@ def _patterns(cfg: MLLMConfig) -> torch.Tensor:
 
 
 def microbatch(
-    cfg: MLLMConfig, index: int, micro_batch: int, seed: int = 0
+    cfg: Sizes, index: int, micro_batch: int, seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Global micro-batch `index`: images [b, c, H, W] and text tokens [b, text_len].
 
@@ -38,7 +48,7 @@ def microbatch(
 
 
 def samples(
-    cfg: MLLMConfig, indices: list[int], seed: int = 0
+    cfg: Sizes, indices: list[int], seed: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Individually indexed samples (for coreset pools): images, captions and their class as the
     source id. Classes are imbalanced (probability ~ 1 / (class + 1)), like a real mixture."""

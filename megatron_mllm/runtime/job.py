@@ -350,8 +350,9 @@ def _check_backbone_split(job: RuntimeJob) -> None:
         if layers % pp:
             raise ConfigError(f"{layers} backbone layers do not split evenly over PP {pp}")
         return
-    middle = set(split[1:-1])
-    if len(split) != pp or len(middle) > 1:
+    if len(split) != pp:
+        return  # a schedule for another PP: refused below, naming both
+    if len(set(split[1:-1])) > 1:
         raise ConfigError(
             f"the schedule's backbone split {list(split)} is not one megatron-core builds on PP "
             f"{pp}: its middle stages must hold equal layer counts"

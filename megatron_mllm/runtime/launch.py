@@ -79,6 +79,7 @@ PRELOAD = (
     "megatron_mllm.runtime.executor_run",
     "megatron_mllm.runtime.megatron_baseline",
     "megatron_mllm.runtime.reference",
+    "megatron_mllm.training.train",
 )
 
 
