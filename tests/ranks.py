@@ -28,9 +28,18 @@ def _main_in_rank(rank: int, world: int, argv: list[str], env: dict, out_dir: st
     except Exception:  # noqa: BLE001 - what a crashed rank would print
         traceback.print_exc()
         code = 1
+    _release_save_locks()  # a forked rank ends with os._exit: what its exit would release
     sys.stdout.flush()
     sys.stderr.flush()
     return int(code or 0)
+
+
+def _release_save_locks() -> None:
+    """The --save locks this rank holds, released as its interpreter's exit would (atexit)."""
+    from megatron_mllm.training import save_lock
+
+    for path in list(save_lock._held):
+        save_lock.release(Path(path))
 
 
 def pretrain(*args: str, nproc: int = 2, env: dict | None = None, timeout_s: float = 300):

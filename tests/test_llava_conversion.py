@@ -125,14 +125,14 @@ def test_round_trip_back_to_hf(converted):
 
 def test_converted_checkpoint_trains_under_another_plan(converted, tmp_path):
     """pretrain_mllm.py takes the model from the checkpoint and loads it on PP=2 (Optimus)."""
+    from tests.ranks import pretrain
+
     root, _ = converted
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        str(ROOT / "pretrain_mllm.py"), "--pipeline-model-parallel-size", "2",
-        "--load", str(root / "mcore"), "--use-checkpoint-args", "--train-iters", "2",
-        "--global-batch-size", "4", "--save", str(tmp_path / "ft"),
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    out = pretrain(
+        "--pipeline-model-parallel-size", "2", "--load", str(root / "mcore"),
+        "--use-checkpoint-args", "--train-iters", "2", "--global-batch-size", "4",
+        "--save", str(tmp_path / "ft"),
+    )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "model weights only" in out.stdout
     assert "iteration        2/       2" in out.stdout

@@ -44,7 +44,10 @@ def test_profile_kernels_writes_times_plan_schedule_reads(tmp_path):
     for model in ("vit-22b", "gpt-11b"):
         assert set(times[model]["forward"]) == set(FORWARD_KERNELS)
         assert set(times[model]["backward"]) == set(BACKWARD_KERNELS)
-        assert all(v > 0 for d in times[model].values() for v in d.values())
+        forward, backward = times[model]["forward"], times[model]["backward"]
+        assert all(v > 0 for v in forward.values()), forward  # each kernel really ran
+        # a backward is timed as (forward + backward) - forward, clamped: one may read 0
+        assert all(v >= 0 for v in backward.values()) and sum(backward.values()) > 0, backward
     plan = [sys.executable, str(ROOT / "tools" / "plan_schedule.py"), "--encoder", "vit-22b"]
     plan += ["--backbone", "gpt-11b", "--gpus", "512", "--tp", "8", "--pp", "4"]
     plan += ["--global-batch", "256", "--micro-batch", "1", "--seq-len", "2048"]
