@@ -232,23 +232,29 @@ def test_llava_fine_tunes_on_conversations_and_generates(tmp_path, llava_dataset
     assert generated.shape[1] == ids.shape[1] + 4 or tok.eos_token_id in generated[0].tolist()
 
 
-@pytest.mark.slow  # a conversion and a torchrun job each
-@pytest.mark.parametrize("schedule", ["optimus", "megatron"])
-def test_a_converted_layer_count_pp_does_not_divide_trains_under_every_schedule(tmp_path, schedule):
+@pytest.mark.slow  # a conversion and a training job each
+@pytest.mark.parametrize(
+    "schedule, tp", [("optimus", 1), ("optimus-adaptive", 1), ("megatron", 1), ("optimus", 2)]
+)
+def test_a_converted_layer_count_pp_does_not_divide_trains_under_every_schedule(
+    tmp_path, schedule, tp
+):
     """3 text layers on PP 2 (split 1/2 or 2/1, as megatron-core can build it), the model taken
-    from the converted checkpoint: Optimus loads and trains what the Megatron schedule does."""
+    from the converted checkpoint: Optimus (and optimus-adaptive, and Optimus under TP 2: 4
+    heads split) loads and trains what the Megatron schedule does."""
     tiny_llava(num_text_layers=3).save_pretrained(tmp_path / "hf")
     rc, log = convert(
         "hf-to-mcore", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "mcore",
         "--seq-length", TEXT,
     )  # fmt: skip
     assert rc == 0, log
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-        str(ROOT / "pretrain_mllm.py"), "--pipeline-model-parallel-size", "2",
+    from tests.ranks import pretrain
+
+    out = pretrain(
+        "--pipeline-model-parallel-size", "2", "--tensor-model-parallel-size", str(tp),
         "--bubble-schedule", schedule, "--load", str(tmp_path / "mcore"),
         "--use-checkpoint-args", "--train-iters", "2", "--global-batch-size", "4",
-    ]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        nproc=2 * tp,
+    )  # fmt: skip
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "iteration        2/       2" in out.stdout
