@@ -221,10 +221,13 @@ def save(
     except BaseException as err:  # torch's CheckpointException is a BaseException
         if isinstance(err, KeyboardInterrupt | SystemExit):
             raise
+        need = _state_bytes(state) * dist.get_world_size()
+        # torch reports a full disk as ENOSPC or as a short write ("unexpected pos"): either
+        # way, a device left with less than the checkpoint's size is the cause
+        full = _no_space(err) or shutil.disk_usage(root).free < need
         if dist.get_rank() == 0:
             shutil.rmtree(path, ignore_errors=True)  # a partial save must not keep the disk full
-        if _no_space(err):
-            need = _state_bytes(state) * dist.get_world_size()
+        if full:
             raise RunStopped(
                 f"--save {root}: no space left on the device while saving iteration {iteration} "
                 f"(about {need / 1e6:.0f} MB needed); the partial {path.name} was removed; free "
