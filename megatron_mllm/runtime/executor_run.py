@@ -211,26 +211,11 @@ class ExecutorRun:
         given): plan Optimus again from the measured unit times and run the new schedule from
         the next step. False where the schedule keeps the encoder on stage 0 or the new plan
         needs other modules."""
-        from megatron_mllm.runtime.replan import replan
+        from megatron_mllm.runtime.replan import replan_job
 
         if gathered is None:
             gathered = self.gathered_unit_times()
-        job = self.job
-        enc_plan, stage0 = encoder_plan_of(job.schedule, job.backbone)
-        if stage0:
-            return False
-        out = replan(
-            job.cfg,
-            job.backbone,
-            job.micro_batch,
-            job.num_microbatches,
-            job.schedule,
-            enc_plan,
-            gathered,
-            job.plans.encoder_units,
-            job.model.frozen_encoder,
-            job.plans.sequence_parallel,
-        )
+        out = replan_job(self.job, gathered)
         if out is None:
             return False
         self.use_schedule(out[0])

@@ -138,6 +138,28 @@ def measured_workload(
     return None
 
 
+def replan_job(job, samples: list[dict]) -> tuple[Schedule, Workload, dict] | None:
+    """`replan` for a RuntimeJob's own model, plans and schedule; None where its encoder sits
+    on stage 0 (nothing to re-plan for the same modules) or the new plan needs other ones."""
+    from megatron_mllm.runtime.job import encoder_plan_of
+
+    enc_plan, stage0 = encoder_plan_of(job.schedule, job.backbone)
+    if stage0:
+        return None
+    return replan(
+        job.cfg,
+        job.backbone,
+        job.micro_batch,
+        job.num_microbatches,
+        job.schedule,
+        enc_plan,
+        samples,
+        job.plans.encoder_units,
+        job.model.frozen_encoder,
+        job.plans.sequence_parallel,
+    )
+
+
 def predicted_with_measured(schedule: Schedule, *args, **kwargs) -> float | None:
     """The simulator's step time for `schedule` under measured times (`measured_workload`'s
     arguments); None where its costs cannot be rebuilt."""

@@ -398,23 +398,9 @@ class CandidateRun:
 
     def _replanned(self, job: RuntimeJob, gathered: list[dict]) -> RuntimeJob:
         """An Optimus candidate planned again for its modules from the measured times."""
-        from megatron_mllm.runtime.replan import replan
+        from megatron_mllm.runtime.replan import replan_job
 
-        enc_plan, stage0 = encoder_plan_of(job.schedule, job.backbone)
-        if stage0:
-            return job
-        out = replan(
-            job.cfg,
-            job.backbone,
-            job.micro_batch,
-            job.num_microbatches,
-            job.schedule,
-            enc_plan,
-            gathered,
-            job.plans.encoder_units,
-            job.model.frozen_encoder,
-            job.plans.sequence_parallel,
-        )
+        out = replan_job(job, gathered)
         if out is None:
             return job
         return replace(job, plans=replace(job.plans, schedule=out[0]))
