@@ -647,15 +647,9 @@ def _check_plan_candidates(args) -> None:
     k = args.plan_candidates
     if k is None:
         return
-    from megatron_mllm.training.plan_candidates import CandidatePhase
+    from megatron_mllm.training.plan_candidates import CandidatePhase, check_counts
 
-    if k < 1:
-        raise ConfigError(f"--plan-candidates {k}: give K >= 1 (the planner's plans to try)")
-    if args.plan_candidate_steps < 2:
-        raise ConfigError(
-            f"--plan-candidate-steps {args.plan_candidate_steps}: give at least 2 (the first "
-            "step warms a candidate up, the rest are timed)"
-        )
+    check_counts(k, args.plan_candidate_steps)
     others = {
         "--bubble-schedule optimus-adaptive (it plans every step itself)": args.step_plans,
         "--coreset-pool-ratio (its pool schedule is built for one layout)": args.coreset,

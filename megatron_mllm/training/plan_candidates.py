@@ -67,15 +67,20 @@ class CandidatePhase:
         return self.warmup + self.steps_each * len(self.candidates)
 
 
-def check_phase(k: int, steps_each: int, job: RuntimeJob) -> None:
-    """Refuse what cannot run candidates (before any process group)."""
+def check_counts(k: int, steps_each: int) -> None:
+    """K plans and steps per candidate that a phase can run (ConfigError in one line)."""
     if k < 1:
-        raise ConfigError(f"--plan-candidates {k}: give at least 1 (the planner's plans to try)")
+        raise ConfigError(f"--plan-candidates {k}: give K >= 1, at least 1 of the planner's plans")
     if steps_each < 2:
         raise ConfigError(
-            f"--plan-candidate-steps {steps_each}: each candidate needs at least 2 steps "
-            "(one warms it up, the rest are timed)"
+            f"--plan-candidate-steps {steps_each}: give at least 2 steps (the first warms a "
+            "candidate up, the rest are timed)"
         )
+
+
+def check_phase(k: int, steps_each: int, job: RuntimeJob) -> None:
+    """Refuse what cannot run candidates (before any process group)."""
+    check_counts(k, steps_each)
     blockers = {
         "a coreset (its pool schedule is built for one layout)": job.data.coreset is not None,
         "optimus-adaptive (it plans every step itself)": job.executor.adaptive,
