@@ -46,3 +46,25 @@ def test_a_step_breaks_down_into_compute_waits_comm_fills_and_overhead():
     assert b.compute_s + b.wait_s + b.comm_unhidden_s + b.overhead_s == pytest.approx(8.0)
     assert b.actions == 3  # two compute actions and one message
     assert b.overhead_per_action_s == pytest.approx(2.0 / 3)
+
+
+def test_the_timing_log_block_reads_as_megatrons_timers():
+    """--timing-log-level's block: Megatron's header per option, one row per timer, the ranks'
+    min and max (or each rank), and level 2's longest waits per rank."""
+    from megatron_mllm.training.timing_log import TIMERS, timing_lines
+
+    ranks = [dict.fromkeys(TIMERS, 0.010), dict.fromkeys(TIMERS, 0.030)]
+    ranks[1]["waits"] = [("RECV:act.s1v0.m0", 0.002)]
+    minmax = timing_lines(ranks, "minmax").splitlines()
+    assert minmax[0] == "(min, max) time across ranks (ms):"
+    assert len(minmax) == 1 + len(TIMERS) + 1
+    assert minmax[1].startswith("    step ....") and minmax[1].endswith(": (10.00, 30.00)")
+    assert minmax[-1] == "    rank  1 longest message waits (ms per step): RECV:act.s1v0.m0 2.00"
+    assert timing_lines(ranks, "max").splitlines()[1].endswith(": 30.00")
+    every = timing_lines(ranks, "all").splitlines()
+    assert every[:4] == [
+        "times across ranks (ms):",
+        "    step:",
+        "     rank  0: 10.00",
+        "     rank  1: 30.00",
+    ]

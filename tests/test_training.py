@@ -293,11 +293,33 @@ def test_bf16_with_the_distributed_optimizer_trains():
     args += ["--overlap-param-gather", "--accumulate-allreduce-grads-in-fp32"]
     args += ["--recompute-granularity", "full", "--recompute-method", "uniform"]
     args += ["--recompute-num-layers", "1", "--recompute-vision"]
+    args += ["--timing-log-level", "2", "--timing-log-option", "all"]
     out = torchrun(*args)
     assert out.returncode == 0, out.stderr[-2000:]
     got = losses(out.stdout)
     assert sorted(got) == list(range(1, 9)) and got[8] < got[1]
-    assert "number of skipped iterations:   0" in out.stdout.splitlines()[-1]
+    iteration_lines = [x for x in out.stdout.splitlines() if " iteration " in x]
+    assert "number of skipped iterations:   0" in iteration_lines[-1]
+    assert_timing_blocks_add_up(out.stdout, blocks=8, ranks=2)
+
+
+def assert_timing_blocks_add_up(stdout: str, blocks: int, ranks: int) -> None:
+    """--timing-log-level 2 --timing-log-option all: a block under every iteration line whose
+    parts (compute, message waits, unhidden communication, host overhead) add up to the step
+    on every rank, and every rank's longest waits by message."""
+    found = re.findall(r"times across ranks \(ms\):\n((?:    .*\n?)+)", stdout)
+    assert len(found) == blocks, stdout[-3000:]
+    for block in found:
+        timer: dict[str, list[float]] = {}
+        for name, values in re.findall(r"    ([a-z-]+):\n((?:     rank .*\n?)+)", block):
+            timer[name] = [float(v) for v in re.findall(r"rank +\d+: ([0-9.]+)", values)]
+        assert all(len(v) == ranks for v in timer.values()), block
+        for r in range(ranks):
+            parts = sum(timer[k][r] for k in ("compute", "message-wait", "comm-unhidden"))
+            parts += timer["host-overhead"][r]
+            assert abs(parts - timer["step"][r]) <= 0.05 * timer["step"][r] + 1.0, block
+            assert timer["compute"][r] > 0, block
+        assert block.count("longest message waits (ms per step): RECV:") == ranks, block
 
 
 def test_log_line_counts_nan_and_skipped_iterations():

@@ -36,7 +36,8 @@ def flags_markdown() -> str:
             names = ", ".join(f"`{s}`" for s in a.option_strings)
             if a.choices:
                 names += " {" + ",".join(str(c) for c in a.choices) + "}"
-            default = "" if a.default in (None, False, argparse.SUPPRESS) else f"`{a.default}`"
+            blank = a.default is None or a.default is False or a.default == argparse.SUPPRESS
+            default = "" if blank else f"`{a.default}`"
             text = " ".join((a.help or "").split()).replace("|", "\\|")
             out.append(f"| {names} | {default} | {text} |")
     return "\n".join(out) + "\n"

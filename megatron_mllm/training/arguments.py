@@ -347,6 +347,21 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--save-interval", type=int, default=None)
     g.add_argument("--log-interval", type=int, default=1)
     g.add_argument(
+        "--timing-log-level",
+        type=int,
+        default=0,
+        choices=range(0, 3),
+        help="1: under each iteration line, every rank's step broken down (compute, message "
+        "waits, unhidden DP/TP communication, encoder fills, host overhead); 2: also each "
+        "rank's longest waits by message",
+    )
+    g.add_argument(
+        "--timing-log-option",
+        default="minmax",
+        choices=["max", "minmax", "all"],
+        help="how --timing-log-level reports the ranks: the max, the min and max, or all",
+    )
+    g.add_argument(
         "--tensorboard-dir",
         default=None,
         help="write lm loss, learning rate, grad norm and iteration time scalars",

@@ -350,7 +350,7 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
     if args.save and args.max_param_norm_growth:
         checkpointer.reference_norm()
     signals = ExitSignal(args.exit_signal) if args.exit_signal_handler else None
-    nan_run = 0  # NaN or Inf steps in a row
+    nan_run, logged = 0, start  # NaN or Inf steps in a row; the last logged iteration
     for it in range(start, args.train_iters):
         t0, before = time.perf_counter(), run.skipped_iterations
         run.step(it)  # its loss reduction ends it
@@ -382,6 +382,9 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
                 truncated,
             )
             print(line, flush=True)
+        if log_now and args.timing_log_level:
+            _log_timings(args, run, it + 1 - logged, device)
+        logged = it + 1 if log_now else logged
         if (it + 1) % args.log_interval == 0:
             skipped = nan = 0
         if args.check_for_nan_in_loss_and_grad and nan_run >= args.max_skipped_iterations:
@@ -419,6 +422,16 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
         saves.after(args.train_iters, nan_run, last=True)
     if writer is not None:
         writer.close()
+
+
+def _log_timings(args, run, steps: int, device) -> None:
+    """--timing-log-level: every rank's breakdown of the last `steps` steps, printed by rank 0
+    under the iteration line (a collective: every rank calls it)."""
+    from megatron_mllm.training.timing_log import gather_timings, timing_lines
+
+    ranks = gather_timings(run.breakdowns[-steps:], args.timing_log_level, device)
+    if args.rank == 0:
+        print(timing_lines(ranks, args.timing_log_option), flush=True)
 
 
 def _candidate_phase_step(args, run, iteration: int) -> None:
