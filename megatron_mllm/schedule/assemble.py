@@ -94,7 +94,10 @@ def assemble(
         wl.transfer_s[cost_name("eout", e)] = wl.transfer_s[cost_name("egrad", e)] = llm_s
         wl.transfer_s[cost_name("eact", e)] = wl.transfer_s[cost_name("egin", e)] = enc_s
         for j, block in enumerate(lay.stages):
-            for r in {pipe[j][0] for pipe in lay.placement}:
+            peers = tuple(sorted({pipe[j][0] for pipe in lay.placement}))
+            for r in peers:
+                if len(peers) > 1:
+                    wl.dp_peers[(r, part_name(e))] = peers
                 wl.dp_s[(r, "AG", part_name(e))] = cm.dp_gather_s(block.params, lay.plan.dp)
                 wl.dp_s[(r, "RS", part_name(e))] = cm.dp_reduce_scatter_s(
                     block.trainable_params, lay.plan.dp

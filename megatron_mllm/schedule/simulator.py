@@ -66,6 +66,22 @@ class SimResult:
         return self.peak_memory_bytes / 1e9
 
 
+def _rendezvous_times(rendezvous: list, workload: Workload, times: dict) -> list[tuple]:
+    """(rank, step, action, start, end) of reduce-scatters whose DP group spans simulated
+    ranks: one ends no earlier than its peers' (a collective finishes when its slowest member
+    does), and a rank's later ones queue behind it on its DP stream."""
+    local_end = {(r, a.key): times[(r, step)][1] for r, step, a in rendezvous}
+    out, free = [], {}
+    for r, step, a in sorted(rendezvous, key=lambda x: (x[0], times[(x[0], x[1])][0])):
+        t0, t1 = times[(r, step)]
+        peers = workload.dp_peers[(r, a.key)]
+        synced = max(local_end.get((q, a.key), t1) for q in peers)
+        end = max(synced, free.get(r, 0.0) + (t1 - t0))
+        free[r] = end
+        out.append((r, step, a, t0, end))
+    return out
+
+
 class DeadlockError(ConfigError):
     """The simulated ranks stopped with work left."""
 
@@ -236,6 +252,7 @@ def simulate(
 
     groups = [backbone_groups(acts) for acts in schedule.ranks]
     ptr = [0] * n
+    rendezvous: list[tuple[int, int, Action]] = []  # reduce-scatters shared between ranks
     transfer_time = workload.transfer_time
     while True:
         progressed = False
@@ -267,8 +284,11 @@ def simulate(
                     dpfree[r] = t1
                     for key in flow.makes(a):
                         have[key] = t1
-                    span(r, None, "dp", a, "", t0, t1, "dp")
                     times[(r, step)] = (t0, t1)
+                    if a.kind == "RS" and (r, a.key) in workload.dp_peers:
+                        rendezvous.append((r, step, a))  # its span once its peers are known
+                    else:
+                        span(r, None, "dp", a, "", t0, t1, "dp")
                 p += 1
             progressed = progressed or p > ptr[r]
             ptr[r] = p
@@ -283,6 +303,9 @@ def simulate(
             )
             raise DeadlockError(f"simulation deadlocked: {stuck}")
 
+    for r, step, a, t0, t1 in _rendezvous_times(rendezvous, workload, times):
+        times[(r, step)] = (t0, t1)
+        span(r, None, "dp", a, "", t0, t1, "dp")
     step_time = max(map(itemgetter(1), times.values()), default=0.0)
     first_bb = [min(f, step_time) for f in first_bb]
     causes = dict.fromkeys(BUBBLE_CAUSES, 0.0)

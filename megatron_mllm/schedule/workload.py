@@ -29,6 +29,9 @@ class Workload:
     # (rank, part) -> DDP gradient buckets: each is reduced once the part's last backward has
     # produced its share (megatron-core's overlapped reduction); absent: one bucket
     dp_buckets: dict[tuple[int, str], int] = field(default_factory=dict)
+    # (rank, part) -> the simulated ranks holding the same part in its DP group (a colocated
+    # encoder replicated over pipeline ranks): its reduce-scatter ends no earlier than theirs
+    dp_peers: dict[tuple[int, str], tuple[int, ...]] = field(default_factory=dict)
     backbone_act_bytes: dict[tuple[int, int], float] = field(default_factory=dict)
     encoder_act_bytes: list[list[float]] = field(default_factory=list)  # [enc][stage]
     state_bytes: list[float] = field(default_factory=list)  # model states per GPU, per rank
