@@ -10,6 +10,7 @@
 #
 # Needs GPUs with NCCL; on CPU only DRY_RUN=1 is useful.
 set -euo pipefail
+export CUDA_DEVICE_MAX_CONNECTIONS=1  # what megatron-core's overlapped communication assumes
 cd "$(dirname "$0")/.."
 
 MODEL=${MODEL:-vit22b-gpt175b}

@@ -139,6 +139,47 @@ def test_ordered_receives_are_posted_lazily_within_the_lookahead(state):
     assert all(isinstance(v, float) for v in outs[1]["steps"][0].losses.values())
 
 
+def _use_schedule_twice(rank, world, job):
+    """Builds the run, switches to its own schedule twice (what a re-plan does), counts the
+    process groups created meanwhile, then takes a step on the reused groups."""
+    import torch.distributed as dist
+
+    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.executor_run import ExecutorRun
+
+    device = init_rank(rank, world, job.data.seed, job.timeout_s)
+    run = ExecutorRun(rank, world, job, device)
+    before, created, new_group = dict(run.pair_groups), [], dist.new_group
+    dist.new_group = lambda *a, **k: created.append(a) or new_group(*a, **k)
+    try:
+        run.use_schedule(job.schedule)
+        run.use_schedule(job.schedule)
+    finally:
+        dist.new_group = new_group
+    run.step(0)
+    same = all(run.pair_groups[p] is g for p, g in before.items())
+    out = {"pairs": sorted(before), "created": len(created), "same": same, "loss": run.last_loss}
+    dist.destroy_process_group()
+    return out
+
+
+def test_a_replan_reuses_the_message_pairs_groups(state):
+    """Ordered messages use one group per (sender, receiver) pair; switching schedules (each
+    re-plan) keeps those groups instead of creating new communicators every time."""
+    schedule = runtime_schedule(TINY, PP2, 1, N, "optimus")
+    job = RuntimeJob(
+        ModelParts(TINY, state),
+        PlanParts(PP2, schedule=schedule),
+        DataParts(1, N),
+        executor=ExecutorSettings(ordered_p2p=True),
+    )
+    outs = spawn(_use_schedule_twice, 2, job)
+    for out in outs:
+        assert out["pairs"] == [(0, 1), (1, 0)], out
+        assert out["created"] == 0 and out["same"], out
+    assert outs[0]["loss"] == outs[1]["loss"]
+
+
 # -- 6: the fills' scratch buffer --------------------------------------------------------------
 def test_fills_never_touch_the_scratch_buffer_of_an_in_flight_collective(state):
     """With sequence parallelism the backbone's in-flight all-gather writes into megatron-core's

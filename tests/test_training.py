@@ -384,6 +384,34 @@ def test_bad_arguments_fail_before_any_group(args, msg, monkeypatch):
     refused(args, msg, monkeypatch)
 
 
+def test_device_connections_other_than_one_are_refused_and_unset_means_one(monkeypatch):
+    """megatron-core's overlapped communication and our lazily posted ordered receives are
+    scheduled for CUDA_DEVICE_MAX_CONNECTIONS=1: another value is refused before anything
+    starts; where it is unset, a rank sets it before its device is touched."""
+    from megatron_mllm.runtime.device_env import device_connections_problem
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
+    refused([], "CUDA_DEVICE_MAX_CONNECTIONS=8: megatron-core's overlapped", monkeypatch)
+    assert device_connections_problem({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is None
+    assert device_connections_problem({}) is None
+    monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
+    from megatron_mllm.runtime.launch import spawn
+
+    assert spawn(_connections_after_init, 1) == ["1"]
+
+
+def _connections_after_init(rank, world):
+    import os
+
+    import torch.distributed as dist
+
+    from megatron_mllm.runtime.bootstrap import init_rank
+
+    init_rank(rank, world, 0, 60)
+    dist.destroy_process_group()
+    return os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS")
+
+
 def test_a_refusal_is_one_line_and_exit_2():
     assert_refused_in_one_line(["--global-batch-size", "7"], "not divisible by --micro-batch-size")
 

@@ -12,6 +12,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from megatron_mllm.errors import ConfigError
+from megatron_mllm.runtime.device_env import DEVICE_CONNECTIONS, device_connections_problem
+
 
 def rank_device(rank: int = 0) -> torch.device:
     """This rank's device: its GPU (torchrun's LOCAL_RANK, else rank modulo the GPUs on the
@@ -63,6 +66,10 @@ def init_rank(rank: int, world: int, seed: int, timeout_s: float) -> torch.devic
 
     megatron_mllm_patches.apply_cpu_patches()
     megatron_mllm_patches.apply_runtime_patches()
+    problem = device_connections_problem()
+    if problem is not None:
+        raise ConfigError(problem)
+    os.environ.setdefault(DEVICE_CONNECTIONS, "1")  # read when the CUDA context is made
     device = rank_device(rank)
     extra = {}
     if device.type == "cuda":

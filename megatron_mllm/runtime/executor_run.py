@@ -67,6 +67,7 @@ class ExecutorRun:
         self.program = gpu_program(job.schedule, groups, self.enc_tp)
         self.eval_program = forward_only_program(self.program)
         self.ordered = self.pool_ordered = self.eval_ordered = self.ahead_ordered = None
+        self.pair_groups: dict[tuple[int, int], object] = {}  # kept over re-plans
         if job.executor.ordered_p2p or nccl_messages():
             self._ordered_p2p(plan, plan if self.stage0 else enc_plan)
         if job.faults.fail_rank == rank:
@@ -192,8 +193,13 @@ class ExecutorRun:
             pool = {r: forward_only_program(p) for r, p in pool.items()}
         if job.data.lookahead_schedule is not None:
             ahead = all_programs(job.data.lookahead_schedule, plan, enc_plan, self.enc_tp)
-        # new_group is collective: every rank creates every pair's group, in the same order.
-        groups = {pair: dist.new_group(list(pair)) for pair in message_pairs(main, pool, ahead)}
+        # new_group is collective: every rank creates every new pair's group, in the same
+        # order (the pairs come from every rank's program); a re-plan reuses those it has.
+        pairs = message_pairs(main, pool, ahead)
+        for pair in pairs:
+            if pair not in self.pair_groups:
+                self.pair_groups[pair] = dist.new_group(list(pair))
+        groups = {pair: self.pair_groups[pair] for pair in pairs}
         self.ordered = (receive_orders(main, self.rank), groups)
         self.pool_ordered = (receive_orders(pool, self.rank), groups)
         self.ahead_ordered = (receive_orders(ahead, self.rank), groups)

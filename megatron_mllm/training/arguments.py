@@ -746,6 +746,11 @@ def validate_args(args: argparse.Namespace) -> None:
         parse_encoder_spec(spec)
     _check_precision_and_recompute(args)
     _check_schedule_and_rates(args)
+    from megatron_mllm.runtime.device_env import device_connections_problem
+
+    connections = device_connections_problem()
+    if connections is not None:
+        raise ConfigError(connections)
     if args.ddp_bucket_size is not None and args.ddp_bucket_size < 1:
         raise ConfigError(f"--ddp-bucket-size {args.ddp_bucket_size}: give a positive count")
     dp = world // (tp * pp)
