@@ -174,3 +174,13 @@ def test_bf16_distributed_optimizer_matches_float16_optimizer():
     # A bf16 rounding of the same fp32 main parameters; the reduce-scatter sums in another order
     # than the all-reduce, which bf16 gradients show at ~1e-4 by the third step.
     _check(reference, outs, rtol=1e-2, loss_rel=1e-3, atol=5e-4)  # ~1 bf16 ulp at |w| ~ 0.06
+
+
+def test_bf16_steps_match_the_memory_plan_part_by_part_on_the_cpu(tmp_path):
+    """The GPU check's memory test on the tiny model: weights from a file (never a spawn
+    argument), model states within 10% of the plan, saved activations within 0.5-2x."""
+    from megatron_mllm.models.config import TINY
+    from tests.test_gpu_precision import bf16_steps_within_the_memory_plan
+
+    out = bf16_steps_within_the_memory_plan(TINY, tmp_path, steps=3)
+    assert out["memory"]["activations"] > 0 and "device_peak" not in out["memory"]

@@ -180,6 +180,32 @@ def test_a_replan_reuses_the_message_pairs_groups(state):
     assert outs[0]["loss"] == outs[1]["loss"]
 
 
+def _batches_seen_by_actions(rank, world, job):
+    """`run_rank`, recording at every action which micro-batches the executor holds."""
+    from megatron_mllm.runtime import executor as ex
+
+    seen, run = [], ex.Executor._run
+
+    def _run(self, action):
+        seen.append(tuple(sorted(self._batches)))
+        return run(self, action)
+
+    ex.Executor._run = _run
+    out = run_rank(rank, world, job)
+    out["seen"] = seen
+    return out
+
+
+def test_every_batch_is_on_the_device_before_the_first_action(state):
+    """Batches move at the step's start (pinned and non-blocking on a GPU), never mid-step
+    where a copy from pageable memory would stall the queued kernels: every action of the
+    step sees the same held micro-batches, all of the step's."""
+    schedule = runtime_schedule(TINY, PP2, 1, N, "optimus")
+    job = RuntimeJob(ModelParts(TINY, state), PlanParts(PP2, schedule=schedule), DataParts(1, N))
+    for out in spawn(_batches_seen_by_actions, 2, job):
+        assert out["seen"] and set(out["seen"]) == {tuple(range(N))}, set(out["seen"])
+
+
 # -- 6: the fills' scratch buffer --------------------------------------------------------------
 def test_fills_never_touch_the_scratch_buffer_of_an_in_flight_collective(state):
     """With sequence parallelism the backbone's in-flight all-gather writes into megatron-core's

@@ -50,44 +50,55 @@ def _save(name: str, value) -> None:
     (OUT / name).write_text(json.dumps(value, indent=1) + "\n")
 
 
-def test_bf16_distributed_optimizer_trains_a_mid_size_mllm_within_the_memory_plan():
-    """Ten bf16 steps (distributed optimizer, overlapped reduction): the loss falls, nothing is
-    NaN or skipped, and torch.cuda.max_memory_allocated is within 0.8-1.5x of the planner's
-    estimate (model state + saved activations; the allocator adds workspace and fragments)."""
+def _write_full_state(rank: int, world: int, cfg, seed: int, path: str) -> str:
+    """The canonical weights written to `path` by the child that made them: a mid-size state
+    (1.6 GB) never travels as a spawn argument or result through /dev/shm."""
+    from megatron_mllm.models.weights import save_full_state
+
+    return save_full_state(make_full_state(rank, world, cfg, seed), path)
+
+
+def bf16_steps_within_the_memory_plan(cfg, tmp_path, steps: int) -> dict:
+    """`steps` bf16 steps (distributed optimizer, overlapped reduction) on one rank from a
+    weights file: the loss falls, nothing is NaN or skipped, and memory matches the plan part
+    by part: model states (parameters, gradient buffers, optimizer) within 10% of the
+    planner's, saved activations within 0.5-2x (autograd's choice of what to save is not the
+    cost model's count); on a GPU the allocator's peak is at least both and at most 1.5x."""
     from megatron_mllm.runtime.memory import planned_memory
     from megatron_mllm.runtime.schedules import runtime_plan
 
     plan = ParallelPlan(1, 1, 1)
-    state = spawn(make_full_state, 1, MID, 0)[0]
-    schedule, workload = runtime_plan(MID, plan, 2, 4, "megatron")
+    weights = spawn(_write_full_state, 1, cfg, 0, str(tmp_path / "weights.pt"))[0]
+    schedule, workload = runtime_plan(cfg, plan, 2, 4, "megatron")
     opt = OptimizerSettings(
         lr=3e-4, clip_grad=1.0, distributed=True, overlap_grad_reduce=True, grad_reduce_in_fp32=True
     )
     job = RuntimeJob(
-        ModelParts(MID, state, precision="bf16"),
+        ModelParts(cfg, weights, precision="bf16"),
         PlanParts(plan, schedule),
         DataParts(2, 4),
-        steps=10,
+        steps=steps,
         optimizer=opt,
         collect=Collect(grads=False, memory=True),
     )
     (out,) = spawn(run_rank, 1, job)
     means = [sum(h.values()) / len(h) for h in out["history"]]
     planned = planned_memory(schedule, workload)[0]
-    estimate = planned["state"] + planned["activations"]
-    peak = out["memory"]["device_peak"]
-    _save(
-        "bf16_mid_size.json",
-        {
-            "losses": means,
-            "memory": out["memory"],
-            "planned": planned,
-            "peak_vs_plan": peak / estimate,
-        },
-    )
+    memory = out["memory"]
+    state = memory["params"] + memory["grads"] + memory["optimizer"]
     assert all(math.isfinite(m) for m in means) and means[-1] < means[0]
     assert out["skipped_iterations"] == 0
-    assert 0.8 < peak / estimate < 1.5, (peak, planned)
+    assert 0.9 < state / planned["state"] < 1.1, (memory, planned)
+    assert 0.5 < memory["activations"] / planned["activations"] < 2.0, (memory, planned)
+    if "device_peak" in memory:
+        assert state + memory["activations"] <= memory["device_peak"], (memory, planned)
+        assert memory["device_peak"] < 1.5 * (planned["state"] + planned["activations"]), memory
+    return {"losses": means, "memory": memory, "planned": planned}
+
+
+def test_bf16_distributed_optimizer_trains_a_mid_size_mllm_within_the_memory_plan(tmp_path):
+    """Ten bf16 steps of the ~0.4B MLLM on the GPU within the memory plan, part by part."""
+    _save("bf16_mid_size.json", bf16_steps_within_the_memory_plan(MID, tmp_path, steps=10))
 
 
 def test_paper_layers_per_kernel_times_at_tp8_shapes():

@@ -55,13 +55,22 @@ class MicroBatch:
         return (self.image_mask.sum(1) // self.image_tokens).tolist()
 
     def to(self, device: torch.device, dtype: torch.dtype) -> MicroBatch:
-        """On `device`, images in the pipeline dtype."""
+        """On `device`, images in the pipeline dtype; to a GPU from pinned host memory without
+        blocking the host (the copies are ordered on the current stream before any use)."""
+        device = torch.device(device)
+        gpu = device.type == "cuda"
+
+        def move(t: torch.Tensor, dt: torch.dtype | None = None) -> torch.Tensor:
+            if gpu and t.device.type == "cpu":
+                t = t.pin_memory()
+            return t.to(device, dt, non_blocking=gpu)
+
         return replace(
             self,
-            images=self.images.to(device, dtype),
-            tokens=self.tokens.to(device),
-            labels=self.labels.to(device),
-            image_mask=self.image_mask.to(device),
+            images=move(self.images, dtype),
+            tokens=move(self.tokens),
+            labels=move(self.labels),
+            image_mask=move(self.image_mask),
         )
 
     def select(self, rows: list[int], image_tokens: int) -> MicroBatch:

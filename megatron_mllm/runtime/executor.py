@@ -208,6 +208,7 @@ class Executor:
             self.recv_lookahead,
             self.dtype,
         )
+        self._move_batches()
 
     def _capture_hook(self):
         """On the last stage, for a coreset pool's forward (a forward-only pass, or look-ahead
@@ -475,6 +476,19 @@ class Executor:
         if mb not in self._batches:
             self._batches[mb] = self.data(mb).to(self.device, self.dtype)
         return self._batches[mb]
+
+    def _move_batches(self) -> None:
+        """Every micro-batch the program touches, on the device from the step's start: a
+        GPU copies them from pinned host memory without blocking the host, so no copy waits
+        mid-step behind queued kernels (`MicroBatch.to`)."""
+        wanted = set()
+        for op in self.program:
+            if op.kind == "run" and op.action.kind not in ("AG", "RS"):
+                wanted.add(op.action.mb)
+            elif op.kind in ("send", "recv"):
+                wanted.add(TensorKey.parse(op.key).mb)
+        for mb in sorted(wanted):
+            self._batch(mb)
 
     # -- backbone --------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
