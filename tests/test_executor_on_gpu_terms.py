@@ -14,6 +14,7 @@ from megatron_mllm.runtime.job import (
     DataParts,
     ExecutorSettings,
     ModelParts,
+    OptimizerSettings,
     PlanParts,
     RuntimeJob,
     encoder_plan_of,
@@ -224,6 +225,52 @@ def test_fills_never_touch_the_scratch_buffer_of_an_in_flight_collective(state):
     seen = {k: sum(o["scratch"][k] for o in outs) for k in ("calls", "on_collective_buffer")}
     assert seen["calls"] > 0, "fills never asked for scratch memory: the sentinel sees nothing"
     assert seen["on_collective_buffer"] == 0, seen
+
+
+def _reductions_started(rank, world, job):
+    """`run_rank`, counting encoder-bucket reductions started inside a backbone TP wait (which
+    runs fills) and outside one."""
+    import megatron_mllm_patches.async_tp_collectives as tp
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup as G
+
+    counts, depth = {"inside": 0, "outside": 0}, [0]
+    wait, start = tp.wait_filling, G.start_grad_sync
+
+    def wait_filling(work, kind):
+        depth[0] += 1
+        try:
+            return wait(work, kind)
+        finally:
+            depth[0] -= 1
+
+    def start_grad_sync(self, *args, **kwargs):
+        counts["inside" if depth[0] else "outside"] += 1
+        return start(self, *args, **kwargs)
+
+    tp.wait_filling, G.start_grad_sync = wait_filling, start_grad_sync
+    out = run_rank(rank, world, job)
+    out["reductions"] = counts
+    return out
+
+
+def test_no_gradient_reduction_starts_inside_a_backbone_tp_wait(state):
+    """Encoder backward fills inside the backbone's TP collectives with overlapped gradient
+    reduction: a bucket made ready by a fill starts its reduction after the collective, never
+    inside its wait (on NCCL the ranks would order the two communicators' calls differently)."""
+    plan = ParallelPlan(1, 2, 1)
+    schedule = runtime_schedule(TINY, plan, 1, N, "optimus", unit="kernel")
+    job = RuntimeJob(
+        ModelParts(TINY, state),
+        PlanParts(plan, schedule=schedule, encoder_units="kernel"),
+        DataParts(1, N),
+        steps=2,  # the first step learns the buckets' counts; the second starts them in hooks
+        optimizer=OptimizerSettings(overlap_grad_reduce=True),
+        executor=ExecutorSettings(overlap_tp_fills=True),
+    )
+    outs = spawn(_reductions_started, 2, job)
+    assert sum(o["overlapped"] for o in outs) > 0
+    assert all(o["reductions"]["inside"] == 0 for o in outs), [o["reductions"] for o in outs]
+    assert sum(o["reductions"]["outside"] for o in outs) > 0
 
 
 # -- 7: fill pacing ----------------------------------------------------------------------------

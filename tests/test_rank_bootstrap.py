@@ -208,3 +208,35 @@ def test_a_failed_ranks_traceback_is_kept():
     for rank in (0, 1):
         report = err.value.tracebacks[rank]
         assert "Traceback" in report and "in inner" in report and "_fails_deep" in report
+
+
+def _exchange_groups(rank, world):
+    import torch.distributed as dist
+
+    from megatron_mllm.runtime.bootstrap import init_rank, partition_subgroups
+    from megatron_mllm.runtime.sample_exchange import dp_exchange_group
+
+    init_rank(rank, world, 0, 60)
+    try:
+        partition_subgroups([[0, 1], [1, 2, 3]], backend="gloo")
+        refused = ""
+    except ValueError as err:
+        refused = str(err)
+    group = dp_exchange_group(ParallelPlan(2, 1, 2), rank)  # DP 2 x PP 2
+    out = {"refused": refused, "mine": dist.get_process_group_ranks(group)}
+    dist.destroy_process_group()
+    return out
+
+
+def test_gloo_subgroups_are_a_partition_created_on_every_rank():
+    """Under a GPU-bound default group a rank outside a new gloo group still joins an NCCL
+    split that its members skip: such groups are made as a partition of the world, in one
+    enumeration on every rank, and anything else is refused before a group is created."""
+    outs = spawn(_exchange_groups, 4)
+    assert all("do not partition the 4 ranks" in o["refused"] for o in outs), outs
+    from megatron_mllm.parallel.groups import backbone_rank
+
+    plan = ParallelPlan(2, 1, 2)
+    for rank, out in enumerate(outs):
+        stage = next(s for s in range(2) if rank in [backbone_rank(plan, 0, d, s) for d in (0, 1)])
+        assert out["mine"] == [backbone_rank(plan, 0, d, stage) for d in (0, 1)]

@@ -87,3 +87,19 @@ def init_rank(rank: int, world: int, seed: int, timeout_s: float) -> torch.devic
     parallel_state._set_global_memory_buffer()  # attention's scratch buffer, not parallel state
     seed_model_parallel(seed)
     return device
+
+
+def partition_subgroups(lists: list[list[int]], backend: str | None = None):
+    """This rank's group of `lists`, every group created on every rank in one enumeration.
+
+    Under a GPU-bound default group each rank outside a new group takes part in an NCCL
+    "no colour" split of the default group, whatever the new group's backend, and a rank
+    inside a gloo group takes part in none: the ranks' split calls pair up only when every
+    rank is outside the same number of groups, which holds for a partition of the world (any
+    sizes) and is refused for anything else."""
+    world = dist.get_world_size()
+    members = sorted(r for ranks in lists for r in ranks)
+    if members != list(range(world)):
+        raise ValueError(f"process groups {lists} do not partition the {world} ranks")
+    mine, _ = dist.new_subgroups_by_enumeration(lists, backend=backend)
+    return mine

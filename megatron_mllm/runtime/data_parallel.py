@@ -27,6 +27,8 @@ their gradients add up, then average over the backbone's replicas (`divide_by`).
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -42,8 +44,9 @@ def dedicated_group(group):
 
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, tuple(dist.get_process_group_ranks(group)))
-    mine, _ = dist.new_subgroups_by_enumeration([list(r) for r in sorted(set(every))])
-    return mine
+    from megatron_mllm.runtime.bootstrap import partition_subgroups
+
+    return partition_subgroups([list(r) for r in sorted(set(every))])
 
 
 def ddp_groups(pg, dp_group, solo):
@@ -149,6 +152,29 @@ class PartGradSync:
         """Before a step's first backward: empty the gradient buffers (and bucket counts)."""
         for ddp in self.ddps:
             ddp.zero_grad_buffer()
+
+
+@contextlib.contextmanager
+def reductions_held(syncs: Iterable[PartGradSync]) -> Iterator[list]:
+    """Inside: a bucket whose gradients become ready (an encoder backward run as a fill inside
+    a backbone TP collective's wait) starts its reduction only on leaving, in the order they
+    became ready. On NCCL a reduction started inside that wait would be ordered against the TP
+    collective differently on ranks whose backward ran outside one. Yields the held list."""
+    held: list = []
+    groups = [g for s in syncs if s.overlap for ddp in s.ddps for g in ddp.bucket_groups]
+
+    def holder(group):
+        return lambda force_all_reduce=False: held.append((group, force_all_reduce))
+
+    for g in groups:
+        g.start_grad_sync = holder(g)  # an instance attribute over the class's method
+    try:
+        yield held
+    finally:
+        for g in groups:
+            del g.start_grad_sync
+        for g, force in held:
+            g.start_grad_sync(force_all_reduce=force)
 
 
 def wrap_part(

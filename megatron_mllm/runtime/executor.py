@@ -28,12 +28,13 @@ from megatron_mllm.data.batch import MicroBatch
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
 from megatron_mllm.runtime.clock import StepClock
+from megatron_mllm.runtime.data_parallel import reductions_held
 from megatron_mllm.runtime.fill_pacing import FillPacer, fill_budgets, planned_bubbles
 from megatron_mllm.runtime.messages import RECV_LOOKAHEAD, Messages, PeerFailure
 from megatron_mllm.runtime.program import Op
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.dataflow import Dataflow
-from megatron_mllm.schedule.keys import TensorKey, part_name
+from megatron_mllm.schedule.keys import TensorKey, part_encoder, part_name
 from megatron_mllm.schedule.schedule import ScheduleMeta
 from megatron_mllm.schedule.simulator import Span
 
@@ -312,7 +313,8 @@ class Executor:
         planned = self._planned.get(kind, 1)
         budgets = fill_budgets(op.fills, self._collectives.get(kind, planned), planned)
         pacer = FillPacer(op.fills, budgets, self._fill)
-        with filling(pacer):
+        encoders = [s for k, s in self.grad_sync.items() if part_encoder(k) is not None]
+        with reductions_held(encoders), filling(pacer):
             self._run(a)
         self._collectives.setdefault(kind, len(pacer.ran))
         self.result.fills_per_wait += pacer.ran

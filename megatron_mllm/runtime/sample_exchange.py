@@ -39,15 +39,16 @@ def deal_locally(replicas: list[list[MicroBatch]]) -> list[list[MicroBatch]]:
 
 def dp_exchange_group(plan: ParallelPlan, rank: int):
     """The gloo group of the ranks sharing `rank`'s TP and PP coordinates, one per replica,
-    in replica order. Collective: every rank creates every such group, in the same order."""
-    mine = None
-    for stage in range(plan.pp):
-        for tp in range(plan.tp):
-            ranks = [backbone_rank(plan, tp, dp, stage) for dp in range(plan.dp)]
-            group = dist.new_group(ranks, backend="gloo")
-            if rank in ranks:
-                mine = group
-    return mine
+    in replica order. Collective: every rank creates every such group (a partition of the
+    ranks, see `partition_subgroups`)."""
+    lists = [
+        [backbone_rank(plan, tp, dp, stage) for dp in range(plan.dp)]
+        for stage in range(plan.pp)
+        for tp in range(plan.tp)
+    ]
+    from megatron_mllm.runtime.bootstrap import partition_subgroups
+
+    return partition_subgroups(lists, backend="gloo")
 
 
 def deal_across(batches: list[MicroBatch], group) -> list[MicroBatch]:
