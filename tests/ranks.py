@@ -12,8 +12,10 @@ import traceback
 from pathlib import Path
 
 
-def _main_in_rank(rank: int, world: int, argv: list[str], env: dict, out_dir: str) -> int:
-    """One rank: its environment, its stdout and stderr into files, train.main(argv)."""
+def _main_in_rank(
+    rank: int, world: int, argv: list[str], env: dict, out_dir: str, faults=None
+) -> int:
+    """One rank: its environment, its stdout and stderr into files, train.main(argv, faults)."""
     os.environ.update(env)
     out = Path(out_dir)
     for fd, name in ((1, f"rank{rank}.out"), (2, f"rank{rank}.err")):
@@ -22,7 +24,7 @@ def _main_in_rank(rank: int, world: int, argv: list[str], env: dict, out_dir: st
     from megatron_mllm.training.train import main
 
     try:
-        code = main(argv)
+        code = main(argv, faults)
     except SystemExit as err:
         code = err.code if isinstance(err.code, int) else 1
     except Exception:  # noqa: BLE001 - what a crashed rank would print
@@ -42,9 +44,12 @@ def _release_save_locks() -> None:
         save_lock.release(Path(path))
 
 
-def pretrain(*args: str, nproc: int = 2, env: dict | None = None, timeout_s: float = 300):
-    """Run pretrain_mllm.py's main with `args` on `nproc` ranks; a CompletedProcess with every
-    rank's stdout (and stderr) in rank order and the first non-zero exit code."""
+def pretrain(
+    *args: str, nproc: int = 2, env: dict | None = None, timeout_s: float = 300, faults=None
+):
+    """Run pretrain_mllm.py's main with `args` on `nproc` ranks (`faults`: a FaultHooks to
+    inject); a CompletedProcess with every rank's stdout (and stderr) in rank order and the
+    first non-zero exit code."""
     from megatron_mllm.runtime.launch import spawn
 
     with tempfile.TemporaryDirectory() as out_dir:
@@ -54,6 +59,7 @@ def pretrain(*args: str, nproc: int = 2, env: dict | None = None, timeout_s: flo
             [str(a) for a in args],
             dict(env or {}),
             out_dir,
+            faults,
             timeout_s=timeout_s,
             allow_failures=True,
         )

@@ -1,6 +1,6 @@
 """--check-for-nan-in-loss-and-grad: a NaN step is skipped (state unchanged), counted, and
 --max-skipped-iterations of them in a row stop the run in one line, keeping the last good
-checkpoint. The NaN comes from the test hook (MEGATRON_MLLM_TEST_NAN_LOSS_STEPS), not a flag."""
+checkpoint. The NaN comes from the test's fault hooks (train.main's `faults`), not a flag."""
 
 import re
 
@@ -9,7 +9,13 @@ import pytest
 from tests.test_training import COMMON, torchrun
 
 PP2 = ["--pipeline-model-parallel-size", "2", *COMMON[:2], "--lr", "1e-2"]
-NAN = "MEGATRON_MLLM_TEST_NAN_LOSS_STEPS"
+
+
+def nan_at(*steps: int):
+    """Fault hooks making the loss of `steps` (0-based) NaN."""
+    from megatron_mllm.runtime.job import FaultHooks
+
+    return FaultHooks(nan_loss_steps=frozenset(steps))
 
 
 def counts(stdout: str) -> list[tuple[str, str]]:
@@ -21,7 +27,7 @@ def test_a_nan_step_is_skipped_counted_and_not_saved(tmp_path):
     """Step 1 (iteration 2) is NaN: skipped, counted, and the save that falls on it is not
     taken (a skip is where a poisoned state shows); the next iteration saves again."""
     args = [*PP2, "--train-iters", "3", "--use-distributed-optimizer", "--bf16"]
-    out = torchrun(*args, "--save", str(tmp_path), "--save-interval", "1", env={NAN: "1"})
+    out = torchrun(*args, "--save", str(tmp_path), "--save-interval", "1", faults=nan_at(1))
     assert out.returncode == 0, out.stderr[-2000:]
     assert counts(out.stdout) == [("0", "0"), ("1", "1"), ("0", "0")]
     assert " > save at iteration 2 not taken: the last 1 iteration(s) had a NaN" in out.stdout
@@ -74,7 +80,9 @@ def test_a_skipped_step_leaves_the_parameters_unchanged():
 @pytest.mark.slow  # the skip itself runs in make test (above)
 def test_nan_steps_in_a_row_stop_the_run_and_keep_the_last_checkpoint(tmp_path):
     args = [*PP2, "--train-iters", "8", "--max-skipped-iterations", "3"]
-    out = torchrun(*args, "--save", str(tmp_path), "--save-interval", "1", env={NAN: "2,3,4,5,6,7"})
+    out = torchrun(
+        *args, "--save", str(tmp_path), "--save-interval", "1", faults=nan_at(2, 3, 4, 5, 6, 7)
+    )
     assert out.returncode != 0
     line = "error: 3 iterations in a row (the last 5) had a NaN or Inf loss or gradient norm"
     assert line in out.stderr, out.stderr[-2000:]
@@ -89,6 +97,6 @@ def test_nan_steps_in_a_row_stop_the_run_and_keep_the_last_checkpoint(tmp_path):
 @pytest.mark.slow
 def test_without_the_check_a_nan_step_is_applied(tmp_path):
     args = [*PP2, "--train-iters", "3", "--no-check-for-nan-in-loss-and-grad"]
-    out = torchrun(*args, "--save", str(tmp_path), env={NAN: "1"})
+    out = torchrun(*args, "--save", str(tmp_path), faults=nan_at(1))
     assert out.returncode != 0  # NaN parameters are never saved, even then
     assert "parameters hold NaN or Inf at iteration 3: not saved; no checkpoint" in out.stderr

@@ -26,13 +26,14 @@ COMMON = [
 ]
 
 
-def torchrun(*args, nproc=2, env: dict | None = None, launcher: bool = False):
-    """pretrain_mllm.py on `nproc` ranks: its main in forked rank processes (tests/ranks.py),
-    or with `launcher` under real torchrun (for what is about the launcher)."""
+def torchrun(*args, nproc=2, env: dict | None = None, launcher: bool = False, faults=None):
+    """pretrain_mllm.py on `nproc` ranks: its main in forked rank processes (tests/ranks.py,
+    `faults` a FaultHooks to inject), or with `launcher` under real torchrun (for what is
+    about the launcher)."""
     if not launcher:
         from tests.ranks import pretrain
 
-        return pretrain(*args, nproc=nproc, env=env)
+        return pretrain(*args, nproc=nproc, env=env, faults=faults)
     cmd = [
         sys.executable,
         "-m",

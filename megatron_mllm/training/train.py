@@ -8,6 +8,7 @@ import json
 import math
 import os
 import time
+from typing import TYPE_CHECKING
 
 from megatron_mllm.errors import ConfigError, RunStopped, exit_on_config_error
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
@@ -21,9 +22,13 @@ from megatron_mllm.training.log import (
 )
 from megatron_mllm.training.model_args import initial_weights, model_config
 
+if TYPE_CHECKING:
+    from megatron_mllm.runtime.job import FaultHooks
+
 
 @exit_on_config_error
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, faults: FaultHooks | None = None) -> int:
+    """pretrain_mllm.py: train as `argv` says; `faults`: injected failures (tests only)."""
     from megatron_mllm.training.arguments import parse_args
 
     args = parse_args(argv)
@@ -79,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
 
     predicted = simulate(schedule, workload)
     pools = coreset_schedules(args, cfg, plan, schedule, workload)
-    return _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase)
+    return _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase, faults)
 
 
 def plan_candidates_of(args, cfg, plan, n_mb) -> tuple:
@@ -149,13 +154,14 @@ def recompute_of(args) -> Recompute:
     )
 
 
-def runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units):
+def runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units, faults=None):
     """The RuntimeJob that pretrain_mllm.py's arguments describe; `pools`: the coreset pool's
     schedule and the look-ahead one (or None)."""
     from megatron_mllm.runtime.job import (
         Collect,
         DataParts,
         ExecutorSettings,
+        FaultHooks,
         ModelParts,
         OptimizerSettings,
         PlanParts,
@@ -197,7 +203,7 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units):
             initial_loss_scale=args.initial_loss_scale,
             check_nan=args.check_for_nan_in_loss_and_grad,
         ),
-        faults=test_faults(),
+        faults=faults or FaultHooks(),
         collect=Collect(grads=False),
         executor=ExecutorSettings(
             overlap_tp_fills=args.overlap_tp_fills,
@@ -208,15 +214,7 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units):
     )
 
 
-def test_faults():
-    """Fault injection for the tests, from the environment (never a command-line flag)."""
-    from megatron_mllm.runtime.job import FaultHooks
-
-    steps = os.environ.get("MEGATRON_MLLM_TEST_NAN_LOSS_STEPS", "")  # e.g. "2,3"
-    return FaultHooks(nan_loss_steps=frozenset(int(s) for s in steps.split(",") if s))
-
-
-def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None) -> int:
+def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None, faults=None) -> int:
     import torch.distributed as dist
 
     from megatron_mllm.parallel.groups import build_colocated_groups
@@ -232,7 +230,7 @@ def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None) -> int
     probe = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
     state = initial_weights(cfg, probe)
     full_shapes = {k: tuple(v.shape) for k, v in state.items()}
-    job = runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units)
+    job = runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units, faults)
     if phase is not None:
         from megatron_mllm.training.plan_candidates import CandidateRun
 
