@@ -8,8 +8,8 @@ parameters the way megatron-core's FusedLayerNorm does (`param.sequence_parallel
 tells the gradient finalisation to sum them over the TP group). The norm itself is per token and
 needs nothing else. This patch builds the torch norm as upstream does and sets that mark, so
 without Apex the backbone can run with sequence parallelism; our runtime then sums the marked
-gradients (runtime/optimizer.py `allreduce_sequence_parallel_grads`), as finalize_model_grads
-would.
+gradients (runtime/assembly/optimizer.py `allreduce_sequence_parallel_grads`), as
+finalize_model_grads would.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """pretrain_mllm.py's main in rank processes forked from the launcher's preloaded server
-(runtime/launch.py): what torchrun would run, without its seconds of start-up per rank. The
+(runtime/assembly/launch.py): what torchrun would run, without its seconds of start-up per rank. The
 tests about the launcher itself (its signals, a killed rank) use real torchrun."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def pretrain(
     """Run pretrain_mllm.py's main with `args` on `nproc` ranks (`faults`: a FaultHooks to
     inject); a CompletedProcess with every rank's stdout (and stderr) in rank order and the
     first non-zero exit code."""
-    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.assembly.launch import spawn
 
     with tempfile.TemporaryDirectory() as out_dir:
         codes = spawn(

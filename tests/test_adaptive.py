@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import BENCH
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.schedules import job_of
+from megatron_mllm.runtime.planning.schedules import job_of
 from megatron_mllm.schedule.actions import EF
 from megatron_mllm.schedule.adaptive import AdaptivePlanner, timed_step
 from megatron_mllm.schedule.blocks import JobCosts
@@ -162,7 +162,7 @@ def test_a_plan_not_ready_in_time_falls_back_to_the_static_schedule(tmp_path):
 
     import torch.distributed as dist
 
-    from megatron_mllm.runtime.step_plans import StepPlanner
+    from megatron_mllm.runtime.planning.step_plans import StepPlanner
 
     release = threading.Event()
 

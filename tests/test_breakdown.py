@@ -1,11 +1,11 @@
-"""Where a step's time goes (runtime/breakdown.py): interval arithmetic and the breakdown of a
-step's spans, on spans whose answer is known."""
+"""Where a step's time goes (runtime/engine/breakdown.py): interval arithmetic and the
+breakdown of a step's spans, on spans whose answer is known."""
 
 from __future__ import annotations
 
 import pytest
 
-from megatron_mllm.runtime.breakdown import breakdown_of_spans, measure, minus, union
+from megatron_mllm.runtime.engine.breakdown import breakdown_of_spans, measure, minus, union
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.simulator import Span
 

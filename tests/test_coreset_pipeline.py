@@ -85,7 +85,7 @@ def _broadcast(rank, world):
 
 
 def test_pipeline_stages_get_the_last_stages_selection():
-    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.assembly.launch import spawn
 
     assert spawn(_broadcast, 2) == [[3, 1, 4, 1], [3, 1, 4, 1]]
 
@@ -163,7 +163,7 @@ def test_tp2_selection_equals_tp1_selection(features):
     autograd's per-example gradients."""
     from megatron_mllm.data.coreset import CoresetSelector, LossReplay
     from megatron_mllm.data.sampler import VocabParallelReplay
-    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.assembly.launch import spawn
 
     hidden, labels, sources, weight = _pool()
     replay = VocabParallelReplay()
@@ -194,8 +194,8 @@ def _chunked_and_whole(rank, world):
     from megatron_mllm.data.sampler import VocabParallelReplay
     from megatron_mllm.data.synthetic import samples
     from megatron_mllm.models.config import MLLMConfig
-    from megatron_mllm.runtime.bootstrap import init_rank, seed_model_parallel
-    from megatron_mllm.runtime.model_builder import build_full_model
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank, seed_model_parallel
+    from megatron_mllm.runtime.assembly.model_builder import build_full_model
 
     init_rank(rank, world, 0, 60.0)
     cfg = MLLMConfig(llm_layers=2)
@@ -232,7 +232,7 @@ def _chunked_and_whole(rank, world):
 def test_chunked_pool_forward_gives_the_features_of_one_pass():
     """The pool's gradient-free forward in chunks of B (its memory B's) gives the output-layer
     inputs, zeroth-order features and selection of one pass over the whole pool."""
-    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.assembly.launch import spawn
 
     whole, chunked, ((f1, s1), (f2, s2)) = spawn(_chunked_and_whole, 1)[0]
     torch.testing.assert_close(chunked, whole, rtol=1e-5, atol=1e-5)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_mllm.runtime.launch import spawn
+from megatron_mllm.runtime.assembly.launch import spawn
 
 STEPS = 3
 LR = 1e-3
@@ -66,8 +66,8 @@ def _train(
     import torch.distributed as dist
 
     from megatron_mllm.models.config import TINY
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.model_builder import BackbonePlacement, build_rank_model
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.model_builder import BackbonePlacement, build_rank_model
 
     device = init_rank(rank, world, 0, 60.0)
     pg = _groups(rank, world, broken_dp)
@@ -75,7 +75,7 @@ def _train(
     bb = build_rank_model(TINY, BackbonePlacement(pg), None, device, dtype=dtype).backbone
     losses, norms = [], []
     if mode == "replicated":
-        from megatron_mllm.runtime.optimizer import build_optimizer, clip_by_global_norm
+        from megatron_mllm.runtime.assembly.optimizer import build_optimizer, clip_by_global_norm
 
         opt = build_optimizer([bb], LR)
         for step in range(STEPS):

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import BENCH
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.schedules import runtime_plan
+from megatron_mllm.runtime.planning.schedules import runtime_plan
 from megatron_mllm.schedule.keys import TensorKey
 from megatron_mllm.schedule.simulator import simulate
 

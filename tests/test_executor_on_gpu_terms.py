@@ -10,6 +10,7 @@ import pytest
 
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.assembly.launch import spawn
 from megatron_mllm.runtime.job import (
     DataParts,
     ExecutorSettings,
@@ -19,10 +20,9 @@ from megatron_mllm.runtime.job import (
     RuntimeJob,
     encoder_plan_of,
 )
-from megatron_mllm.runtime.launch import spawn
-from megatron_mllm.runtime.reference import make_full_state
-from megatron_mllm.runtime.runs import run_rank
-from megatron_mllm.runtime.schedules import runtime_schedule
+from megatron_mllm.runtime.modes.reference import make_full_state
+from megatron_mllm.runtime.modes.runs import run_rank
+from megatron_mllm.runtime.planning.schedules import runtime_schedule
 from megatron_mllm.schedule.actions import EF
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
@@ -39,7 +39,7 @@ def state():
 def _probe(rank, world, job, settings, watch_scratch=False):
     """`run_rank`, with every Executor given `settings` (attributes) before its step and its
     StepResults returned as result["steps"]; optionally with the scratch-buffer sentinel."""
-    from megatron_mllm.runtime import executor as ex
+    from megatron_mllm.runtime.engine import executor as ex
 
     steps, original = [], ex.Executor.run_step
 
@@ -66,7 +66,7 @@ def _watch_scratch() -> dict:
     from megatron.core import parallel_state
     from megatron.core.utils import GlobalMemoryBuffer
 
-    from megatron_mllm.runtime import executor as ex
+    from megatron_mllm.runtime.engine import executor as ex
 
     seen = {"calls": 0, "on_collective_buffer": 0}
     now = {"owner": None, "fill": 0}
@@ -102,7 +102,7 @@ def _watch_scratch() -> dict:
 
 
 def _programs(schedule, plan):
-    from megatron_mllm.runtime.program import all_programs
+    from megatron_mllm.runtime.engine.program import all_programs
 
     enc_plan, stage0 = encoder_plan_of(schedule, plan)
     return all_programs(schedule, plan, plan if stage0 else enc_plan, enc_plan.tp)
@@ -114,8 +114,8 @@ def test_ordered_receives_are_posted_lazily_within_the_lookahead(state):
     receives are posted when needed plus at most `recv_lookahead`, never all at step start.
     The program has more messages per sender than that bound, so posting them all up front
     would break it."""
-    from megatron_mllm.runtime.messages import RECV_LOOKAHEAD
-    from megatron_mllm.runtime.program import receive_orders
+    from megatron_mllm.runtime.engine.messages import RECV_LOOKAHEAD
+    from megatron_mllm.runtime.engine.program import receive_orders
 
     schedule = runtime_schedule(TINY, PP2, 1, N, "optimus")
     programs = _programs(schedule, PP2)
@@ -145,8 +145,8 @@ def _use_schedule_twice(rank, world, job):
     process groups created meanwhile, then takes a step on the reused groups."""
     import torch.distributed as dist
 
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.executor_run import ExecutorRun
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.modes.executor_run import ExecutorRun
 
     device = init_rank(rank, world, job.data.seed, job.timeout_s)
     run = ExecutorRun(rank, world, job, device)
@@ -183,7 +183,7 @@ def test_a_replan_reuses_the_message_pairs_groups(state):
 
 def _batches_seen_by_actions(rank, world, job):
     """`run_rank`, recording at every action which micro-batches the executor holds."""
-    from megatron_mllm.runtime import executor as ex
+    from megatron_mllm.runtime.engine import executor as ex
 
     seen, run = [], ex.Executor._run
 
@@ -288,7 +288,7 @@ class _NeverDone:
 
 
 def test_fill_budgets_follow_the_planned_bubbles():
-    from megatron_mllm.runtime.fill_pacing import fill_budgets
+    from megatron_mllm.runtime.engine.fill_pacing import fill_budgets
 
     fills = tuple(EF(0, 0, 0, 0, k, k + 1, fill=k) for k in range(5))
     assert fill_budgets(fills, 9, 9) == [1, 1, 1, 1, 1, 0, 0, 0, 0]
@@ -304,7 +304,7 @@ def test_a_collective_never_seen_complete_runs_only_its_budget():
     import megatron_mllm_patches.async_tp_collectives as tp
     from megatron.core import parallel_state
 
-    from megatron_mllm.runtime.fill_pacing import FillPacer
+    from megatron_mllm.runtime.engine.fill_pacing import FillPacer
 
     ran, buffers = [], []
 

@@ -19,6 +19,7 @@ import torch
 from megatron_mllm.models.config import TINY
 from megatron_mllm.models.weights import assemble_grads
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.assembly.launch import spawn
 from megatron_mllm.runtime.job import (
     DataParts,
     ExecutorSettings,
@@ -28,10 +29,9 @@ from megatron_mllm.runtime.job import (
     RuntimeJob,
     encoder_plan_of,
 )
-from megatron_mllm.runtime.launch import spawn
-from megatron_mllm.runtime.reference import make_full_state
-from megatron_mllm.runtime.runs import run_rank
-from megatron_mllm.runtime.schedules import runtime_schedule
+from megatron_mllm.runtime.modes.reference import make_full_state
+from megatron_mllm.runtime.modes.runs import run_rank
+from megatron_mllm.runtime.planning.schedules import runtime_schedule
 
 pytestmark = pytest.mark.gpu
 N = 4  # micro-batches

@@ -14,6 +14,7 @@ import pytest
 
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.assembly.launch import spawn
 from megatron_mllm.runtime.job import (
     Collect,
     DataParts,
@@ -22,9 +23,8 @@ from megatron_mllm.runtime.job import (
     PlanParts,
     RuntimeJob,
 )
-from megatron_mllm.runtime.launch import spawn
-from megatron_mllm.runtime.reference import make_full_state
-from megatron_mllm.runtime.runs import run_rank
+from megatron_mllm.runtime.modes.reference import make_full_state
+from megatron_mllm.runtime.modes.runs import run_rank
 
 pytestmark = pytest.mark.gpu
 OUT = Path(os.environ.get("GPU_CHECK_OUT", "out/gpu_check"))
@@ -64,8 +64,8 @@ def bf16_steps_within_the_memory_plan(cfg, tmp_path, steps: int) -> dict:
     by part: model states (parameters, gradient buffers, optimizer) within 10% of the
     planner's, saved activations within 0.5-2x (autograd's choice of what to save is not the
     cost model's count); on a GPU the allocator's peak is at least both and at most 1.5x."""
-    from megatron_mllm.runtime.memory import planned_memory
-    from megatron_mllm.runtime.schedules import runtime_plan
+    from megatron_mllm.runtime.assembly.memory import planned_memory
+    from megatron_mllm.runtime.planning.schedules import runtime_plan
 
     plan = ParallelPlan(1, 1, 1)
     weights = spawn(_write_full_state, 1, cfg, 0, str(tmp_path / "weights.pt"))[0]
@@ -118,8 +118,8 @@ def test_paper_layers_per_kernel_times_at_tp8_shapes():
 def _kernel_times(rank: int, world: int) -> dict:
     import torch
 
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.profile_kernels import kernel_times
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.planning.profile_kernels import kernel_times
     from megatron_mllm.schedule.specs import BUILTIN_MODELS
 
     device = init_rank(rank, world, 0, 600.0)

@@ -9,8 +9,8 @@ import pytest
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.program import Op, all_programs
-from megatron_mllm.runtime.schedules import runtime_plan
+from megatron_mllm.runtime.engine.program import Op, all_programs
+from megatron_mllm.runtime.planning.schedules import runtime_plan
 from megatron_mllm.schedule.actions import parse_action
 from megatron_mllm.schedule.dataflow import RULES, Dataflow
 from megatron_mllm.schedule.keys import (

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from megatron_mllm.runtime.launch import spawn  # noqa: E402
+from megatron_mllm.runtime.assembly.launch import spawn  # noqa: E402
 from megatron_mllm.training.convert_llava import checkpoint_logits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

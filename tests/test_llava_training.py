@@ -12,12 +12,12 @@ from test_runtime import TRAIN, check_against, check_grads
 from megatron_mllm.data.llava_source import LlavaData
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.batches import StepData
+from megatron_mllm.runtime.assembly.launch import spawn
+from megatron_mllm.runtime.inputs.batches import StepData
 from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob, encoder_plan_of
-from megatron_mllm.runtime.launch import spawn
-from megatron_mllm.runtime.reference import make_full_state
-from megatron_mllm.runtime.runs import run_rank
-from megatron_mllm.runtime.schedules import runtime_schedule
+from megatron_mllm.runtime.modes.reference import make_full_state
+from megatron_mllm.runtime.modes.runs import run_rank
+from megatron_mllm.runtime.planning.schedules import runtime_schedule
 
 pytestmark = pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")
 SEQ, MB, N = 64, 2, 3  # sequence (image tokens included), micro-batch, micro-batches a step
@@ -122,7 +122,7 @@ def test_optimus_is_planned_for_the_data_sets_average_load(llava_dataset):
     """The converter records the training split's mean images per sample; the planner's
     encoder work scales with it (text-only samples count 0)."""
     from megatron_mllm.data.energon_llava import images_per_sample
-    from megatron_mllm.runtime.schedules import job_of
+    from megatron_mllm.runtime.planning.schedules import job_of
     from megatron_mllm.schedule.blocks import JobCosts
 
     load = images_per_sample(llava_dataset[0])

@@ -12,6 +12,7 @@ from megatron_mllm.data.coreset import CoresetConfig
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.assembly.launch import spawn
 from megatron_mllm.runtime.job import (
     Collect,
     DataParts,
@@ -22,9 +23,8 @@ from megatron_mllm.runtime.job import (
     RuntimeJob,
     check_job,
 )
-from megatron_mllm.runtime.launch import spawn
-from megatron_mllm.runtime.reference import make_full_state
-from megatron_mllm.runtime.schedules import pool_plan, runtime_plan
+from megatron_mllm.runtime.modes.reference import make_full_state
+from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
 from megatron_mllm.schedule.actions import B, F
 from megatron_mllm.schedule.lookahead import with_lookahead
 from megatron_mllm.schedule.schedule import Schedule
@@ -103,8 +103,8 @@ def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
     """Three runs on the same ranks: `ahead` looks ahead; `plain` selects each step's own pool
     (the same training at step 0); `copy` never steps: before each step it takes a copy of
     `ahead`'s weights and selector, and selects the next pool with them."""
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.executor_run import ExecutorRun
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.modes.executor_run import ExecutorRun
 
     device = init_rank(rank, world, 0, 60)
     ahead, plain, saved = (ExecutorRun(rank, world, job, device) for job in jobs)

@@ -43,6 +43,7 @@ def test_a_skipped_step_leaves_the_parameters_unchanged():
 
     from megatron_mllm.models.config import TINY
     from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.runtime.job import (
         Collect,
         DataParts,
@@ -52,10 +53,9 @@ def test_a_skipped_step_leaves_the_parameters_unchanged():
         PlanParts,
         RuntimeJob,
     )
-    from megatron_mllm.runtime.launch import spawn
-    from megatron_mllm.runtime.reference import make_full_state
-    from megatron_mllm.runtime.runs import run_rank
-    from megatron_mllm.runtime.schedules import runtime_schedule
+    from megatron_mllm.runtime.modes.reference import make_full_state
+    from megatron_mllm.runtime.modes.runs import run_rank
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
 
     plan = ParallelPlan(1, 1, 2)
     state = spawn(make_full_state, 1, TINY, 0)[0]

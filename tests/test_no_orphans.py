@@ -9,7 +9,7 @@ import time
 import psutil
 import pytest
 
-from megatron_mllm.runtime.launch import free_port
+from megatron_mllm.runtime.assembly.launch import free_port
 from tests.conftest import ROOT
 
 

@@ -12,6 +12,7 @@ import pytest
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.assembly.launch import spawn
 from megatron_mllm.runtime.job import (
     Collect,
     DataParts,
@@ -21,10 +22,9 @@ from megatron_mllm.runtime.job import (
     PlanParts,
     RuntimeJob,
 )
-from megatron_mllm.runtime.launch import spawn
-from megatron_mllm.runtime.reference import make_full_state
-from megatron_mllm.runtime.runs import run_interleaved, run_rank
-from megatron_mllm.runtime.schedules import job_of
+from megatron_mllm.runtime.modes.reference import make_full_state
+from megatron_mllm.runtime.modes.runs import run_interleaved, run_rank
+from megatron_mllm.runtime.planning.schedules import job_of
 from megatron_mllm.schedule.blocks import JobCosts
 from megatron_mllm.training.plan_candidates import (
     CandidatePhase,

@@ -7,15 +7,15 @@ import sys
 
 import torch
 
-from megatron_mllm.runtime.launch import spawn
+from megatron_mllm.runtime.assembly.launch import spawn
 from megatron_mllm.schedule.cost_model import BACKWARD_KERNELS, FORWARD_KERNELS
 from tests.conftest import ROOT
 
 
 def _shard_shapes(rank: int, world: int) -> dict:
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.model_builder import solo_groups
-    from megatron_mllm.runtime.profile_kernels import shard_layer
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.model_builder import solo_groups
+    from megatron_mllm.runtime.planning.profile_kernels import shard_layer
     from megatron_mllm.schedule.specs import BUILTIN_MODELS
 
     init_rank(rank, world, 0, 60.0)

@@ -11,7 +11,8 @@ import torch
 
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.bootstrap import backend_for
+from megatron_mllm.runtime.assembly.bootstrap import backend_for
+from megatron_mllm.runtime.assembly.launch import spawn
 from megatron_mllm.runtime.job import (
     DataParts,
     ExecutorSettings,
@@ -21,9 +22,8 @@ from megatron_mllm.runtime.job import (
     RuntimeJob,
     encoder_plan_of,
 )
-from megatron_mllm.runtime.launch import spawn
-from megatron_mllm.runtime.reference import make_full_state
-from megatron_mllm.runtime.schedules import runtime_schedule
+from megatron_mllm.runtime.modes.reference import make_full_state
+from megatron_mllm.runtime.planning.schedules import runtime_schedule
 
 N = 4
 
@@ -35,7 +35,7 @@ def _upstream_seeding(rank: int, world: int, explicit: bool) -> dict:
     from megatron.core.tensor_parallel import random as mc_random
     from megatron_mllm_patches.cpu_rng_tracker import CPURNGStatesTracker
 
-    from megatron_mllm.runtime.bootstrap import seed_model_parallel
+    from megatron_mllm.runtime.assembly.bootstrap import seed_model_parallel
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     assert mc_random.model_parallel_cuda_manual_seed.__module__ == mc_random.__name__
@@ -52,8 +52,8 @@ def _first_weights(rank: int, world: int, upstream: bool) -> dict:
     """Initial weights after seeding with 7: megatron-core's own seeding (every CUDA rank's
     path) or the CPU patch's (init_rank on CPU)."""
     from megatron_mllm.models.weights import full_state
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.model_builder import build_full_model
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.model_builder import build_full_model
 
     if upstream:
         _upstream_seeding(rank, world, True)
@@ -88,8 +88,8 @@ def _group_order(rank: int, world: int, job: RuntimeJob) -> list[tuple[int, ...]
     import torch.distributed as dist
     from torch.distributed import distributed_c10d
 
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.executor_run import ExecutorRun
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.modes.executor_run import ExecutorRun
 
     device = init_rank(rank, world, job.data.seed, job.timeout_s)
     made, original = [], distributed_c10d.new_group
@@ -141,8 +141,8 @@ def _guarded_steps(rank: int, world: int, job: RuntimeJob) -> list[str]:
     and broadcast where configured, and the training loop's loss reduction, under the guard."""
     from device_guard import ExplicitDevices
 
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.runs import make_run
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.modes.runs import make_run
 
     device = init_rank(rank, world, job.data.seed, job.timeout_s)
     run = make_run(rank, world, job, device)
@@ -184,7 +184,7 @@ def test_no_tensor_is_made_without_a_device(mode):
 def test_the_message_mode_knows_composite_backends():
     """A GPU rank's group is "cpu:gloo,cuda:nccl": its tensors go over NCCL, which has no tags,
     so the executor orders its messages (and megatron-core's baseline batches them)."""
-    from megatron_mllm.runtime.bootstrap import backend_for, nccl_messages
+    from megatron_mllm.runtime.assembly.bootstrap import backend_for, nccl_messages
 
     assert nccl_messages(backend_for(torch.device("cuda", 0)))
     assert nccl_messages("nccl") and nccl_messages("cuda:nccl,cpu:gloo")
@@ -200,7 +200,7 @@ def _fails_deep(rank: int, world: int) -> None:
 
 
 def test_a_failed_ranks_traceback_is_kept():
-    from megatron_mllm.runtime.launch import RankFailed, spawn
+    from megatron_mllm.runtime.assembly.launch import RankFailed, spawn
 
     with pytest.raises(RankFailed) as err:
         spawn(_fails_deep, 2)
@@ -213,8 +213,8 @@ def test_a_failed_ranks_traceback_is_kept():
 def _exchange_groups(rank, world):
     import torch.distributed as dist
 
-    from megatron_mllm.runtime.bootstrap import init_rank, partition_subgroups
-    from megatron_mllm.runtime.sample_exchange import dp_exchange_group
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank, partition_subgroups
+    from megatron_mllm.runtime.inputs.sample_exchange import dp_exchange_group
 
     init_rank(rank, world, 0, 60)
     try:

@@ -9,8 +9,8 @@ import torch
 
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.launch import spawn
-from megatron_mllm.runtime.schedules import job_of
+from megatron_mllm.runtime.assembly.launch import spawn
+from megatron_mllm.runtime.planning.schedules import job_of
 from megatron_mllm.schedule.blocks import JobCosts
 from megatron_mllm.schedule.config import Recompute
 
@@ -20,8 +20,8 @@ B = 2  # micro-batch
 def _saved_bytes(rank: int, world: int, cfg, recompute: Recompute) -> dict[str, int]:
     """Bytes of the distinct storages autograd keeps for backward in one forward of the
     backbone's layers and of the encoder, bf16."""
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.model_builder import (
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.model_builder import (
         BackbonePlacement,
         EncoderPlacement,
         build_rank_model,

@@ -13,6 +13,7 @@ from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import CLIP_VIT, LLAMA, TINY, MLLMConfig
 from megatron_mllm.models.weights import assemble_grads
 from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.runtime.assembly.launch import RankFailed, spawn
 from megatron_mllm.runtime.job import (
     Collect,
     DataParts,
@@ -25,11 +26,10 @@ from megatron_mllm.runtime.job import (
     check_job,
     encoder_plan_of,
 )
-from megatron_mllm.runtime.launch import RankFailed, spawn
-from megatron_mllm.runtime.reference import make_full_state
-from megatron_mllm.runtime.replan import predicted_with_measured
-from megatron_mllm.runtime.runs import run_interleaved, run_rank
-from megatron_mllm.runtime.schedules import runtime_schedule
+from megatron_mllm.runtime.modes.reference import make_full_state
+from megatron_mllm.runtime.modes.runs import run_interleaved, run_rank
+from megatron_mllm.runtime.planning.replan import predicted_with_measured
+from megatron_mllm.runtime.planning.schedules import runtime_schedule
 from megatron_mllm.schedule.config import Recompute
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
@@ -170,8 +170,8 @@ def test_dead_rank_is_named_within_the_timeout(reference, ordered):
 
 def test_a_transport_error_on_a_send_names_rank_message_and_peer():
     """What CI's survivor met: posting a send to a dead peer raises gloo's error at once."""
-    from megatron_mllm.runtime.messages import PeerFailure, naming_peer
-    from megatron_mllm.runtime.program import Op
+    from megatron_mllm.runtime.engine.messages import PeerFailure, naming_peer
+    from megatron_mllm.runtime.engine.program import Op
 
     op = Op("send", key="eact.e0.s1.m2", peer=1)
     with pytest.raises(PeerFailure) as err:
@@ -275,7 +275,7 @@ def test_llava_shaped_model_agrees_on_tp2():
 
 
 def _programs(plan, name, forced=None):
-    from megatron_mllm.runtime.program import all_programs
+    from megatron_mllm.runtime.engine.program import all_programs
 
     schedule = runtime_schedule(TINY, plan, 1, N, name, encoder_plan=forced)
     enc_plan, stage0 = encoder_plan_of(schedule, plan)
@@ -287,7 +287,7 @@ def test_pairwise_order_check_finds_what_tagless_matching_would_mix_up():
     overtakes an activation): fine with gloo's tags, wrong under NCCL's order matching."""
     from dataclasses import replace
 
-    from megatron_mllm.runtime.program import pairwise_order_problems
+    from megatron_mllm.runtime.engine.program import pairwise_order_problems
 
     plan = ParallelPlan(1, 1, 2)
     assert pairwise_order_problems(_programs(plan, "megatron")) == []
@@ -666,8 +666,8 @@ def test_megatron_core_baseline_trains_as_our_executor(precision):
     assert not torch.equal(
         final[0]["backbone.output_layer.weight"].float(), state["backbone.output_layer.weight"]
     )
-    # Where each step's time went (runtime/breakdown.py), for both schedules: the parts add up
-    # to the step, megatron-core ran one forward step per micro-batch, ours every program op.
+    # Where each step's time went (runtime/engine/breakdown.py), for both schedules: the parts
+    # add up to the step, megatron-core ran one forward step per micro-batch, ours every program op.
     for run in (core, ours):
         for o in run:
             assert len(o["breakdowns"]) == 3
@@ -685,8 +685,8 @@ def test_measured_memory_against_the_planner():
     0.5%); saved activations (saved-tensor hooks) above the planner's count but within 1.6x
     (it counts flash-attention layers; megatron-core's local layers keep more: see
     docs/features.md)."""
-    from megatron_mllm.runtime.memory import planned_memory
-    from megatron_mllm.runtime.schedules import runtime_plan
+    from megatron_mllm.runtime.assembly.memory import planned_memory
+    from megatron_mllm.runtime.planning.schedules import runtime_plan
 
     plan = ParallelPlan(1, 1, 2)
     state = spawn(make_full_state, 1, TINY, 0)[0]

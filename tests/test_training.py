@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megatron_mllm.runtime.launch import free_port
+from megatron_mllm.runtime.assembly.launch import free_port
 from tests.conftest import ROOT
 
 COMMON = [
@@ -59,7 +59,7 @@ def losses(stdout: str) -> dict[int, float]:
 def _tensor_pairs(a, b):
     """(name, tensor in a, tensor in b) for every tensor of two checkpoints holding the same
     names."""
-    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.training.checkpointing import plain_tensors
 
     x, y = (spawn(plain_tensors, 1, str(p))[0] for p in (a, b))
@@ -390,14 +390,14 @@ def test_device_connections_other_than_one_are_refused_and_unset_means_one(monke
     """megatron-core's overlapped communication and our lazily posted ordered receives are
     scheduled for CUDA_DEVICE_MAX_CONNECTIONS=1: another value is refused before anything
     starts; where it is unset, a rank sets it before its device is touched."""
-    from megatron_mllm.runtime.device_env import device_connections_problem
+    from megatron_mllm.runtime.assembly.device_env import device_connections_problem
 
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "8")
     refused([], "CUDA_DEVICE_MAX_CONNECTIONS=8: megatron-core's overlapped", monkeypatch)
     assert device_connections_problem({"CUDA_DEVICE_MAX_CONNECTIONS": "1"}) is None
     assert device_connections_problem({}) is None
     monkeypatch.delenv("CUDA_DEVICE_MAX_CONNECTIONS")
-    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.assembly.launch import spawn
 
     assert spawn(_connections_after_init, 1) == ["1"]
 
@@ -407,7 +407,7 @@ def _connections_after_init(rank, world):
 
     import torch.distributed as dist
 
-    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
 
     init_rank(rank, world, 0, 60)
     dist.destroy_process_group()

@@ -77,7 +77,7 @@ def test_the_runtime_accepts_the_uneven_splits_the_planner_makes():
     from megatron_mllm.models.config import TINY
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob, check_job
-    from megatron_mllm.runtime.schedules import runtime_schedule
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
 
     cfg, plan = replace(TINY, llm_layers=5), ParallelPlan(1, 1, 2)
     for name in ("megatron", "optimus"):

@@ -9,7 +9,7 @@ import pytest
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import BENCH
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.schedules import job_of
+from megatron_mllm.runtime.planning.schedules import job_of
 from megatron_mllm.schedule.actions import parse_action
 from megatron_mllm.schedule.blocks import JobCosts
 from megatron_mllm.schedule.bubble_scheduler import OptimusOptions, optimus_schedule

@@ -150,7 +150,7 @@ def tiny_mllm(cfg):
     [b, s, V], with the output layer's input captured when asked."""
     import torch
 
-    from megatron_mllm.runtime.model_builder import build_full_model
+    from megatron_mllm.runtime.assembly.model_builder import build_full_model
 
     class TinyMLLM(torch.nn.Module):
         def __init__(self) -> None:
@@ -182,7 +182,7 @@ def batch_task(args, cfg, batches, source, held, describe: str) -> Task:
     import torch
 
     from megatron_mllm.data.batch import collate
-    from megatron_mllm.runtime.bootstrap import seed_model_parallel
+    from megatron_mllm.runtime.assembly.bootstrap import seed_model_parallel
 
     model_class = tiny_mllm(cfg)
     held_set = set(held.tolist())
@@ -310,7 +310,7 @@ def gpt_task(args) -> Task:
     from megatron_mllm.models.stages import causal_mask
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.bootstrap import seed_model_parallel
+    from megatron_mllm.runtime.assembly.bootstrap import seed_model_parallel
 
     one = ParallelPlan(1, 1, 1)
     groups = build_colocated_groups(one, one, 1, 0)
@@ -491,7 +491,7 @@ def train_one(args, task: Task, method: str, seed: int) -> dict:
 
 def run(rank: int, world: int, args) -> dict:
     """Every method x seed; rows by method, seed order kept (paired)."""
-    from megatron_mllm.runtime.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
 
     init_rank(rank, world, 0, 60.0)
     task = {"llava": llava_task, "mllm": mllm_task, "gpt": gpt_task}[args.model](args)
@@ -509,6 +509,7 @@ def pipeline_jobs(args) -> dict:
     the step) and the coreset with look-ahead (the next pool in the step's bubbles)."""
     from megatron_mllm.data.coreset import CoresetConfig
     from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.runtime.job import (
         Collect,
         DataParts,
@@ -517,10 +518,9 @@ def pipeline_jobs(args) -> dict:
         PlanParts,
         RuntimeJob,
     )
-    from megatron_mllm.runtime.launch import spawn
-    from megatron_mllm.runtime.profile_units import profile_units
-    from megatron_mllm.runtime.reference import make_full_state
-    from megatron_mllm.runtime.schedules import pool_plan, runtime_plan
+    from megatron_mllm.runtime.modes.reference import make_full_state
+    from megatron_mllm.runtime.planning.profile_units import profile_units
+    from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
     from megatron_mllm.schedule.lookahead import with_lookahead
 
     cfg, plan, mb = mllm_config(args, text_len=args.pipeline_text), ParallelPlan(1, 1, 2), 2
@@ -564,8 +564,8 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
     barrier before it to a barrier after it (the slower rank's time)."""
     import torch.distributed as dist
 
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.runs import make_run
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.modes.runs import make_run
 
     device = init_rank(rank, world, 0, 120.0)
     runs = {name: make_run(rank, world, job, device) for name, job in jobs.items()}
@@ -582,7 +582,7 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
 
 def pipeline_section(args) -> dict:
     """Median step seconds (and spread) per run, measured steps after one warm-up each."""
-    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.assembly.launch import spawn
 
     built = pipeline_jobs(args)
     times = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)[0]
@@ -713,7 +713,7 @@ def main() -> int:
     if args.steps < 2 or args.seeds < 1 or args.batch < 1 or args.eval_every < 1:
         print("error: --steps >= 2, --seeds >= 1, --batch and --eval-every >= 1", file=sys.stderr)
         return 2
-    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.assembly.launch import spawn
 
     if args.pipeline_steps < 0 or (args.skip_quality and not args.pipeline_steps):
         print("error: --pipeline-steps must be >= 0 (and > 0 with --skip-quality)", file=sys.stderr)

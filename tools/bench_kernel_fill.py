@@ -67,6 +67,7 @@ def main() -> int:
 
     from megatron_mllm.models.config import BENCH, TINY
     from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.runtime.job import (
         Collect,
         DataParts,
@@ -75,11 +76,10 @@ def main() -> int:
         PlanParts,
         RuntimeJob,
     )
-    from megatron_mllm.runtime.launch import spawn
-    from megatron_mllm.runtime.reference import make_full_state
-    from megatron_mllm.runtime.replan import predicted_with_measured
-    from megatron_mllm.runtime.runs import run_interleaved
-    from megatron_mllm.runtime.schedules import runtime_plan
+    from megatron_mllm.runtime.modes.reference import make_full_state
+    from megatron_mllm.runtime.modes.runs import run_interleaved
+    from megatron_mllm.runtime.planning.replan import predicted_with_measured
+    from megatron_mllm.runtime.planning.schedules import runtime_plan
     from megatron_mllm.schedule.simulator import simulate
 
     cfg, plan, n = (

@@ -164,6 +164,7 @@ def plan_runs(args, cfg, dtype) -> dict:
     from bench_common import bench_optimizer
 
     from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.runtime.job import (
         Collect,
         DataParts,
@@ -172,10 +173,9 @@ def plan_runs(args, cfg, dtype) -> dict:
         PlanParts,
         RuntimeJob,
     )
-    from megatron_mllm.runtime.launch import spawn
-    from megatron_mllm.runtime.profile_units import profile_units
-    from megatron_mllm.runtime.reference import make_full_state
-    from megatron_mllm.runtime.schedules import job_of
+    from megatron_mllm.runtime.modes.reference import make_full_state
+    from megatron_mllm.runtime.planning.profile_units import profile_units
+    from megatron_mllm.runtime.planning.schedules import job_of
     from megatron_mllm.schedule.baselines import megatron_schedule
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.planner import plan_optimus
@@ -256,9 +256,9 @@ def plan_runs(args, cfg, dtype) -> dict:
 
 def one_repeat(setup: dict, args) -> dict:
     """One whole comparison: every run in the same 2-process job, steps taken in turn."""
-    from megatron_mllm.runtime.breakdown import StepBreakdown, summary
-    from megatron_mllm.runtime.launch import spawn
-    from megatron_mllm.runtime.runs import run_interleaved
+    from megatron_mllm.runtime.assembly.launch import spawn
+    from megatron_mllm.runtime.engine.breakdown import StepBreakdown, summary
+    from megatron_mllm.runtime.modes.runs import run_interleaved
 
     jobs, plan, steps = setup["jobs"], setup["plan"], args.steps + 1
     makers = [setup["makers"].get(name) for name in jobs]
@@ -469,10 +469,10 @@ def measure_memory(jobs: dict, plan, planned: dict) -> dict:
     in the timed ones), next to the planner's estimate for its schedule: per rank, bytes."""
     from dataclasses import replace
 
+    from megatron_mllm.runtime.assembly.launch import spawn
+    from megatron_mllm.runtime.assembly.memory import planned_memory
     from megatron_mllm.runtime.job import Collect
-    from megatron_mllm.runtime.launch import spawn
-    from megatron_mllm.runtime.memory import planned_memory
-    from megatron_mllm.runtime.runs import run_interleaved
+    from megatron_mllm.runtime.modes.runs import run_interleaved
 
     names = list(planned)
     probes = [replace(jobs[n], steps=1, collect=Collect(grads=False, memory=True)) for n in names]

@@ -65,6 +65,7 @@ def _varying_load(args, max_images: int) -> int:
     from megatron_mllm.data.tokenizer import load_tokenizer
     from megatron_mllm.models.config import BENCH
     from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.runtime.job import (
         Collect,
         DataParts,
@@ -73,11 +74,10 @@ def _varying_load(args, max_images: int) -> int:
         PlanParts,
         RuntimeJob,
     )
-    from megatron_mllm.runtime.launch import spawn
-    from megatron_mllm.runtime.profile_units import profile_units
-    from megatron_mllm.runtime.reference import make_full_state
-    from megatron_mllm.runtime.runs import run_interleaved
-    from megatron_mllm.runtime.schedules import job_of
+    from megatron_mllm.runtime.modes.reference import make_full_state
+    from megatron_mllm.runtime.modes.runs import run_interleaved
+    from megatron_mllm.runtime.planning.profile_units import profile_units
+    from megatron_mllm.runtime.planning.schedules import job_of
     from megatron_mllm.schedule.baselines import megatron_schedule
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.planner import plan_optimus
@@ -132,7 +132,7 @@ def _varying_load(args, max_images: int) -> int:
     if per_token:
         jobs["optimus_balanced"] = job(PlanParts(plan, schedule=best.schedule), balance=True)
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
-    from megatron_mllm.runtime.schedules import adaptive_planner
+    from megatron_mllm.runtime.planning.schedules import adaptive_planner
 
     planner = adaptive_planner(
         cfg, plan, mb, best.schedule, images_per_sample=load, measured=measured
@@ -227,7 +227,7 @@ def predicted(planner, jobs: dict, steps, n: int, per_token: bool) -> dict:
     over the steps): static Optimus on the loader's micro-batches against the per-step plan
     (on the dealt ones with a per-token loss) and, with a per-token loss, against the static
     plan on the dealt ones."""
-    from megatron_mllm.runtime.batches import StepData
+    from megatron_mllm.runtime.inputs.batches import StepData
     from megatron_mllm.schedule.adaptive import timed_step
     from megatron_mllm.schedule.loads import loader_assignment
 

@@ -36,7 +36,7 @@ import psutil
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from megatron_mllm.runtime.launch import free_port, spawn  # noqa: E402
+from megatron_mllm.runtime.assembly.launch import free_port, spawn  # noqa: E402
 from megatron_mllm.training.checkpointing import TRACKER, plain_tensors, tracked  # noqa: E402
 
 LINE = re.compile(

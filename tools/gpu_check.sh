@@ -101,7 +101,7 @@ fi
 # 3. Everything imports (one line naming what does not), and CUDA is there (conftest's line).
 "$PYTHON" -c "
 import einops, mathgenerator, megatron.core, megatron.energon, yaml
-import megatron_mllm_patches, megatron_mllm.runtime.runs
+import megatron_mllm_patches, megatron_mllm.runtime.modes.runs
 print('imports: megatron-core', megatron.core.__version__, 'from', megatron.core.__path__[0])
 " >>"$LOG" 2>&1 || die "imports failed: $(grep -E 'Error|error' "$LOG" | tail -1)"
 "$PYTHON" tests/conftest.py 2>&1 | tee -a "$LOG"

@@ -6,7 +6,7 @@ shapes and write them as a measured-times JSON that `plan_schedule.py --measured
         --seq-len 2048 --encoder-seq-len 1024 --dtype bf16 --device cuda --out times.json
 
 An encoder (a ViT) runs --encoder-seq-len tokens (its own seq_len where its spec has one), a
-backbone --seq-len. See megatron_mllm/runtime/profile_kernels.py for what is timed and how.
+backbone --seq-len. See megatron_mllm/runtime/planning/profile_kernels.py for what is timed and how.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ DTYPES = ("bf16", "fp16", "fp32")
 def _profile(rank: int, world: int, specs: list, args: argparse.Namespace) -> dict:
     import torch
 
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.profile_kernels import kernel_times
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.planning.profile_kernels import kernel_times
 
     device = init_rank(rank, world, 0, 600.0)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[args.dtype]
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     import torch
 
-    from megatron_mllm.runtime.launch import spawn
+    from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.schedule.specs import load_model
 
     for name in ("tp", "micro_batch", "seq_len", "encoder_seq_len", "repeats"):

@@ -67,7 +67,7 @@ class DataParts:
     # the same (each micro-batch's loss sum over the global batch's labelled-token count).
     per_token_loss: bool = False
     # optimus-adaptive's sample assignment at run time: each replica's samples dealt into
-    # micro-batches of equal image counts (runtime/batches.py); needs per_token_loss.
+    # micro-batches of equal image counts (runtime/inputs/batches.py); needs per_token_loss.
     balance_samples: bool = False
 
 
@@ -97,8 +97,8 @@ class ExecutorSettings:
     replan_after: int | None = None  # re-plan from measured unit times after this many steps
     recv_lookahead: int = 2  # ordered mode: receives posted per sender ahead of the one needed
     max_encoder_ahead: int = 2  # dynamic mode: encoder micro-batches run ahead at most
-    # optimus-adaptive: each step's own plan, made one step ahead (runtime/step_plans.py), for
-    # encoder costs of this many images per sample
+    # optimus-adaptive: each step's own plan, made one step ahead
+    # (runtime/planning/step_plans.py), for encoder costs of this many images per sample
     adaptive: bool = False
     images_per_sample: float = 1.0
     plan_times: dict | None = None  # measured unit times the static plan was made from
@@ -107,7 +107,7 @@ class ExecutorSettings:
 @dataclass(frozen=True)
 class Collect:
     """What the result carries beyond losses and times (step 0's gradient shards, the final
-    parameter shards, measured memory: runtime/memory.py)."""
+    parameter shards, measured memory: runtime/assembly/memory.py)."""
 
     grads: bool = True
     params: bool = False

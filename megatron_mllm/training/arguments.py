@@ -719,7 +719,7 @@ def validate_args(args: argparse.Namespace) -> None:
         args.pipeline_model_parallel_size,
         args.world_size,
     )
-    # optimus-adaptive is the optimus plan plus per-step plans (runtime/step_plans.py)
+    # optimus-adaptive is the optimus plan plus per-step plans (runtime/planning/step_plans.py)
     args.step_plans = args.bubble_schedule == "optimus-adaptive"
     if args.step_plans:
         args.bubble_schedule = "optimus"
@@ -746,7 +746,7 @@ def validate_args(args: argparse.Namespace) -> None:
         parse_encoder_spec(spec)
     _check_precision_and_recompute(args)
     _check_schedule_and_rates(args)
-    from megatron_mllm.runtime.device_env import device_connections_problem
+    from megatron_mllm.runtime.assembly.device_env import device_connections_problem
 
     connections = device_connections_problem()
     if connections is not None:

@@ -40,9 +40,9 @@ def read_hf_weights(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 def _one_rank_model(cfg: MLLMConfig, seed: int = 1234):
     """A gloo group of one and an unsharded encoder + backbone (checkpoint `parts`)."""
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.launch import free_port
-    from megatron_mllm.runtime.model_builder import build_full_model
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.launch import free_port
+    from megatron_mllm.runtime.assembly.model_builder import build_full_model
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port())
@@ -143,8 +143,8 @@ def checkpoint_logits(
     from megatron_mllm.data.batch import image_then_text
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.model_builder import (
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.model_builder import (
         BackbonePlacement,
         EncoderPlacement,
         build_rank_model,

@@ -171,6 +171,6 @@ def model_args(cfg: MLLMConfig) -> dict:
 def initial_weights(cfg: MLLMConfig, groups) -> dict[str, torch.Tensor]:
     """Initial canonical weights, the same on every rank (an unsharded model from the seed)."""
     from megatron_mllm.models.weights import full_state
-    from megatron_mllm.runtime.model_builder import build_full_model
+    from megatron_mllm.runtime.assembly.model_builder import build_full_model
 
     return full_state(*build_full_model(cfg, group=groups.solo).modules)

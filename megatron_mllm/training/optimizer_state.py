@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_mllm.runtime.optimizer import sub_optimizers
+from megatron_mllm.runtime.assembly.optimizer import sub_optimizers
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 

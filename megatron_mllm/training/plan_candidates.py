@@ -185,7 +185,7 @@ class CandidateRun:
     every attribute not its own is the kept run's."""
 
     def __init__(self, rank: int, world: int, job: RuntimeJob, device, phase: CandidatePhase):
-        from megatron_mllm.runtime.executor_run import ExecutorRun
+        from megatron_mllm.runtime.modes.executor_run import ExecutorRun
 
         self.phase, self.rank = phase, rank
         self.jobs = [
@@ -365,7 +365,11 @@ class CandidateRun:
             self.plan_s = time.perf_counter() - t0
 
     def _plan_from_measured(self) -> None:
-        from megatron_mllm.runtime.replan import calibrated, fitted_latency, measured_workload
+        from megatron_mllm.runtime.planning.replan import (
+            calibrated,
+            fitted_latency,
+            measured_workload,
+        )
         from megatron_mllm.schedule.simulator import simulate
 
         run, job, n = self.run, self.jobs[0], self.phase.calibration_steps
@@ -403,7 +407,7 @@ class CandidateRun:
 
     def _replanned(self, job: RuntimeJob, gathered: list[dict]) -> RuntimeJob:
         """An Optimus candidate planned again for its modules from the measured times."""
-        from megatron_mllm.runtime.replan import replan_job
+        from megatron_mllm.runtime.planning.replan import replan_job
 
         out = replan_job(job, gathered)
         if out is None:
@@ -443,7 +447,7 @@ def fastest(seconds: list[float], order: list[int], phase: CandidatePhase) -> tu
 
 def _state_bytes(run) -> dict:
     """An ExecutorRun's parameters, gradient buffers and optimizer state, in bytes."""
-    from megatron_mllm.runtime.memory import model_state_bytes
+    from megatron_mllm.runtime.assembly.memory import model_state_bytes
 
     ddps = [d for sync in run.grad_sync.values() for d in sync.ddps]
     return model_state_bytes(run.rank_model.modules, ddps, run.optimizer)

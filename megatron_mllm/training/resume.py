@@ -161,7 +161,7 @@ class Checkpointer:
 
     def _write(self, iteration: int, norm: float) -> None:
         args, grad_scaler = self.args, self.run.grad_scaler
-        from megatron_mllm.runtime.optimizer import grad_scaler_state
+        from megatron_mllm.runtime.assembly.optimizer import grad_scaler_state
 
         common = {
             "iteration": iteration,
@@ -229,7 +229,7 @@ class Checkpointer:
         self.scheduler.load_state_dict(common["scheduler"])
         grad_scaler = run.grad_scaler
         if grad_scaler is not None and common.get("grad_scaler") is not None:
-            from megatron_mllm.runtime.optimizer import load_grad_scaler_state
+            from megatron_mllm.runtime.assembly.optimizer import load_grad_scaler_state
 
             load_grad_scaler_state(grad_scaler, common["grad_scaler"])  # fp16: the loss scale
         what = f"iteration {common['iteration']}"

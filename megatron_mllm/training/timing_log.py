@@ -1,6 +1,6 @@
 """`--timing-log-level`: where each rank's steps went since the last log line, in Megatron's
 timer format (its `(min, max) time across ranks (ms):` block), from the executor's per-step
-breakdown (`runtime/breakdown.py`): compute, message waits, unhidden DP/TP communication,
+breakdown (`runtime/engine/breakdown.py`): compute, message waits, unhidden DP/TP communication,
 encoder fills and the executor's host overhead. Level 2 adds each rank's longest waits by
 message."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from megatron_mllm.runtime.breakdown import StepBreakdown, summary
+from megatron_mllm.runtime.engine.breakdown import StepBreakdown, summary
 
 # summary() key -> the timer name printed (Megatron's dash-separated style)
 TIMERS = {

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None, faults: FaultHooks | None = None) -> int
         args.virtual_pipeline_model_parallel_size,
     )
     n_mb = args.global_batch_size // (args.micro_batch_size * plan.dp)
-    from megatron_mllm.runtime.schedules import runtime_plan
+    from megatron_mllm.runtime.planning.schedules import runtime_plan
 
     forced = None
     if args.encoder_tensor_model_parallel_size:
@@ -93,7 +93,7 @@ def plan_candidates_of(args, cfg, plan, n_mb) -> tuple:
     without candidates."""
     if not args.plan_candidates:
         return None, None
-    from megatron_mllm.runtime.schedules import job_of
+    from megatron_mllm.runtime.planning.schedules import job_of
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.training.plan_candidates import CandidatePhase, kept_plan, plan_candidates
 
@@ -125,7 +125,7 @@ def coreset_schedules(args, cfg, plan, schedule, workload) -> tuple:
     without a coreset."""
     if args.coreset is None:
         return None, None
-    from megatron_mllm.runtime.schedules import pool_plan
+    from megatron_mllm.runtime.planning.schedules import pool_plan
 
     size = args.coreset.pool_size // args.micro_batch_size
     pool, _ = pool_plan(
@@ -218,9 +218,9 @@ def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None, faults
     import torch.distributed as dist
 
     from megatron_mllm.parallel.groups import build_colocated_groups
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.executor_run import ExecutorRun
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
     from megatron_mllm.runtime.job import encoder_plan_of
+    from megatron_mllm.runtime.modes.executor_run import ExecutorRun
     from megatron_mllm.training.resume import Checkpointer
 
     rank, world = args.rank, args.world_size
@@ -559,7 +559,7 @@ class Validation:
     and the exact-match accuracy of the assistant turns."""
 
     def __init__(self, args, run, device) -> None:
-        from megatron_mllm.runtime.batches import StepData
+        from megatron_mllm.runtime.inputs.batches import StepData
 
         self.args, self.run, self.device = args, run, device
         self.data = StepData(run.job, [run.groups.coords.dp], split="val")

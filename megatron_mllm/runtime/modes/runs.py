@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from megatron_mllm.runtime.bootstrap import init_rank
+from megatron_mllm.runtime.assembly.bootstrap import init_rank
 from megatron_mllm.runtime.job import RuntimeJob, check_job
 
 
@@ -32,14 +32,14 @@ class Run(Protocol):
 def make_run(rank: int, world: int, job: RuntimeJob, device: torch.device) -> Run:
     """The built run of `job.mode` on this rank (after `init_rank`)."""
     if job.mode == "megatron_core":
-        from megatron_mllm.runtime.megatron_baseline import MegatronCoreRun
+        from megatron_mllm.runtime.modes.megatron_baseline import MegatronCoreRun
 
         return MegatronCoreRun(rank, job, device)
     if job.mode == "reference":
-        from megatron_mllm.runtime.reference import ReferenceRun
+        from megatron_mllm.runtime.modes.reference import ReferenceRun
 
         return ReferenceRun(job, device)
-    from megatron_mllm.runtime.executor_run import ExecutorRun
+    from megatron_mllm.runtime.modes.executor_run import ExecutorRun
 
     return ExecutorRun(rank, world, job, device)
 

@@ -18,7 +18,7 @@ from torch import nn
 from megatron_mllm.data.batch import IGNORE_INDEX
 from megatron_mllm.models.loss import mean_over_ranks
 from megatron_mllm.models.weights import open_full_state
-from megatron_mllm.runtime.breakdown import ScheduleTimer
+from megatron_mllm.runtime.engine.breakdown import ScheduleTimer
 
 
 class _Stage0Model(nn.Module):
@@ -57,12 +57,12 @@ class MegatronCoreRun:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.process_groups_config import ProcessGroupCollection
 
-        from megatron_mllm.runtime.job import layer_overrides
-        from megatron_mllm.runtime.model_builder import (
+        from megatron_mllm.runtime.assembly.model_builder import (
             BackbonePlacement,
             EncoderPlacement,
             build_rank_model,
         )
+        from megatron_mllm.runtime.job import layer_overrides
 
         self.job, self.device, plan = job, device, job.backbone
         vpp = plan.vpp if plan.vpp > 1 else None
@@ -80,7 +80,7 @@ class MegatronCoreRun:
         solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(dist.get_world_size())])
         # NCCL: batched p2p (upstream's default). Gloo matches a batch's messages in posting
         # order, which interleaved PP=2 gets wrong (MEGATRON_CORE_ON_CPU.md).
-        from megatron_mllm.runtime.bootstrap import nccl_messages
+        from megatron_mllm.runtime.assembly.bootstrap import nccl_messages
 
         overrides = {"batch_p2p_comm": nccl_messages()}
         overrides["batch_p2p_sync"] = overrides["batch_p2p_comm"]
@@ -127,13 +127,13 @@ class MegatronCoreRun:
         self._time_finalize()
         self.optimizer = _megatron_optimizer(self.ddps, job)
         self.dp_rank = ps.get_data_parallel_rank()
-        from megatron_mllm.runtime.batches import StepData
+        from megatron_mllm.runtime.inputs.batches import StepData
 
         self.data = StepData(job, [self.dp_rank])
         self.last_grad_norm, self.skipped_iterations = float("nan"), 0
         self.saved = None
         if job.collect.memory:
-            from megatron_mllm.runtime.memory import SavedActivations
+            from megatron_mllm.runtime.assembly.memory import SavedActivations
 
             self.saved = SavedActivations(self.rank_model.modules)
         self.fb = get_forward_backward_func()
@@ -144,7 +144,7 @@ class MegatronCoreRun:
 
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
-        from megatron_mllm.runtime.clock import StepClock
+        from megatron_mllm.runtime.engine.clock import StepClock
 
         job, backbone, device = self.job, self.backbone, self.device
 
@@ -245,7 +245,7 @@ class MegatronCoreRun:
             "skipped_iterations": self.skipped_iterations,
         }
         if self.saved is not None:
-            from megatron_mllm.runtime.memory import model_state_bytes
+            from megatron_mllm.runtime.assembly.memory import model_state_bytes
 
             out["memory"] = model_state_bytes(self.rank_model.modules, self.ddps, self.optimizer)
             out["memory"]["activations"] = self.saved.peak
@@ -299,7 +299,7 @@ def _megatron_optimizer(ddps: list, job):
     learning rate."""
     from megatron.core.optimizer import get_megatron_optimizer
 
-    from megatron_mllm.runtime.optimizer import _adam_config
+    from megatron_mllm.runtime.assembly.optimizer import _adam_config
 
     opt = job.optimizer
     if opt.lr <= 0:

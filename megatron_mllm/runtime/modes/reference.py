@@ -12,8 +12,8 @@ from megatron_mllm.models.config import MLLMConfig
 def make_full_state(rank: int, world: int, cfg: MLLMConfig, seed: int) -> dict[str, torch.Tensor]:
     """Run in a fresh single-rank process (see `launch.spawn`); returns canonical CPU tensors."""
     from megatron_mllm.models.weights import full_state
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.model_builder import build_full_model
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.model_builder import build_full_model
 
     init_rank(rank, world, seed, 60.0)
     model = build_full_model(cfg)  # on the CPU: the state travels back to the caller
@@ -25,8 +25,8 @@ class ReferenceRun:
 
     def __init__(self, job, device: torch.device) -> None:
         from megatron_mllm.models.weights import open_full_state
-        from megatron_mllm.runtime.model_builder import build_full_model
-        from megatron_mllm.runtime.optimizer import build_optimizer
+        from megatron_mllm.runtime.assembly.model_builder import build_full_model
+        from megatron_mllm.runtime.assembly.optimizer import build_optimizer
 
         self.job, self.device = job, device
         state = open_full_state(job.model.weights)
@@ -37,13 +37,13 @@ class ReferenceRun:
         self.history: list[dict] = []
         self.mean_losses: list[float] = []  # each step's, over every token or micro-batch
         self.grads: dict = {}
-        from megatron_mllm.runtime.batches import StepData
+        from megatron_mllm.runtime.inputs.batches import StepData
 
         self.data = StepData(job, list(range(job.backbone.dp)))
 
     def step(self, step: int) -> None:
         from megatron_mllm.models.weights import grad_shards
-        from megatron_mllm.runtime.optimizer import clip_by_global_norm
+        from megatron_mllm.runtime.assembly.optimizer import clip_by_global_norm
 
         job, model = self.job, self.model
         model.zero_grad()

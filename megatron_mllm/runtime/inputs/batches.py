@@ -47,7 +47,7 @@ class StepData:
     order). Every rank of a replica reads the same stream, so all of them know each
     micro-batch's image count. With `DataParts.balance_samples` a training step's samples are
     dealt into micro-batches of equal image counts across every DP replica (not a coreset
-    pool; runtime/sample_exchange.py): over the replicas held here when they are all of them,
+    pool; runtime/inputs/sample_exchange.py): over the replicas held here when they are all of them,
     else exchanging samples over `exchange`, set by the caller."""
 
     def __init__(self, job, replicas: list[int], split: str = "train") -> None:
@@ -97,7 +97,7 @@ class StepData:
 
     def _dealt(self, taken: dict[int, list[MicroBatch]]) -> dict[int, list[MicroBatch]]:
         """The step's samples dealt by images over every replica (see the class docstring)."""
-        from megatron_mllm.runtime import sample_exchange
+        from megatron_mllm.runtime.inputs import sample_exchange
 
         if self.exchange is not None:
             return {dp: sample_exchange.deal_across(b, self.exchange) for dp, b in taken.items()}

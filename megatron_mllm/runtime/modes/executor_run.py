@@ -14,16 +14,16 @@ import torch.distributed as dist
 
 from megatron_mllm.models.weights import open_full_state
 from megatron_mllm.parallel.plans import ParallelPlan
-from megatron_mllm.runtime.bootstrap import nccl_messages
-from megatron_mllm.runtime.breakdown import StepBreakdown, breakdown_of_spans
-from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of, layer_overrides
-from megatron_mllm.runtime.model_builder import (
+from megatron_mllm.runtime.assembly.bootstrap import nccl_messages
+from megatron_mllm.runtime.assembly.model_builder import (
     BackbonePlacement,
     EncoderPlacement,
     build_rank_model,
 )
-from megatron_mllm.runtime.optimizer import sub_optimizers
-from megatron_mllm.runtime.program import forward_only_program, gpu_program
+from megatron_mllm.runtime.assembly.optimizer import sub_optimizers
+from megatron_mllm.runtime.engine.breakdown import StepBreakdown, breakdown_of_spans
+from megatron_mllm.runtime.engine.program import forward_only_program, gpu_program
+from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of, layer_overrides
 
 
 class ExecutorRun:
@@ -96,24 +96,26 @@ class ExecutorRun:
         self.replanned = None  # (schedule, workload, measured times) once re-planned
         self.saved = None
         if job.collect.memory:
-            from megatron_mllm.runtime.memory import SavedActivations
+            from megatron_mllm.runtime.assembly.memory import SavedActivations
 
             self.saved = SavedActivations(self.rank_model.modules)
-        from megatron_mllm.runtime.batches import StepData
+        from megatron_mllm.runtime.inputs.batches import StepData
 
         self.data = data if data is not None else StepData(job, [c.dp])
         if job.data.balance_samples and plan.dp > 1:  # samples dealt across the replicas
-            from megatron_mllm.runtime.sample_exchange import dp_exchange_group
+            from megatron_mllm.runtime.inputs.sample_exchange import dp_exchange_group
 
             self.data.exchange = dp_exchange_group(plan, rank)
-        self.adaptive = None  # optimus-adaptive: each step's own plan (runtime/step_plans.py)
+        self.adaptive = (
+            None  # optimus-adaptive: each step's own plan (runtime/planning/step_plans.py)
+        )
         if job.executor.adaptive:
-            from megatron_mllm.runtime.step_plans import AdaptiveSteps
+            from megatron_mllm.runtime.planning.step_plans import AdaptiveSteps
 
             self.adaptive = AdaptiveSteps(self)
-        self.coreset = None  # the coreset sampler's steps (runtime/coreset_steps.py)
+        self.coreset = None  # the coreset sampler's steps (runtime/modes/coreset_steps.py)
         if job.data.coreset is not None:
-            from megatron_mllm.runtime.coreset_steps import CoresetSteps
+            from megatron_mllm.runtime.modes.coreset_steps import CoresetSteps
 
             self.coreset = CoresetSteps(self)
 
@@ -135,7 +137,10 @@ class ExecutorRun:
     def _build_optimizer(self):
         """megatron-core's FP32Optimizer over this rank's parameters, or with `distributed` its
         DistributedOptimizer over the DDP-wrapped parts; None without a learning rate."""
-        from megatron_mllm.runtime.optimizer import build_distributed_optimizer, build_optimizer
+        from megatron_mllm.runtime.assembly.optimizer import (
+            build_distributed_optimizer,
+            build_optimizer,
+        )
 
         opt = self.job.optimizer
         if opt.lr <= 0:
@@ -157,7 +162,7 @@ class ExecutorRun:
     def _wrap_parts(self) -> dict:
         """megatron-core DDP per part, on a DP group of its own (see data_parallel.py). Every
         rank creates every part's group (collective), also for parts it does not hold."""
-        from megatron_mllm.runtime.data_parallel import dedicated_group, wrap_part
+        from megatron_mllm.runtime.assembly.data_parallel import dedicated_group, wrap_part
         from megatron_mllm.schedule.keys import part_name
 
         groups, opt = self.groups, self.job.optimizer
@@ -183,7 +188,7 @@ class ExecutorRun:
 
     def _ordered_p2p(self, plan: ParallelPlan, enc_plan: ParallelPlan) -> None:
         """Receive orders and one process group per message direction (see Executor)."""
-        from megatron_mllm.runtime.program import all_programs, message_pairs, receive_orders
+        from megatron_mllm.runtime.engine.program import all_programs, message_pairs, receive_orders
 
         job = self.job
         main = all_programs(job.schedule, plan, enc_plan, self.enc_tp)
@@ -217,7 +222,7 @@ class ExecutorRun:
         given): plan Optimus again from the measured unit times and run the new schedule from
         the next step. False where the schedule keeps the encoder on stage 0 or the new plan
         needs other modules."""
-        from megatron_mllm.runtime.replan import replan_job
+        from megatron_mllm.runtime.planning.replan import replan_job
 
         if gathered is None:
             gathered = self.gathered_unit_times()
@@ -244,7 +249,7 @@ class ExecutorRun:
 
     def executor_for(self, program, meta, data, **options):
         """An Executor for one pass of `program` over this rank's modules."""
-        from megatron_mllm.runtime.executor import Executor
+        from megatron_mllm.runtime.engine.executor import Executor
 
         job = self.job
         return Executor(
@@ -284,7 +289,7 @@ class ExecutorRun:
 
     def step(self, step: int) -> None:
         """One training step: its data (the coreset's rows), its program, the update."""
-        from megatron_mllm.runtime.optimizer import allreduce_sequence_parallel_grads
+        from megatron_mllm.runtime.assembly.optimizer import allreduce_sequence_parallel_grads
 
         job = self.job
         self.rank_model.zero_grad()
@@ -390,7 +395,10 @@ class ExecutorRun:
         """Clip by the whole model's norm and step, or skip (and count) a step whose loss
         (`skip`) or norm is NaN or Inf: the same loss and norm on every rank, so every rank
         skips. Without --check-for-nan-in-loss-and-grad only fp16's overflow skips."""
-        from megatron_mllm.runtime.optimizer import clip_by_global_norm, step_megatron_optimizer
+        from megatron_mllm.runtime.assembly.optimizer import (
+            clip_by_global_norm,
+            step_megatron_optimizer,
+        )
 
         opt = self.job.optimizer
         if opt.distributed and self.optimizer is not None:  # its own clipping, on its shards
@@ -478,7 +486,7 @@ class ExecutorRun:
         if self.job.collect.grads:
             out["grads"] = self.grads
         if self.saved is not None:
-            from megatron_mllm.runtime.memory import model_state_bytes
+            from megatron_mllm.runtime.assembly.memory import model_state_bytes
 
             ddps = [d for sync in self.grad_sync.values() for d in sync.ddps]
             out["memory"] = model_state_bytes(self.rank_model.modules, ddps, self.optimizer)

@@ -27,11 +27,11 @@ import torch
 from megatron_mllm.data.batch import MicroBatch
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
-from megatron_mllm.runtime.clock import StepClock
-from megatron_mllm.runtime.data_parallel import reductions_held
-from megatron_mllm.runtime.fill_pacing import FillPacer, fill_budgets, planned_bubbles
-from megatron_mllm.runtime.messages import RECV_LOOKAHEAD, Messages, PeerFailure
-from megatron_mllm.runtime.program import Op
+from megatron_mllm.runtime.assembly.data_parallel import reductions_held
+from megatron_mllm.runtime.engine.clock import StepClock
+from megatron_mllm.runtime.engine.fill_pacing import FillPacer, fill_budgets, planned_bubbles
+from megatron_mllm.runtime.engine.messages import RECV_LOOKAHEAD, Messages, PeerFailure
+from megatron_mllm.runtime.engine.program import Op
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.dataflow import Dataflow
 from megatron_mllm.schedule.keys import TensorKey, part_encoder, part_name

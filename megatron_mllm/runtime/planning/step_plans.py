@@ -102,7 +102,7 @@ class AdaptiveSteps:
     static one), the next step planned in the background. Creating it is collective."""
 
     def __init__(self, run) -> None:
-        from megatron_mllm.runtime.schedules import adaptive_planner
+        from megatron_mllm.runtime.planning.schedules import adaptive_planner
 
         self.run, job = run, run.job
         group = dist.new_group(backend="gloo")  # every rank, the plans' agreement
@@ -149,7 +149,7 @@ class AdaptiveSteps:
         """`schedule`'s program and receive orders (the last plan's again on a cache hit);
         None where ordered p2p would need a message pair no group serves."""
         if self._built[0] is not schedule:
-            from megatron_mllm.runtime.program import gpu_program
+            from megatron_mllm.runtime.engine.program import gpu_program
 
             ordered = self._orders(schedule)
             if ordered is False:
@@ -175,8 +175,8 @@ class AdaptiveSteps:
         run = self.run
         if run.ordered is None:
             return None
+        from megatron_mllm.runtime.engine.program import all_programs, message_pairs, receive_orders
         from megatron_mllm.runtime.job import encoder_plan_of
-        from megatron_mllm.runtime.program import all_programs, message_pairs, receive_orders
 
         plan = run.job.backbone
         enc_plan, _ = encoder_plan_of(schedule, plan)

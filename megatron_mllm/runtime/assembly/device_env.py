@@ -7,7 +7,7 @@ import os
 
 # megatron-core schedules its overlapped TP and DP communication for one hardware queue
 # (tensor_parallel/layers.py, param_and_grad_buffer.py), and our ordered receives are posted
-# lazily so that one queue cannot serialise them into a cycle (runtime/messages.py).
+# lazily so that one queue cannot serialise them into a cycle (runtime/engine/messages.py).
 DEVICE_CONNECTIONS = "CUDA_DEVICE_MAX_CONNECTIONS"
 
 

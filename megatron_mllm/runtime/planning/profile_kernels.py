@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from megatron_mllm.runtime.profile_units import median_seconds
+from megatron_mllm.runtime.planning.profile_units import median_seconds
 from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 from megatron_mllm.schedule.specs import TransformerSpec
 
@@ -56,7 +56,7 @@ def kernel_times(
     """{"forward": {kernel: s}, "backward": {kernel_b: s}} for one layer of `spec` on one GPU
     of a TP-`tp` group (micro-batch `micro_batch`, `seq_len` tokens)."""
     from megatron_mllm.models.stages import _layer_kernels
-    from megatron_mllm.runtime.model_builder import solo_groups
+    from megatron_mllm.runtime.assembly.model_builder import solo_groups
 
     layer = shard_layer(spec, tp, dtype, device, pg if pg is not None else solo_groups())
     kernels = _layer_kernels(layer)

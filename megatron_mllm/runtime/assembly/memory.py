@@ -10,7 +10,7 @@ import weakref
 
 import torch
 
-from megatron_mllm.runtime.optimizer import sub_optimizers
+from megatron_mllm.runtime.assembly.optimizer import sub_optimizers
 
 
 def _nbytes(tensors) -> int:

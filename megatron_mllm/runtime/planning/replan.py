@@ -67,7 +67,7 @@ def _job_and_times(
     sequence_parallel: bool,
 ) -> tuple:
     """The schedule core's job for the runtime's model and the measured times from `samples`."""
-    from megatron_mllm.runtime.schedules import job_of
+    from megatron_mllm.runtime.planning.schedules import job_of
 
     job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder, sequence_parallel)
     return job, measured_times(samples, JobCosts(job, unit=unit), unit)
@@ -110,7 +110,7 @@ def measured_workload(
     need not be its own: units are the model's, whatever the schedule); None where its costs
     cannot be rebuilt (the rebuilt layout has another backbone split)."""
     from megatron_mllm.runtime.job import encoder_plan_of
-    from megatron_mllm.runtime.schedules import runtime_plan
+    from megatron_mllm.runtime.planning.schedules import runtime_plan
 
     n = schedule.meta.num_microbatches
     _, times = _job_and_times(

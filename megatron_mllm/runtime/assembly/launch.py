@@ -75,10 +75,10 @@ PRELOAD = (
     "megatron.core.distributed",
     "megatron.core.optimizer",
     "megatron.core.dist_checkpointing",
-    "megatron_mllm.runtime.runs",
-    "megatron_mllm.runtime.executor_run",
-    "megatron_mllm.runtime.megatron_baseline",
-    "megatron_mllm.runtime.reference",
+    "megatron_mllm.runtime.modes.runs",
+    "megatron_mllm.runtime.modes.executor_run",
+    "megatron_mllm.runtime.modes.megatron_baseline",
+    "megatron_mllm.runtime.modes.reference",
     "megatron_mllm.training.train",
 )
 

@@ -17,7 +17,7 @@ from megatron_mllm.models.config import MLLMConfig
 
 def median_seconds(fn, repeats: int, device: torch.device) -> float:
     """The median device time of `fn` over `repeats` runs after one warm-up (StepClock)."""
-    from megatron_mllm.runtime.clock import StepClock
+    from megatron_mllm.runtime.engine.clock import StepClock
 
     fn()
     samples = []
@@ -57,8 +57,8 @@ def profile_units(
     from megatron_mllm.data.synthetic import microbatch
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.bootstrap import init_rank
-    from megatron_mllm.runtime.model_builder import (
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.model_builder import (
         BackbonePlacement,
         EncoderPlacement,
         build_rank_model,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from megatron_mllm.runtime.program import Op
+from megatron_mllm.runtime.engine.program import Op
 from megatron_mllm.schedule.actions import Action
 
 

@@ -46,7 +46,7 @@ def dp_exchange_group(plan: ParallelPlan, rank: int):
         for stage in range(plan.pp)
         for tp in range(plan.tp)
     ]
-    from megatron_mllm.runtime.bootstrap import partition_subgroups
+    from megatron_mllm.runtime.assembly.bootstrap import partition_subgroups
 
     return partition_subgroups(lists, backend="gloo")
 

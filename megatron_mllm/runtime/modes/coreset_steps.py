@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mllm.data.batch import MicroBatch
-from megatron_mllm.runtime.program import forward_only_program, gpu_program
+from megatron_mllm.runtime.engine.program import forward_only_program, gpu_program
 
 
 class CoresetSteps:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.runtime.device_env import DEVICE_CONNECTIONS, device_connections_problem
+from megatron_mllm.runtime.assembly.device_env import DEVICE_CONNECTIONS, device_connections_problem
 
 
 def rank_device(rank: int = 0) -> torch.device:

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_mllm.runtime.program import Op
+from megatron_mllm.runtime.engine.program import Op
 
 # Ordered mode: receives posted per sender beyond the one being waited for.
 RECV_LOOKAHEAD = 2

@@ -44,7 +44,7 @@ def dedicated_group(group):
 
     every: list = [None] * dist.get_world_size()
     dist.all_gather_object(every, tuple(dist.get_process_group_ranks(group)))
-    from megatron_mllm.runtime.bootstrap import partition_subgroups
+    from megatron_mllm.runtime.assembly.bootstrap import partition_subgroups
 
     return partition_subgroups([list(r) for r in sorted(set(every))])
 

@@ -1,0 +1,1 @@
+"""Each step's micro-batches and their exchange between data-parallel replicas."""
