@@ -13,7 +13,10 @@ split along dimension 1.
 
 from __future__ import annotations
 
+import math
 import re
+import zlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -85,10 +88,69 @@ def save_full_state(state: dict[str, torch.Tensor], path: str) -> str:
     return path
 
 
-def open_full_state(source: dict[str, torch.Tensor] | str) -> dict[str, torch.Tensor]:
-    """Canonical weights from a dict or a file written by `save_full_state`. A file is
-    memory-mapped: a rank reads only the pages of its own shards when it loads them."""
-    if isinstance(source, dict):
+INIT_STD = 0.02  # megatron-core's init_method_std default
+_OUTPUT_LAYERS = re.compile(r"\.(linear_proj|linear_fc2)\.weight$")  # scaled by 1/sqrt(2 L)
+
+
+class SeededState(Mapping):
+    """Canonical initial weights, each tensor drawn when asked for from a generator seeded by
+    the run's seed and the tensor's name: every parallel layout gets the same weights, and a
+    rank makes only the tensors its part loads (one full tensor at a time, then sharded).
+
+    Megatron-core's initialisation, by name: norm weights 1, biases 0, weights normal(0,
+    0.02), attention and MLP output projections scaled by 1/sqrt(2 x the model's layers), the
+    patch embedding (a torch Linear) uniform within 1/sqrt(fan-in). `layers`: name prefix ->
+    layer count; `made`: names drawn so far (each draw counted)."""
+
+    def __init__(self, shapes: dict[str, tuple[int, ...]], seed: int, layers: dict[str, int]):
+        self.shapes, self.seed, self.layers = dict(shapes), seed, dict(layers)
+        self.made: list[str] = []
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]  # KeyError for a name the model does not have
+        gen = torch.Generator().manual_seed(zlib.crc32(f"{self.seed}/{name}".encode()))
+        self.made.append(name)
+        return _initial(name, shape, gen, self._layers_of(name))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
+
+    def _layers_of(self, name: str) -> int:
+        prefix = max((p for p in self.layers if name.startswith(p)), key=len, default=None)
+        return self.layers.get(prefix, 1)
+
+    def made_bytes(self) -> int:
+        """Bytes of fp32 tensors drawn so far."""
+        return sum(4 * math.prod(self.shapes[n]) for n in self.made)
+
+
+def shapes_of(state: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Each canonical tensor's shape, without drawing a SeededState's tensors."""
+    if isinstance(state, SeededState):
+        return dict(state.shapes)
+    return {k: tuple(v.shape) for k, v in state.items()}
+
+
+def _initial(name: str, shape: tuple[int, ...], gen: torch.Generator, layers: int):
+    if "patch_embed" in name:
+        bound = 1 / math.sqrt(shape[-1] if len(shape) > 1 else shape[0])
+        return (torch.rand(shape, generator=gen) * 2 - 1) * bound
+    if len(shape) == 1 and name.endswith("bias"):
+        return torch.zeros(shape)
+    if len(shape) == 1 and "norm" in name:
+        return torch.ones(shape)
+    std = INIT_STD / math.sqrt(2 * layers) if _OUTPUT_LAYERS.search(name) else INIT_STD
+    return torch.randn(shape, generator=gen) * std
+
+
+def open_full_state(source: Mapping[str, torch.Tensor] | str) -> Mapping[str, torch.Tensor]:
+    """Canonical weights from a mapping (a dict, a SeededState) or a file written by
+    `save_full_state`. A file is memory-mapped: a rank reads only the pages of its own shards
+    when it loads them."""
+    if isinstance(source, Mapping):
         return source
     return torch.load(source, mmap=True, weights_only=True)
 

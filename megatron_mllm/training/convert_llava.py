@@ -141,6 +141,7 @@ def checkpoint_logits(
     import torch.distributed as dist
 
     from megatron_mllm.data.batch import image_then_text
+    from megatron_mllm.models.weights import shapes_of
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
@@ -156,7 +157,7 @@ def checkpoint_logits(
     device = init_rank(rank, world, 1234, 120.0)
     plan = ParallelPlan(world // tp, tp, 1)
     groups = build_colocated_groups(plan, plan, world, rank)
-    shapes = {k: tuple(v.shape) for k, v in initial_weights(cfg, groups).items()}
+    shapes = shapes_of(initial_weights(cfg, 1234, groups))
     c = groups.coords
     model = build_rank_model(
         cfg,

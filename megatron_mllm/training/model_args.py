@@ -7,8 +7,6 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-import torch
-
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import CLIP_VIT, MLLMConfig
 
@@ -168,9 +166,9 @@ def model_args(cfg: MLLMConfig) -> dict:
     return args
 
 
-def initial_weights(cfg: MLLMConfig, groups) -> dict[str, torch.Tensor]:
-    """Initial canonical weights, the same on every rank (an unsharded model from the seed)."""
-    from megatron_mllm.models.weights import full_state
-    from megatron_mllm.runtime.assembly.model_builder import build_full_model
+def initial_weights(cfg: MLLMConfig, seed: int, groups):
+    """Initial canonical weights, the same on every rank and layout, each tensor drawn only
+    where a rank loads it (`seeded_state`)."""
+    from megatron_mllm.runtime.assembly.model_builder import seeded_state
 
-    return full_state(*build_full_model(cfg, group=groups.solo).modules)
+    return seeded_state(cfg, seed, group=groups.solo)

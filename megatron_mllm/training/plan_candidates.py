@@ -335,13 +335,12 @@ class CandidateRun:
     def _transfer(self, src, dst, iteration: int) -> None:
         """Parameters, moments and main values from `src`'s modules into `dst`'s, through a
         checkpoint in a scratch folder (collective)."""
-        from megatron_mllm.models.weights import open_full_state
+        from megatron_mllm.models.weights import open_full_state, shapes_of
         from megatron_mllm.training import checkpointing
         from megatron_mllm.training.resume import checkpoint_parts
 
         if self.scratch is None:
-            shapes = open_full_state(src.job.model.weights)
-            self.full_shapes = {k: tuple(v.shape) for k, v in shapes.items()}
+            self.full_shapes = shapes_of(open_full_state(src.job.model.weights))
             box = [_scratch_dir() if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(box, src=0)
             self.scratch = box[0]

@@ -217,6 +217,7 @@ def runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units, faults=Non
 def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None, faults=None) -> int:
     import torch.distributed as dist
 
+    from megatron_mllm.models.weights import shapes_of
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
     from megatron_mllm.runtime.job import encoder_plan_of
@@ -228,8 +229,8 @@ def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None, faults
     enc_plan, stage0 = encoder_plan_of(schedule, plan)
     units = "layer" if stage0 else args.fill_granularity
     probe = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
-    state = initial_weights(cfg, probe)
-    full_shapes = {k: tuple(v.shape) for k, v in state.items()}
+    state = initial_weights(cfg, args.seed, probe)
+    full_shapes = shapes_of(state)  # drawing none of the weights
     job = runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units, faults)
     if phase is not None:
         from megatron_mllm.training.plan_candidates import CandidateRun

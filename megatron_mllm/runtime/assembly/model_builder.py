@@ -183,3 +183,17 @@ def build_full_model(
         full_state,
         frozen_encoder,
     )
+
+
+def seeded_state(cfg: MLLMConfig, seed: int, group=None):
+    """The model's canonical initial weights as a SeededState (models/weights.py): names and
+    shapes from the whole model built on the meta device (no memory), each tensor drawn only
+    when a rank loads it."""
+    from megatron_mllm.models.weights import SeededState, full_state
+
+    model = build_full_model(cfg, device="meta", group=group)
+    shapes = {k: tuple(v.shape) for k, v in full_state(*model.modules).items()}
+    layers = {"backbone.": cfg.llm_layers}
+    for e in range(cfg.num_encoders):
+        layers["encoder." if e == 0 else f"encoder{e}."] = cfg.encoder_config(e).vit_layers
+    return SeededState(shapes, seed, layers)

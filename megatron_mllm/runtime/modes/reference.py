@@ -10,14 +10,13 @@ from megatron_mllm.models.config import MLLMConfig
 
 
 def make_full_state(rank: int, world: int, cfg: MLLMConfig, seed: int) -> dict[str, torch.Tensor]:
-    """Run in a fresh single-rank process (see `launch.spawn`); returns canonical CPU tensors."""
-    from megatron_mllm.models.weights import full_state
+    """Run in a fresh single-rank process (see `launch.spawn`); returns the canonical initial
+    weights of `seed` (`seeded_state`, every tensor drawn) as CPU tensors."""
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
-    from megatron_mllm.runtime.assembly.model_builder import build_full_model
+    from megatron_mllm.runtime.assembly.model_builder import seeded_state
 
     init_rank(rank, world, seed, 60.0)
-    model = build_full_model(cfg)  # on the CPU: the state travels back to the caller
-    return full_state(*model.modules)
+    return dict(seeded_state(cfg, seed))
 
 
 class ReferenceRun:
