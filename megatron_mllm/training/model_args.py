@@ -39,7 +39,7 @@ def _encoder_fields(
 
 
 def model_config(args: argparse.Namespace) -> MLLMConfig:
-    """The model the arguments describe (see arguments.MODEL_ARGS and `model_args`)."""
+    """The model the arguments describe (see argument_checks.MODEL_ARGS and `model_args`)."""
     encoder = _encoder_fields(
         args.encoder_arch,
         args.encoder_activation,
@@ -89,7 +89,7 @@ def model_config(args: argparse.Namespace) -> MLLMConfig:
 
 def extra_encoder_config(spec: str, args: argparse.Namespace) -> MLLMConfig:
     """An --extra-encoder SPEC as the encoder fields of an MLLMConfig (see encoder_config)."""
-    from megatron_mllm.training.arguments import parse_encoder_spec
+    from megatron_mllm.training.argument_checks import parse_encoder_spec
 
     fields = parse_encoder_spec(spec)
     return MLLMConfig(
