@@ -255,6 +255,15 @@ def check_job(job: RuntimeJob, world: int) -> None:
         return
     if job.schedule is None:
         raise ConfigError("executor mode needs a schedule")
+    _check_schedule_shape(job)
+    enc_plan = _check_encoder_layers(job)
+    _check_coreset(job)
+    _check_lookahead(job)
+    _check_encoder_units(job, enc_plan)
+
+
+def _check_schedule_shape(job: RuntimeJob) -> None:
+    """The schedule is for this job's pipeline, micro-batches, layers and encoders."""
     meta = job.schedule.meta
     if meta.pp != job.backbone.pp or meta.num_microbatches != job.num_microbatches:
         raise ConfigError(
@@ -285,6 +294,10 @@ def check_job(job: RuntimeJob, world: int) -> None:
             "micro-batches' encoder actions: the simulator's, not the executor's yet; plan "
             "without --encoder-wgrad-split (the runtime's per-step plans keep every action)"
         )
+
+
+def _check_encoder_layers(job: RuntimeJob) -> ParallelPlan:
+    """Every encoder's layers split over the encoder plan; returns that plan."""
     enc_plan, _ = encoder_plan_of(job.schedule, job.backbone)
     job.cfg.validate(job.backbone.tp, enc_plan.tp)
     for e in range(job.cfg.num_encoders):
@@ -293,6 +306,11 @@ def check_job(job: RuntimeJob, world: int) -> None:
             raise ConfigError(
                 f"encoder {e}'s {layers} layers do not split evenly over encoder PP {enc_plan.pp}"
             )
+    return enc_plan
+
+
+def _check_coreset(job: RuntimeJob) -> None:
+    """A coreset's batch is the step's samples and its pool has a schedule."""
     if job.data.coreset is not None:
         size = job.data.coreset.pool_size
         if job.data.coreset.batch_size != job.num_microbatches * job.micro_batch:
@@ -309,7 +327,12 @@ def check_job(job: RuntimeJob, world: int) -> None:
                 f"the coreset pool of {size} needs a pool schedule of "
                 f"{size // job.micro_batch} micro-batches of {job.micro_batch}"
             )
-    _check_lookahead(job)
+
+
+def _check_encoder_units(job: RuntimeJob, enc_plan: ParallelPlan) -> None:
+    """The schedule's encoder units are this model's at the job's granularity, frozen or
+    trained as the job is."""
+    meta = job.schedule.meta
     if job.plans.encoder_units not in ("layer", "kernel"):
         raise ConfigError(f"encoder units {job.plans.encoder_units!r}: use 'layer' or 'kernel'")
     per_layer, tail = (8, 2) if job.plans.encoder_units == "kernel" else (1, 1)
