@@ -71,6 +71,27 @@ class StepResult:
     fills_per_wait: list[int] = field(default_factory=list)  # fills run inside each TP wait
 
 
+@dataclass(frozen=True)
+class PassOptions:
+    """How one pass of a program runs; the defaults are a training step with tagged messages.
+    `ordered`: NCCL's order-matched messages (receive orders, a group per direction);
+    `dynamic`: ready encoder work while a message is on its way; `overlap_fills`: TP-bubble
+    fills inside the backbone's TP collectives; `loss_scale` / `loss_norm`: the backward's
+    scale and the loss's normaliser; `after_program`: run on the executor after the program."""
+
+    timeout_s: float = 60.0
+    forward_only: bool = False
+    evaluate: bool = False
+    dynamic: bool = False
+    ordered: tuple[dict, dict] | None = None
+    overlap_fills: bool = False
+    recv_lookahead: int = RECV_LOOKAHEAD
+    max_encoder_ahead: int = MAX_ENCODER_AHEAD
+    loss_scale: torch.Tensor | None = None
+    loss_norm: torch.Tensor | None = None
+    after_program: Callable | None = None
+
+
 class Executor:
     """Executes `program` (from `gpu_program`) once per training step."""
 
@@ -84,19 +105,15 @@ class Executor:
         encoder: EncoderStage | None,
         data: Callable[[int], MicroBatch],
         micro_batch: int,
-        timeout_s: float = 60.0,
-        forward_only: bool = False,
-        dynamic: bool = False,
-        ordered: tuple[dict, dict] | None = None,
-        overlap_fills: bool = False,
-        recv_lookahead: int = RECV_LOOKAHEAD,
-        max_encoder_ahead: int = MAX_ENCODER_AHEAD,
         grad_sync: dict | None = None,
-        loss_scale: torch.Tensor | None = None,
-        loss_norm: torch.Tensor | None = None,
-        evaluate: bool = False,
-        after_program: Callable | None = None,
+        options: PassOptions = PassOptions(),
     ) -> None:
+        timeout_s, evaluate = options.timeout_s, options.evaluate
+        forward_only = options.forward_only
+        dynamic, ordered, overlap_fills = options.dynamic, options.ordered, options.overlap_fills
+        recv_lookahead, max_encoder_ahead = options.recv_lookahead, options.max_encoder_ahead
+        loss_scale, loss_norm = options.loss_scale, options.loss_norm
+        after_program = options.after_program
         self.program, self.meta, self.cfg, self.rank = program, meta, cfg, rank
         # One module per virtual stage (model chunk) this rank holds; the last holds the loss.
         self.chunks = backbone

@@ -249,9 +249,11 @@ class ExecutorRun:
 
     def executor_for(self, program, meta, data, **options):
         """An Executor for one pass of `program` over this rank's modules."""
-        from megatron_mllm.runtime.engine.executor import Executor
+        from megatron_mllm.runtime.engine.executor import Executor, PassOptions
 
         job = self.job
+        grad_sync = options.pop("grad_sync", None)
+        settings = {"timeout_s": job.timeout_s, "recv_lookahead": job.executor.recv_lookahead}
         return Executor(
             program,
             meta,
@@ -261,9 +263,8 @@ class ExecutorRun:
             self.encoders,
             data,
             job.micro_batch,
-            job.timeout_s,
-            recv_lookahead=job.executor.recv_lookahead,
-            **options,
+            grad_sync,
+            PassOptions(**{**settings, **options}),
         )
 
     def evaluate(self, data) -> dict:
