@@ -102,7 +102,7 @@ def test_energons_loader_state_is_plain_data_and_only_its_classes_come_back():
     )
     from megatron.energon.state import FlexState
 
-    from megatron_mllm.data.energon_llava import plain_state, state_of_plain
+    from megatron_mllm.data.energon_loader import plain_state, state_of_plain
 
     rng = SystemRngState(torch=torch.get_rng_state(), numpy=np.random.get_state(),
                          random=random.getstate())  # fmt: skip

@@ -15,12 +15,11 @@ import pytest
 from megatron.energon import Cooker, TaskEncoder, stateless
 from PIL import Image
 
-from megatron_mllm.data import energon_llava
-from megatron_mllm.data.energon_llava import (
+from megatron_mllm.data import energon_llava, energon_loader
+from megatron_mllm.data.energon_llava import check_energon_dataset, convert_llava
+from megatron_mllm.data.energon_loader import (
     IdsTaskEncoder,
-    check_energon_dataset,
     close_loader,
-    convert_llava,
     cook_llava,
     loader_state,
     open_loader,
@@ -327,12 +326,11 @@ def test_a_member_that_does_not_decode_is_skipped_counted_and_named(llava_datase
 
     from megatron.energon import SkipSample
 
-    from megatron_mllm.data import energon_llava
     from megatron_mllm.data.llava_source import LlavaData
 
     _, tokenizer = llava_dataset
     spec = LlavaData("unused", str(tokenizer), 128).spec(4, 16)
-    encoder = energon_llava.LlavaTaskEncoder(spec)
+    encoder = energon_loader.LlavaTaskEncoder(spec)
     meta = {"id": "r1", "images": ["a.png"], "turns": [["human", "<image>\nwhat?"], ["gpt", "1"]]}
     from megatron.energon.source_info import SourceInfo
 
@@ -340,11 +338,11 @@ def test_a_member_that_does_not_decode_is_skipped_counted_and_named(llava_datase
                         file_names=("r1.json",)),)  # fmt: skip
     crude = {"__key__": "r1", "__sources__": where, "__restore_key__": ("Webdataset", 7),
              "json": json_module.dumps(meta).encode(), "img0.png": b"\x89PNG broken"}  # fmt: skip
-    sample = energon_llava.cook_llava(crude)
+    sample = energon_loader.cook_llava(crude)
     with pytest.raises(SkipSample):
         encoder.encode_sample(sample)
     with pytest.raises(SkipSample):
-        energon_llava.cook_llava({**crude, "__key__": "r2", "json": b"\xff{not json"})
+        energon_loader.cook_llava({**crude, "__key__": "r2", "json": b"\xff{not json"})
     good = replace(sample, record=replace(sample.record, images=()), image_bytes=[])
     good = replace(good, record=replace(good.record, turns=(("human", "1+1?"), ("gpt", "2"))))
     batch = encoder.batch([encoder.encode_sample(good)])

@@ -84,7 +84,7 @@ class LlavaStream:
         image_size: int,
         seed: int,
     ) -> None:
-        from megatron_mllm.data.energon_llava import LlavaTaskEncoder, open_loader
+        from megatron_mllm.data.energon_loader import LlavaTaskEncoder, open_loader
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked
         self.split, self.micro_batch = split, micro_batch
@@ -141,7 +141,7 @@ class LlavaStream:
 
     def state(self) -> dict:
         """The position (energon's per-rank loader state) and the truncation counts."""
-        from megatron_mllm.data.energon_llava import loader_state
+        from megatron_mllm.data.energon_loader import loader_state
 
         return {
             "loader": loader_state(self.loader),
@@ -152,7 +152,7 @@ class LlavaStream:
 
     def restore(self, state: dict) -> None:
         """Continue from `state` (a fresh stream, before its first micro-batch)."""
-        from megatron_mllm.data.energon_llava import restore_loader
+        from megatron_mllm.data.energon_loader import restore_loader
 
         restore_loader(self.loader, state["loader"])
         self.truncated = state["truncated"]
@@ -160,6 +160,6 @@ class LlavaStream:
         self.corrupted = state.get("corrupted", 0)
 
     def close(self) -> None:
-        from megatron_mllm.data.energon_llava import close_loader
+        from megatron_mllm.data.energon_loader import close_loader
 
         close_loader(self.loader)
