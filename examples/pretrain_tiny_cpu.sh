@@ -14,8 +14,8 @@ TP=${TP:-1}
 PP=${PP:-2}
 SCHEDULE=${SCHEDULE:-optimus}
 TRAIN_ITERS=${TRAIN_ITERS:-600}
-SAVE=${SAVE:-out/demo_ckpt}
-TRACE=${TRACE:-out/demo_trace.json}
+SAVE=${SAVE-out/demo_ckpt}                  # SAVE= (empty): no checkpoints
+TRACE=${TRACE-out/demo_trace.json}          # TRACE= (empty): no trace
 RAW=${RAW:-out/data/llava_digits}            # LLaVA JSON + images + tokenizer, made if missing
 DATA_PATH=${DATA_PATH:-out/data/llava_digits_energon}  # energon dataset, converted if missing
 RECORDS=${RECORDS:-2000}
@@ -56,7 +56,9 @@ if [[ "$PRECISION" == bf16 ]]; then
                     --accumulate-allreduce-grads-in-fp32)
 fi
 EVAL_ARGS=(--eval-interval 200 --eval-iters 6)
-OUTPUT_ARGS=(--log-interval 50 --save "$SAVE" --save-interval 200 --trace "$TRACE")
+OUTPUT_ARGS=(--log-interval 50)
+if [[ -n "$SAVE" ]]; then OUTPUT_ARGS+=(--save "$SAVE" --save-interval 200); fi
+if [[ -n "$TRACE" ]]; then OUTPUT_ARGS+=(--trace "$TRACE"); fi
 
 "$PYTHON" -m torch.distributed.run "${DISTRIBUTED_ARGS[@]}" pretrain_mllm.py \
     "${MODEL_ARGS[@]}" "${PARALLEL_ARGS[@]}" "${DATA_ARGS[@]}" "${TRAINING_ARGS[@]}" \
