@@ -500,13 +500,8 @@ class Executor:
         """Every micro-batch the program touches, on the device from the step's start: a
         GPU copies them from pinned host memory without blocking the host, so no copy waits
         mid-step behind queued kernels (`MicroBatch.to`)."""
-        wanted = set()
-        for op in self.program:
-            if op.kind == "run" and op.action.kind not in ("AG", "RS"):
-                wanted.add(op.action.mb)
-            elif op.kind in ("send", "recv"):
-                wanted.add(TensorKey.parse(op.key).mb)
-        for mb in sorted(wanted):
+        fills = {fill.mb for op in self.program for fill in op.fills}
+        for mb in sorted(({op.mb for op in self.program} | fills) - {None}):
             self._batch(mb)
 
     # -- backbone --------------------------------------------------------------------------

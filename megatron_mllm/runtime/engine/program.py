@@ -4,6 +4,7 @@ from its slot's GPUs to the whole TP group)."""
 
 from __future__ import annotations
 
+import functools
 import zlib
 from dataclasses import dataclass, replace
 
@@ -25,6 +26,14 @@ class Op:
     key: str = ""  # str(TensorKey): names the message, and its tag
     peer: int = -1
     fills: tuple[Action, ...] = ()  # TP-bubble fills that travel with a backbone action
+
+    @functools.cached_property
+    def mb(self) -> int | None:
+        """The micro-batch the op works on (None for AG / RS); its key is parsed once per op,
+        not once per step."""
+        if self.kind == "run":
+            return None if self.action.kind in ("AG", "RS") else self.action.mb
+        return TensorKey.parse(self.key).mb
 
     @property
     def tag(self) -> int:
