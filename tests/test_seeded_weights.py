@@ -124,7 +124,7 @@ def _build_rss_growth(rank: int, world: int, job) -> int:
     libc = ctypes.CDLL("libc.so.6")
     libc.mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD
     libc.mallopt(-1, 1 << 16)  # M_TRIM_THRESHOLD
-    grown, build = [], executor_run.build_rank_model
+    grown, build = [], executor_run.build_job_model
 
     def measured(*args, **kwargs):
         solo = [dist.new_group([r]) for r in range(world)][rank]  # collective, in one order
@@ -136,7 +136,7 @@ def _build_rss_growth(rank: int, world: int, job) -> int:
         grown.append(_resident("VmHWM:") - before)
         return model
 
-    executor_run.build_rank_model = measured
+    executor_run.build_job_model = measured
     run_rank(rank, world, job)
     return grown[0]
 

@@ -140,6 +140,24 @@ def build_rank_model(
     return model
 
 
+def build_job_model(model, backbone: BackbonePlacement, encoder, device) -> RankModel:
+    """`build_rank_model` for a RuntimeJob's ModelParts (`model`): its config, weights (a
+    mapping, a SeededState or a weights file), freezing, dtype, recomputation and layers."""
+    from megatron_mllm.models.weights import open_full_state
+
+    return build_rank_model(
+        model.cfg,
+        backbone,
+        encoder,
+        device,
+        open_full_state(model.weights),
+        model.frozen_encoder,
+        model.dtype,
+        model.recompute,
+        model.transformer_impl,
+    )
+
+
 def _precision(dtype: torch.dtype) -> dict:
     """TransformerConfig fields for the parameter and pipeline dtype."""
     if dtype == torch.float32:

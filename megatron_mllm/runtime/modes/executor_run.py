@@ -12,13 +12,12 @@ from dataclasses import replace
 import torch
 import torch.distributed as dist
 
-from megatron_mllm.models.weights import open_full_state
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.assembly.bootstrap import nccl_messages
 from megatron_mllm.runtime.assembly.model_builder import (
     BackbonePlacement,
     EncoderPlacement,
-    build_rank_model,
+    build_job_model,
 )
 from megatron_mllm.runtime.assembly.optimizer import sub_optimizers
 from megatron_mllm.runtime.engine.breakdown import StepBreakdown, breakdown_of_spans
@@ -40,8 +39,8 @@ class ExecutorRun:
         enc_plan, self.stage0 = encoder_plan_of(job.schedule, plan)
         groups = build_colocated_groups(plan, plan if self.stage0 else enc_plan, world, rank)
         self.groups, c = groups, groups.coords
-        self.rank_model = build_rank_model(
-            job.cfg,
+        self.rank_model = build_job_model(
+            job.model,
             BackbonePlacement(
                 groups.backbone,
                 plan.tp,
@@ -54,11 +53,6 @@ class ExecutorRun:
             ),
             self._encoder_placement(enc_plan),
             device,
-            open_full_state(job.model.weights),
-            job.model.frozen_encoder,
-            job.model.dtype,
-            job.model.recompute,
-            job.model.transformer_impl,
         )
         self.chunks, self.encoders = self.rank_model.chunks, self.rank_model.encoders
         self.backbone = self.rank_model.backbone

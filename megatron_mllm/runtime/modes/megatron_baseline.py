@@ -17,7 +17,6 @@ from torch import nn
 
 from megatron_mllm.data.batch import IGNORE_INDEX
 from megatron_mllm.models.loss import mean_over_ranks
-from megatron_mllm.models.weights import open_full_state
 from megatron_mllm.runtime.engine.breakdown import ScheduleTimer
 
 
@@ -60,7 +59,7 @@ class MegatronCoreRun:
         from megatron_mllm.runtime.assembly.model_builder import (
             BackbonePlacement,
             EncoderPlacement,
-            build_rank_model,
+            build_job_model,
         )
         from megatron_mllm.runtime.job import layer_overrides
 
@@ -105,17 +104,7 @@ class MegatronCoreRun:
             job.plans.sequence_parallel,
             overrides,
         )
-        self.rank_model = build_rank_model(
-            job.cfg,
-            backbone,
-            encoder,
-            device,
-            open_full_state(job.model.weights),
-            job.model.frozen_encoder,
-            job.model.dtype,
-            job.model.recompute,
-            job.model.transformer_impl,
-        )
+        self.rank_model = build_job_model(job.model, backbone, encoder, device)
         self.chunks = self.rank_model.chunks
         self.backbone = self.rank_model.backbone  # the one holding the loss on the last stage
         self.encoder = self.rank_model.encoders[0]
