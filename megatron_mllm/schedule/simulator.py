@@ -91,81 +91,101 @@ def simulate(
 ) -> SimResult:
     """Run `schedule` with `workload`'s costs. The schedule should already be validated.
     `classify=False` skips sorting idle time by cause (bubble fields stay 0; faster)."""
-    meta = schedule.meta
-    workload.check_matches(meta)
-    flow = dataflow_of(meta, schedule.encoder_assignment())
-    n, slots = meta.pp, meta.slots
-    cfree = [[0.0] * slots for _ in range(n)]
-    mfree = [[0.0] * slots for _ in range(n)]
-    dpfree = [0.0] * n
-    cursor = [0.0] * n  # nothing later in a rank's list starts before its last RECV completed
-    avail: list[dict[str, float]] = [dict() for _ in range(n)]
-    arrival: dict[str, float] = {}
-    spans: list[Span] = []
-    times: dict[tuple[int, int], tuple[float, float]] = {}
-    tp_gaps: list[list[tuple[float, float]]] = [[] for _ in range(n)]
-    mem_events: list[list[tuple[float, int | None, float]]] = [[] for _ in range(n)]
-    compute_total = 0.0
-    busy = [[[] for _ in range(slots)] for _ in range(n)]  # encoder compute, per slot
-    backbone_busy: list[list[tuple[float, float]]] = [[] for _ in range(n)]  # whole actions
-    dp_spans: list[list[tuple[float, float]]] = [[] for _ in range(n)]
-    first_bb, last_bb = [math.inf] * n, [0.0] * n
-    # Per rank, per encoder (None: the backbone): (start, end) of the latest-ending backward
-    # run so far (a stage's last backward kernels end after its others).
-    last_bwd: list[dict[int | None, tuple[float, float]]] = [{} for _ in range(n)]
-    f_start: dict[int, float] = {}  # micro-batch -> start of its first backbone forward
-    b_end: dict[int, float] = {}  # micro-batch -> end of its last backbone backward
+    workload.check_matches(schedule.meta)
+    sim = _Simulation(schedule, workload, keep_spans, classify)
+    sim.run_lists()
+    return sim.result()
 
-    def backward_ran(r: int, part: int | None, start: float, end: float) -> None:
-        if end > last_bwd[r].get(part, (0.0, -1.0))[1]:
-            last_bwd[r][part] = (start, end)
 
-    def span(r, slot, stream, action, part, a, b, cat):
-        if not (keep_spans or classify):
+class _Simulation:
+    """The state of one simulated step: per rank and slot, when each stream is free, which
+    tensors are there, what ran when, and the memory and idle-time records."""
+
+    def __init__(self, schedule: Schedule, workload: Workload, keep_spans: bool, classify: bool):
+        meta = schedule.meta
+        self.schedule, self.meta, self.workload = schedule, meta, workload
+        self.keep_spans, self.classify = keep_spans, classify
+        self.flow = dataflow_of(meta, schedule.encoder_assignment())
+        n, slots = self.n, self.slots = meta.pp, meta.slots
+        self.cfree = [[0.0] * slots for _ in range(n)]
+        self.mfree = [[0.0] * slots for _ in range(n)]
+        self.dpfree = [0.0] * n
+        self.cursor = [0.0] * n  # nothing later in a rank's list starts before its last RECV
+        self.avail: list[dict[str, float]] = [dict() for _ in range(n)]
+        self.arrival: dict[str, float] = {}
+        self.spans: list[Span] = []
+        self.times: dict[tuple[int, int], tuple[float, float]] = {}
+        self.tp_gaps: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        self.mem_events: list[list[tuple[float, int | None, float]]] = [[] for _ in range(n)]
+        self.compute_total = 0.0
+        self.busy = [[[] for _ in range(slots)] for _ in range(n)]  # encoder compute, per slot
+        self.backbone_busy: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        self.dp_spans: list[list[tuple[float, float]]] = [[] for _ in range(n)]
+        self.first_bb, self.last_bb = [math.inf] * n, [0.0] * n
+        # Per rank, per encoder (None: the backbone): (start, end) of the latest-ending
+        # backward run so far (a stage's last backward kernels end after its others).
+        self.last_bwd: list[dict[int | None, tuple[float, float]]] = [{} for _ in range(n)]
+        self.f_start: dict[int, float] = {}  # micro-batch -> start of its first backbone F
+        self.b_end: dict[int, float] = {}  # micro-batch -> end of its last backbone B
+        self.rendezvous: list[tuple[int, int, Action]] = []  # RS shared between ranks
+
+    def backward_ran(self, r: int, part: int | None, start: float, end: float) -> None:
+        if end > self.last_bwd[r].get(part, (0.0, -1.0))[1]:
+            self.last_bwd[r][part] = (start, end)
+
+    def span(self, r, slot, stream, action, part, a, b, cat) -> None:
+        if not (self.keep_spans or self.classify):
             return
         if stream == "compute" and slot is not None:
-            busy[r][slot].append((a, b))
+            self.busy[r][slot].append((a, b))
         elif stream == "dp":
-            dp_spans[r].append((a, b))
-        if keep_spans:
-            spans.append(Span(r, slot, stream, action, part, a, b, cat))
+            self.dp_spans[r].append((a, b))
+        if self.keep_spans:
+            self.spans.append(Span(r, slot, stream, action, part, a, b, cat))
 
-    def ready(r: int, keys: list[str]) -> float:
-        have, t = avail[r], 0.0
+    def ready(self, r: int, keys: list[str]) -> float:
+        have, t = self.avail[r], 0.0
         for k in keys:
             if have[k] > t:
                 t = have[k]
         return t
 
-    def dp_times(r: int, a: Action) -> tuple[float, float]:
+    def dp_times(self, r: int, a: Action) -> tuple[float, float]:
         """Start and end of a DP action. A reduce-scatter waits for every backward of its part
         on the rank (the latest-ending one, as the rank's list has run up to it); in K buckets,
         bucket k is ready when that backward is k/K done, and the buckets go one after another
         on the DP stream, each taking 1/K of the time."""
+        workload = self.workload
         seconds = workload.dp_s.get((r, a.kind, a.key), 0.0)
-        last = last_bwd[r].get(part_encoder(a.key)) if a.kind == "RS" else None
+        last = self.last_bwd[r].get(part_encoder(a.key)) if a.kind == "RS" else None
         k = workload.dp_buckets.get((r, a.key), 1) if last is not None else 1
         if k == 1:
-            t0 = max(cursor[r], dpfree[r], last[1] if last else 0.0)
+            t0 = max(self.cursor[r], self.dpfree[r], last[1] if last else 0.0)
             return t0, t0 + seconds
         begin, end = last
-        t = start = max(dpfree[r], begin + (end - begin) / k)
+        t = start = max(self.dpfree[r], begin + (end - begin) / k)
         for j in range(1, k + 1):
             t = max(t, begin + j * (end - begin) / k) + seconds / k
         return start, t
 
-    def run_encoder(r: int, step: int, a: Action, not_before: float) -> float:
+    def run_encoder(self, r: int, step: int, a: Action, not_before: float) -> float:
         """Run one encoder chunk; return when its compute stream part ends."""
-        nonlocal compute_total
+        flow, workload, span, cfree, mfree = (
+            self.flow,
+            self.workload,
+            self.span,
+            self.cfree,
+            self.mfree,
+        )
         slot = flow.slot(a)
         kernels = workload.kernels(a.kind, a.stage, enc=a.enc, mb=a.mb)[a.k0 : a.k1]
-        t = start = max(not_before, cursor[r], cfree[r][slot], ready(r, flow.needs(a)))
+        t = start = max(not_before, self.cursor[r], cfree[r][slot], self.ready(r, flow.needs(a)))
         t += workload.encoder_overhead_s
         compute_end = t
         for k in kernels:
             span(r, slot, "compute", a, k.name, t, t + k.compute_s, "encoder")
             t += k.compute_s
-            compute_total += k.compute_s
+            self.compute_total += k.compute_s
             compute_end = t
             if k.comm_s > 0:
                 cs = max(t, mfree[r][slot])
@@ -174,34 +194,39 @@ def simulate(
                 t = cs + k.comm_s
         cfree[r][slot] = compute_end
         for key in flow.makes(a):
-            avail[r][key] = t
-        times[(r, step)] = (start, t)
+            self.avail[r][key] = t
+        self.times[(r, step)] = (start, t)
         if a.kind in ("EB", "EW"):
-            backward_ran(r, a.enc, start, t)
-        enc = meta.encoders[a.enc]
-        stage_bytes = workload.encoder_stage_bytes(a.enc, a.stage, a.mb)
-        if not meta.trains(a.mb):  # a look-ahead forward saves nothing for a backward
-            return compute_end
-        if a.kind == "EF":
-            share = stage_bytes * (a.k1 - a.k0) / enc.fwd_kernels[a.stage]
-            mem_events[r].append((start, slot, share))
-            if enc.bwd_kernels[a.stage] == 0:  # nothing will run backward: freed at once
-                mem_events[r].append((t, slot, -share))
-        elif is_stage_backward_end(enc, a):  # a split one keeps them for its weight gradients
-            mem_events[r].append((t, slot, -stage_bytes))
+            self.backward_ran(r, a.enc, start, t)
+        if self.meta.trains(a.mb):  # a look-ahead forward saves nothing for a backward
+            self._encoder_memory(r, slot, a, start, t)
         return compute_end
 
-    def run_backbone(r: int, group: list[int], acts: list[Action]) -> None:
-        nonlocal compute_total
+    def _encoder_memory(self, r: int, slot: int, a: Action, start: float, end: float) -> None:
+        enc = self.meta.encoders[a.enc]
+        stage_bytes = self.workload.encoder_stage_bytes(a.enc, a.stage, a.mb)
+        events = self.mem_events[r]
+        if a.kind == "EF":
+            share = stage_bytes * (a.k1 - a.k0) / enc.fwd_kernels[a.stage]
+            events.append((start, slot, share))
+            if enc.bwd_kernels[a.stage] == 0:  # nothing will run backward: freed at once
+                events.append((end, slot, -share))
+        elif is_stage_backward_end(enc, a):  # a split one keeps them for its weight gradients
+            events.append((end, slot, -stage_bytes))
+
+    def run_backbone(self, r: int, group: list[int], acts: list[Action]) -> None:
+        """One backbone action (the group's last) with the encoder fills queued for its TP
+        bubbles (the group's others), kernel by kernel."""
+        keep_spans, classify, span, slots = self.keep_spans, self.classify, self.span, self.slots
         step = group[-1]
         a = acts[step]
         fills = defaultdict(list) if len(group) > 1 else {}
         for i in group[:-1]:
             fills[acts[i].fill].append(i)
-        kernels = workload.kernels(a.kind, a.stage, a.chunk, mb=a.mb)
-        cf, mf = cfree[r], mfree[r]
-        start = max(cursor[r], max(cf), ready(r, flow.needs(a)))
-        t = start + workload.chunk_overhead_s
+        kernels = self.workload.kernels(a.kind, a.stage, a.chunk, mb=a.mb)
+        cf, mf = self.cfree[r], self.mfree[r]
+        start = max(self.cursor[r], max(cf), self.ready(r, self.flow.needs(a)))
+        t = start + self.workload.chunk_overhead_s
         # The TP stream is the rank's: after a backbone collective every slot's is free at its
         # end (`mf` is written back lazily), unless a fill's own collective runs later.
         comm_free, written, work, gap = max(mf), True, 0.0, 0
@@ -217,18 +242,18 @@ def simulate(
                 if keep_spans:
                     span(r, None, "comm", a, k.name, cs, ce, "tp")
                 if classify:
-                    tp_gaps[r].append((t, ce))
+                    self.tp_gaps[r].append((t, ce))
                 resume = ce
                 if gap in fills:
                     mf[:] = [ce] * slots
                     for i in fills.pop(gap):
-                        resume = max(resume, run_encoder(r, i, acts[i], t))
+                        resume = max(resume, self.run_encoder(r, i, acts[i], t))
                     comm_free, written = max(mf), True
                 t = resume
                 gap += 1
         if not written:
             mf[:] = [comm_free] * slots
-        compute_total += work * slots
+        self.compute_total += work * slots
         if fills:
             bad = min(i for idx in fills.values() for i in idx)
             raise ConfigError(
@@ -236,120 +261,149 @@ def simulate(
                 f"{a} has only {gap} TP bubble(s)"
             )
         cf[:] = [t] * slots
-        for key in flow.makes(a):
-            avail[r][key] = t
-        times[(r, step)] = (start, t)
+        self._backbone_ran(r, step, a, start, t)
+
+    def _backbone_ran(self, r: int, step: int, a: Action, start: float, end: float) -> None:
+        for key in self.flow.makes(a):
+            self.avail[r][key] = end
+        self.times[(r, step)] = (start, end)
         if a.kind == "B":
-            backward_ran(r, None, start, t)
+            self.backward_ran(r, None, start, end)
         if a.stage == 0 and a.chunk == 0:  # F_i and B_i, as the bubble scheduler names them
-            (f_start if a.kind == "F" else b_end)[a.mb] = start if a.kind == "F" else t
-        backbone_busy[r].append((start, t))
-        first_bb[r] = min(first_bb[r], start)
-        last_bb[r] = max(last_bb[r], t)
-        nbytes = workload.backbone_act_bytes.get((a.stage, a.chunk), 0.0)
-        if meta.trains(a.mb):  # a look-ahead forward saves nothing for a backward
-            mem_events[r].append((start, None, nbytes) if a.kind == "F" else (t, None, -nbytes))
+            if a.kind == "F":
+                self.f_start[a.mb] = start
+            else:
+                self.b_end[a.mb] = end
+        self.backbone_busy[r].append((start, end))
+        self.first_bb[r] = min(self.first_bb[r], start)
+        self.last_bb[r] = max(self.last_bb[r], end)
+        nbytes = self.workload.backbone_act_bytes.get((a.stage, a.chunk), 0.0)
+        if self.meta.trains(a.mb):  # a look-ahead forward saves nothing for a backward
+            event = (start, None, nbytes) if a.kind == "F" else (end, None, -nbytes)
+            self.mem_events[r].append(event)
 
-    groups = [backbone_groups(acts) for acts in schedule.ranks]
-    ptr = [0] * n
-    rendezvous: list[tuple[int, int, Action]] = []  # reduce-scatters shared between ranks
-    transfer_time = workload.transfer_time
-    while True:
-        progressed = False
-        for r, acts in enumerate(schedule.ranks):
-            mine, p, have = groups[r], ptr[r], avail[r]
-            while p < len(mine):
-                group = mine[p]
-                step = group[-1]
-                a = acts[step]
-                kind = a.kind
-                if kind == "F" or kind == "B":
-                    run_backbone(r, group, acts)
-                elif kind == "SEND":
-                    t0 = max(cursor[r], have[a.key])
-                    arrival[a.key] = t1 = t0 + transfer_time(a.key)
-                    span(r, None, "p2p", a, "", t0, t1, "p2p")
-                    times[(r, step)] = (t0, t1)
-                elif kind == "RECV":
-                    t1 = arrival.get(a.key)
-                    if t1 is None:
-                        break  # not sent yet
-                    have[a.key] = t1
-                    cursor[r] = max(cursor[r], t1)
-                    times[(r, step)] = (t1, t1)
-                elif kind in ENCODER_KINDS:
-                    run_encoder(r, step, a, 0.0)
-                else:  # AG / RS on the rank's data-parallel stream
-                    t0, t1 = dp_times(r, a)
-                    dpfree[r] = t1
-                    for key in flow.makes(a):
-                        have[key] = t1
-                    times[(r, step)] = (t0, t1)
-                    if a.kind == "RS" and (r, a.key) in workload.dp_peers:
-                        rendezvous.append((r, step, a))  # its span once its peers are known
-                    else:
-                        span(r, None, "dp", a, "", t0, t1, "dp")
-                p += 1
-            progressed = progressed or p > ptr[r]
-            ptr[r] = p
-        if all(ptr[r] == len(groups[r]) for r in range(n)):
-            break
-        if not progressed:
-            stuck = ", ".join(
-                f"rank {r} waits at step {groups[r][ptr[r]][-1]} "
-                f"({schedule.ranks[r][groups[r][ptr[r]][-1]]})"
-                for r in range(n)
-                if ptr[r] < len(groups[r])
-            )
-            raise DeadlockError(f"simulation deadlocked: {stuck}")
+    def run_lists(self) -> None:
+        """Every rank's list, in order, round after round until all are done (DeadlockError
+        where a round makes no progress)."""
+        ranks = self.schedule.ranks
+        groups = [backbone_groups(acts) for acts in ranks]
+        ptr = [0] * self.n
+        while True:
+            progressed = False
+            for r, acts in enumerate(ranks):
+                p = self._run_rank(r, acts, groups[r], ptr[r])
+                progressed = progressed or p > ptr[r]
+                ptr[r] = p
+            if all(ptr[r] == len(groups[r]) for r in range(self.n)):
+                break
+            if not progressed:
+                stuck = ", ".join(
+                    f"rank {r} waits at step {groups[r][ptr[r]][-1]} "
+                    f"({ranks[r][groups[r][ptr[r]][-1]]})"
+                    for r in range(self.n)
+                    if ptr[r] < len(groups[r])
+                )
+                raise DeadlockError(f"simulation deadlocked: {stuck}")
+        for r, step, a, t0, t1 in _rendezvous_times(self.rendezvous, self.workload, self.times):
+            self.times[(r, step)] = (t0, t1)
+            self.span(r, None, "dp", a, "", t0, t1, "dp")
 
-    for r, step, a, t0, t1 in _rendezvous_times(rendezvous, workload, times):
-        times[(r, step)] = (t0, t1)
-        span(r, None, "dp", a, "", t0, t1, "dp")
-    step_time = max(map(itemgetter(1), times.values()), default=0.0)
-    first_bb = [min(f, step_time) for f in first_bb]
-    causes = dict.fromkeys(BUBBLE_CAUSES, 0.0)
-    by_rank = [dict.fromkeys(BUBBLE_CAUSES, 0.0) for _ in range(n)]
-    for r in range(n) if classify else ():
-        for slot in range(slots):
-            for cause, seconds in _classify_idle(
-                busy[r][slot],
-                backbone_busy[r],
-                tp_gaps[r],
-                dp_spans[r],
-                first_bb[r],
-                last_bb[r],
-                step_time,
-            ).items():
-                causes[cause] += seconds
-                by_rank[r][cause] += seconds / slots
-    groups = n * slots
-    idle_total = sum(causes.values())
-    peak, activation_peaks = 0.0, []
-    for r in range(n):
-        level = [0.0] * slots
-        top = 0.0
-        for _, slot, delta in sorted(mem_events[r], key=lambda e: (e[0], e[2])):
-            for s in range(slots) if slot is None else [slot]:
-                level[s] += delta
-            top = max(top, max(level))
-        state = workload.state_bytes[r] if workload.state_bytes else 0.0
-        peak = max(peak, state + top)
-        activation_peaks.append(top)
-    return SimResult(
-        step_time_s=step_time,
-        limit_s=compute_total / groups,
-        bubble_ratio=idle_total / (groups * step_time) if step_time else 0.0,
-        bubbles_s={k: v / groups for k, v in causes.items()},
-        bubbles_by_rank_s=by_rank,
-        peak_memory_bytes=peak,
-        activation_peaks=activation_peaks,
-        spans=spans,
-        action_times=times,
-        first_backbone_start=first_bb,
-        mb_forward_start=f_start,
-        mb_backward_end=b_end,
-    )
+    def _run_rank(self, r: int, acts: list[Action], mine: list[list[int]], p: int) -> int:
+        """Rank r's list from group `p` until a RECV whose message is not sent yet; returns
+        where it stopped."""
+        have, times, cursor, arrival = self.avail[r], self.times, self.cursor, self.arrival
+        while p < len(mine):
+            group = mine[p]
+            step = group[-1]
+            a = acts[step]
+            kind = a.kind
+            if kind == "F" or kind == "B":
+                self.run_backbone(r, group, acts)
+            elif kind == "SEND":
+                t0 = max(cursor[r], have[a.key])
+                arrival[a.key] = t1 = t0 + self.workload.transfer_time(a.key)
+                self.span(r, None, "p2p", a, "", t0, t1, "p2p")
+                times[(r, step)] = (t0, t1)
+            elif kind == "RECV":
+                t1 = arrival.get(a.key)
+                if t1 is None:
+                    break  # not sent yet
+                have[a.key] = t1
+                cursor[r] = max(cursor[r], t1)
+                times[(r, step)] = (t1, t1)
+            elif kind in ENCODER_KINDS:
+                self.run_encoder(r, step, a, 0.0)
+            else:
+                self._run_dp(r, step, a)
+            p += 1
+        return p
+
+    def _run_dp(self, r: int, step: int, a: Action) -> None:
+        """AG / RS on the rank's data-parallel stream."""
+        t0, t1 = self.dp_times(r, a)
+        self.dpfree[r] = t1
+        for key in self.flow.makes(a):
+            self.avail[r][key] = t1
+        self.times[(r, step)] = (t0, t1)
+        if a.kind == "RS" and (r, a.key) in self.workload.dp_peers:
+            self.rendezvous.append((r, step, a))  # its span once its peers are known
+        else:
+            self.span(r, None, "dp", a, "", t0, t1, "dp")
+
+    def result(self) -> SimResult:
+        step_time = max(map(itemgetter(1), self.times.values()), default=0.0)
+        first_bb = [min(f, step_time) for f in self.first_bb]
+        causes, by_rank = self._idle_by_cause(first_bb, step_time)
+        groups = self.n * self.slots
+        peak, activation_peaks = self._memory_peaks()
+        return SimResult(
+            step_time_s=step_time,
+            limit_s=self.compute_total / groups,
+            bubble_ratio=sum(causes.values()) / (groups * step_time) if step_time else 0.0,
+            bubbles_s={k: v / groups for k, v in causes.items()},
+            bubbles_by_rank_s=by_rank,
+            peak_memory_bytes=peak,
+            activation_peaks=activation_peaks,
+            spans=self.spans,
+            action_times=self.times,
+            first_backbone_start=first_bb,
+            mb_forward_start=self.f_start,
+            mb_backward_end=self.b_end,
+        )
+
+    def _idle_by_cause(self, first_bb: list[float], step_time: float) -> tuple[dict, list]:
+        """Idle compute time by cause, over all ranks' slots and per rank (per slot)."""
+        causes = dict.fromkeys(BUBBLE_CAUSES, 0.0)
+        by_rank = [dict.fromkeys(BUBBLE_CAUSES, 0.0) for _ in range(self.n)]
+        for r in range(self.n) if self.classify else ():
+            for slot in range(self.slots):
+                for cause, seconds in _classify_idle(
+                    self.busy[r][slot],
+                    self.backbone_busy[r],
+                    self.tp_gaps[r],
+                    self.dp_spans[r],
+                    first_bb[r],
+                    self.last_bb[r],
+                    step_time,
+                ).items():
+                    causes[cause] += seconds
+                    by_rank[r][cause] += seconds / self.slots
+        return causes, by_rank
+
+    def _memory_peaks(self) -> tuple[float, list[float]]:
+        """The highest rank's model state plus activations, and each rank's activation peak."""
+        state_bytes = self.workload.state_bytes
+        peak, activation_peaks = 0.0, []
+        for r in range(self.n):
+            level = [0.0] * self.slots
+            top = 0.0
+            for _, slot, delta in sorted(self.mem_events[r], key=lambda e: (e[0], e[2])):
+                for s in range(self.slots) if slot is None else [slot]:
+                    level[s] += delta
+                top = max(top, max(level))
+            peak = max(peak, (state_bytes[r] if state_bytes else 0.0) + top)
+            activation_peaks.append(top)
+        return peak, activation_peaks
 
 
 def _covered(mids: np.ndarray, intervals: list[tuple[float, float]]) -> np.ndarray:

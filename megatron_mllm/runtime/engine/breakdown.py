@@ -187,3 +187,14 @@ class ScheduleTimer:
             overhead_s=max(seconds - measure(compute + p2p + dp), 0.0),
             actions=self.microbatches,  # per micro-batch: one forward and one backward step
         )
+
+
+def busy_seconds(spans, stream: str) -> float:
+    """Seconds in which `stream` had work (the union of its spans: fills run inside backbone
+    actions overlap them)."""
+    busy, end = 0.0, float("-inf")
+    for span in sorted((s for s in spans if s.stream == stream), key=lambda s: s.start):
+        if span.end > end:
+            busy += span.end - max(span.start, end)
+            end = span.end
+    return busy

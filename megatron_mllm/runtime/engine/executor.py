@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -29,9 +28,11 @@ from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
 from megatron_mllm.runtime.assembly.data_parallel import reductions_held
 from megatron_mllm.runtime.engine.clock import StepClock
+from megatron_mllm.runtime.engine.compute_actions import ComputeActions, planned_encoder_live
 from megatron_mllm.runtime.engine.fill_pacing import FillPacer, fill_budgets, planned_bubbles
-from megatron_mllm.runtime.engine.messages import RECV_LOOKAHEAD, Messages, PeerFailure
+from megatron_mllm.runtime.engine.messages import Messages, PeerFailure
 from megatron_mllm.runtime.engine.program import Op
+from megatron_mllm.runtime.engine.step_types import PassOptions, StepResult
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.dataflow import Dataflow
 from megatron_mllm.schedule.keys import TensorKey, part_encoder, part_name
@@ -40,59 +41,8 @@ from megatron_mllm.schedule.simulator import Span
 
 __all__ = ["Executor", "PeerFailure", "StepResult"]
 
-# Dynamic mode: encoder micro-batches whose work may run ahead of its place in the program (the
-# planner assumes no more than this many encoder micro-batches in flight beyond its schedule).
-MAX_ENCODER_AHEAD = 2
 
-
-@dataclass
-class StepResult:
-    losses: dict[int, float] = field(default_factory=dict)  # micro-batch -> loss (last stage)
-    # Evaluation: micro-batch -> (samples whose every answer token is the argmax, samples with
-    # an answer): teacher-forced exact match, which is greedy decoding's exact match.
-    matches: dict[int, tuple[int, int]] = field(default_factory=dict)
-    spans: list[Span] = field(default_factory=list)
-    seconds: float = 0.0
-    moved: int = 0  # dynamic mode: encoder chunks run ahead of their place in the program
-    overlapped: int = 0  # fills run while a backbone TP collective was in flight
-    overlapped_in: dict[str, int] = field(default_factory=dict)  # ... per collective kind
-    # Measured seconds for re-planning: (model, "forward"|"backward", unit name) -> samples;
-    # the backbone's per layer (a chunk's F or B compute time over its layer count) and per TP
-    # collective: ("llm", "collectives", "all_reduce" | "all_gather" | "reduce_scatter" [+ "_b"]).
-    unit_times: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
-    # Ordered mode: sender -> the most of its receives posted and not yet consumed at once.
-    max_posted_ahead: dict[int, int] = field(default_factory=dict)
-    max_encoder_ahead: int = 0  # dynamic mode: most encoder micro-batches run ahead at once
-    # Most encoder (stage, micro-batch) activations held at once, and the plan's own peak (the
-    # schedule the planner costed memory for): dynamic mode never holds more than the plan.
-    max_encoder_live: int = 0
-    planned_encoder_live: int = 0
-    leftover_keys: list[str] = field(default_factory=list)  # the tensor table at step end
-    fills_per_wait: list[int] = field(default_factory=list)  # fills run inside each TP wait
-
-
-@dataclass(frozen=True)
-class PassOptions:
-    """How one pass of a program runs; the defaults are a training step with tagged messages.
-    `ordered`: NCCL's order-matched messages (receive orders, a group per direction);
-    `dynamic`: ready encoder work while a message is on its way; `overlap_fills`: TP-bubble
-    fills inside the backbone's TP collectives; `loss_scale` / `loss_norm`: the backward's
-    scale and the loss's normaliser; `after_program`: run on the executor after the program."""
-
-    timeout_s: float = 60.0
-    forward_only: bool = False
-    evaluate: bool = False
-    dynamic: bool = False
-    ordered: tuple[dict, dict] | None = None
-    overlap_fills: bool = False
-    recv_lookahead: int = RECV_LOOKAHEAD
-    max_encoder_ahead: int = MAX_ENCODER_AHEAD
-    loss_scale: torch.Tensor | None = None
-    loss_norm: torch.Tensor | None = None
-    after_program: Callable | None = None
-
-
-class Executor:
+class Executor(ComputeActions):
     """Executes `program` (from `gpu_program`) once per training step."""
 
     def __init__(
@@ -106,8 +56,9 @@ class Executor:
         data: Callable[[int], MicroBatch],
         micro_batch: int,
         grad_sync: dict | None = None,
-        options: PassOptions = PassOptions(),
+        options: PassOptions | None = None,
     ) -> None:
+        options = options or PassOptions()
         timeout_s, evaluate = options.timeout_s, options.evaluate
         forward_only = options.forward_only
         dynamic, ordered, overlap_fills = options.dynamic, options.ordered, options.overlap_fills
@@ -504,166 +455,6 @@ class Executor:
         for mb in sorted(({op.mb for op in self.program} | fills) - {None}):
             self._batch(mb)
 
-    # -- backbone --------------------------------------------------------------------------
-    def _forward(self, a: Action) -> None:
-        meta = self.meta
-        v = meta.virtual_index(a.stage, a.chunk)
-        last = v == meta.num_virtual_stages - 1
-        trains = self._trains(a.mb)
-        # The encoders' outputs (first virtual stage) or the previous stage's activation.
-        inputs = [self._take(k).detach().requires_grad_(trains) for k in self._needs(a)]
-        pool = last and self._is_pool(a.mb)
-        self._capture_next = pool
-        if v == 0:
-            first = self.chunks[a.chunk]
-            out = first(None, first.decoder_input(inputs, self._batch(a.mb)))
-        else:
-            out = self.chunks[a.chunk](inputs[0])
-        self._capture_next = False
-        if pool:  # a coreset pool's micro-batch: the selection reads the output layer's input
-            self.last_layer_inputs[a.mb] = self._captured.pop()
-        elif last:
-            if self.evaluate:
-                self._matches[a.mb] = self.backbone.exact_matches(out, self._batch(a.mb))
-            summed = self.loss_norm is not None and not self.evaluate
-            out = self.backbone.loss(out, self._batch(a.mb), summed=summed)
-            self._losses[a.mb] = out.detach()  # read at step end, after the one synchronize
-        else:
-            s, c = meta.stage_chunk(v + 1)
-            self._put(str(TensorKey.act(s, c, a.mb)), out.detach())
-        if trains:  # a forward-only pass has no backward to keep it for
-            self.bb_ctx[(a.stage, a.chunk, a.mb)] = (inputs, out)
-
-    def _backward(self, a: Action) -> None:
-        meta = self.meta
-        v = meta.virtual_index(a.stage, a.chunk)
-        inputs, out = self.bb_ctx.pop((a.stage, a.chunk, a.mb))
-        if v == meta.num_virtual_stages - 1:
-            loss = out / meta.num_microbatches if self.loss_norm is None else out * self.loss_norm
-            (loss * self.loss_scale if self.loss_scale is not None else loss).backward()
-        else:
-            out.backward(self._take(self._needs(a)[0]))
-        if v > 0:
-            s, c = meta.stage_chunk(v - 1)
-            self._put(str(TensorKey.grad(s, c, a.mb)), inputs[0].grad)
-        else:
-            for e, x in enumerate(inputs):
-                if meta.encoders[e].trainable:
-                    self._put(str(TensorKey.egrad(e, a.mb)), x.grad)
-
-    # -- encoder ---------------------------------------------------------------------------
-    def _encoder_forward(self, a: Action) -> None:
-        """Units k0..k1 of an encoder stage; each keeps its input leaves and output state, so
-        its backward can run on its own (see EncoderStage's units)."""
-        enc_meta = self.meta.encoders[a.enc]
-        units = self.enc_units.setdefault((a.enc, a.stage, a.mb), [])
-        live = max(self.result.max_encoder_live, len(self.enc_units))
-        self.result.max_encoder_live = live
-        if a.k0 == 0:
-            needs = self._needs(a)
-            state = (self._take(needs[0]) if needs else self._batch(a.mb).images,)
-        if self._batch(a.mb).num_images == 0:  # text only: the encoder has nothing to do
-            self._pass_empty(a, enc_meta.fwd_kernels[a.stage], forward=True)
-            return
-        if a.k0 > 0:
-            state = units[-1][1]
-        encoder, model = self.encoders[a.enc], self.cfg.encoder_name(a.enc)
-        names, t_unit = encoder.unit_names(), self.clock.mark()
-        for u in range(a.k0, a.k1):
-            if encoder.unit_trainable(u):
-                upstream = self._wants_input_grad(a, u)
-                leaves = tuple(t.detach().requires_grad_(upstream) for t in state)
-                out = encoder.run_unit(u, leaves)
-            else:  # frozen: no graph, and nothing upstream of it wants a gradient
-                leaves = tuple(t.detach() for t in state)
-                with torch.no_grad():
-                    out = encoder.run_unit(u, leaves)
-            units.append((leaves, out))
-            state = out
-            t_end = self.clock.mark()
-            self._time_later(model, "forward", names[u], t_unit, t_end)
-            t_unit = t_end
-        if a.k1 == enc_meta.fwd_kernels[a.stage]:
-            last = a.stage == enc_meta.num_stages - 1
-            nxt = TensorKey.eout(a.enc, a.mb) if last else TensorKey.eact(a.enc, a.stage + 1, a.mb)
-            (out,) = (t.detach() for t in state)
-            self._put(str(nxt), out)
-            if not self._encoder_backward_follows(a):
-                del self.enc_units[(a.enc, a.stage, a.mb)]  # no backward will read its units
-
-    def _trains(self, mb: int) -> bool:
-        """Whether micro-batch `mb` runs backward in this pass."""
-        return self.meta.trains(mb) and not self.forward_only
-
-    def _is_pool(self, mb: int) -> bool:
-        """Whether micro-batch `mb` is a coreset pool's (a pool pass, or a look-ahead one)."""
-        return not self.evaluate and not self._trains(mb)
-
-    def _encoder_backward_follows(self, a: Action) -> bool:
-        """Whether an encoder stage's forward of `a`'s micro-batch is read by a backward."""
-        return self.meta.encoders[a.enc].bwd_kernels[a.stage] > 0 and self._trains(a.mb)
-
-    def _wants_input_grad(self, a: Action, u: int) -> bool:
-        """Whether unit u's input needs a gradient: something before it trains. In a frozen
-        encoder only the projector trains, so the input of its second half (proj_fc2) needs
-        one (for proj_fc1's parameters), the first trained unit's input does not."""
-        if a.stage == 0 and u == 0:
-            return False
-        if not self.encoder_frozen[a.enc]:
-            return True
-        encoder = self.encoders[a.enc]
-        return any(encoder.unit_trainable(v) for v in range(u))
-
-    def _pass_empty(self, a: Action, total: int, forward: bool) -> None:
-        """A micro-batch without images: no encoder unit runs; the stage's message (of zero
-        images) still goes where the schedule sends it, so every peer's program is unchanged."""
-        enc_meta, key = self.meta.encoders[a.enc], (a.enc, a.stage, a.mb)
-        if not forward:
-            if a.k0 == 0:
-                self._take(self._needs(a)[0])
-            self._bwd_done[key] = a.k1
-            sync = self.grad_sync.get(part_name(a.enc))
-            if sync is not None and a.k1 == total:  # each parameter's hook fires once per mb
-                sync.no_gradient(p for p in self.encoders[a.enc].parameters() if p.requires_grad)
-        if a.k1 < total:
-            return
-        if forward:
-            last = a.stage == enc_meta.num_stages - 1
-            nxt = TensorKey.eout(a.enc, a.mb) if last else TensorKey.eact(a.enc, a.stage + 1, a.mb)
-        elif a.stage > 0 and enc_meta.bwd_kernels[a.stage - 1] > 0:
-            nxt = TensorKey.egin(a.enc, a.stage - 1, a.mb)
-        else:
-            nxt = None
-        if nxt is not None:
-            shape = self._shape(str(nxt))
-            self._put(str(nxt), torch.empty(shape, dtype=self.dtype, device=self.device))
-        if not forward or not self._encoder_backward_follows(a):
-            self.enc_units.pop(key, None)
-
-    def _encoder_backward(self, a: Action) -> None:
-        enc_meta = self.meta.encoders[a.enc]
-        if self._batch(a.mb).num_images == 0:
-            self._pass_empty(a, enc_meta.bwd_kernels[a.stage], forward=False)
-            return
-        units = self.enc_units[(a.enc, a.stage, a.mb)]
-        total = enc_meta.fwd_kernels[a.stage]
-        names, model = self.encoders[a.enc].unit_names(), self.cfg.encoder_name(a.enc)
-        for b in range(a.k0, a.k1):
-            t_unit = self.clock.mark()
-            u = total - 1 - b
-            if b == 0:
-                grads = (self._take(self._needs(a)[0]),)
-            else:
-                grads = tuple(leaf.grad for leaf in units[u + 1][0])
-            outs = [(y, g) for y, g in zip(units[u][1], grads, strict=True) if g is not None]
-            torch.autograd.backward([y for y, _ in outs], [g for _, g in outs])
-            self._bwd_done[(a.enc, a.stage, a.mb)] = b + 1
-            self._time_later(model, "backward", names[u] + "_b", t_unit, self.clock.mark())
-        if a.k1 == enc_meta.bwd_kernels[a.stage]:
-            if a.stage > 0 and enc_meta.bwd_kernels[a.stage - 1] > 0:
-                self._put(str(TensorKey.egin(a.enc, a.stage - 1, a.mb)), units[0][0][0].grad)
-            del self.enc_units[(a.enc, a.stage, a.mb)]
-
     # -- data parallel ---------------------------------------------------------------------
     def _all_gather(self, a: Action) -> None:
         """The part's DP parameter all-gather: with --overlap-param-gather started here (the
@@ -680,25 +471,3 @@ class Executor:
         sync = self.grad_sync.get(a.key)
         if sync is not None:
             sync.mark()
-
-
-def planned_encoder_live(program: list[Op], meta: ScheduleMeta) -> int:
-    """The most encoder (encoder, stage, micro-batch) activations `program` holds at once, run
-    in its own order: from a stage's first forward unit to its last backward unit (or to its
-    last forward unit when nothing runs backward). The planner's memory estimate is for this
-    order, so dynamic mode keeps within it."""
-    live: set[tuple[int, int, int]] = set()
-    peak = 0
-    for op in program:
-        for a in (*op.fills, op.action) if op.kind == "run" else ():
-            if a.kind not in ("EF", "EB"):
-                continue
-            enc, key = meta.encoders[a.enc], (a.enc, a.stage, a.mb)
-            if a.kind == "EF" and a.k0 == 0:
-                live.add(key)
-                peak = max(peak, len(live))
-            last_fwd = a.kind == "EF" and a.k1 == enc.fwd_kernels[a.stage]
-            no_backward = enc.bwd_kernels[a.stage] == 0 or not meta.trains(a.mb)
-            if (a.kind == "EB" and a.k1 == enc.bwd_kernels[a.stage]) or (last_fwd and no_backward):
-                live.discard(key)
-    return max(peak, 1)

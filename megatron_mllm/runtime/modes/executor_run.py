@@ -19,8 +19,7 @@ from megatron_mllm.runtime.assembly.model_builder import (
     EncoderPlacement,
     build_job_model,
 )
-from megatron_mllm.runtime.assembly.optimizer import sub_optimizers
-from megatron_mllm.runtime.engine.breakdown import StepBreakdown, breakdown_of_spans
+from megatron_mllm.runtime.engine.breakdown import StepBreakdown, breakdown_of_spans, busy_seconds
 from megatron_mllm.runtime.engine.program import forward_only_program, gpu_program
 from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of, layer_overrides
 
@@ -414,14 +413,6 @@ class ExecutorRun:
         elif self.optimizer is not None:
             self.optimizer.step()
 
-    def _replan_predicted_s(self) -> float | None:
-        """The simulator's step time for the re-planned schedule under the measured times."""
-        if self.replanned is None:
-            return None
-        from megatron_mllm.schedule.simulator import simulate
-
-        return simulate(self.replanned[0], self.replanned[1]).step_time_s
-
     def _backward_scale(self, step: int) -> torch.Tensor | None:
         """What the loss is multiplied by before its backward: fp16's loss scale (else None);
         NaN in the test hook's steps."""
@@ -455,57 +446,7 @@ class ExecutorRun:
             self.grad_sync[key].finish_gather()
 
     def result(self) -> dict:
-        out = {
-            "replanned": self.replanned is not None,
-            "replan_times": self.replanned[2] if self.replanned is not None else None,
-            "replan_predicted_s": self._replan_predicted_s(),
-            "moved": getattr(self, "moved", 0),
-            "overlapped": getattr(self, "overlapped", 0),
-            "overlapped_in": getattr(self, "overlapped_in", {}),
-            "losses": self.history[0],
-            "history": self.history,
-            "mean_losses": self.mean_losses,
-            "spans": self.spans,
-            "seconds": self.seconds,
-            "compute_seconds": self.compute_seconds,
-            "dp_seconds": self.dp_seconds,
-            "breakdowns": [b.as_dict() for b in self.breakdowns],
-            "optimizers": [type(o).__name__ for o in sub_optimizers(self.optimizer)],
-            # part -> (DDP buckets, per step: buckets already reducing when its RS action ran)
-            "ddp": {k: (s.buckets, s.in_flight_at_rs) for k, s in self.grad_sync.items()},
-            "skipped_iterations": self.skipped_iterations,
-            **(self.adaptive.result() if self.adaptive is not None else {}),
-            "unit_times": self.unit_times,  # every step's measured unit and collective times
-            "coords": self.groups.coords,
-        }
-        if self.job.collect.grads:
-            out["grads"] = self.grads
-        if self.saved is not None:
-            from megatron_mllm.runtime.assembly.memory import model_state_bytes
+        """What the run measured and computed, for the caller (`run_result.run_result`)."""
+        from megatron_mllm.runtime.modes.run_result import run_result
 
-            ddps = [d for sync in self.grad_sync.values() for d in sync.ddps]
-            out["memory"] = model_state_bytes(self.rank_model.modules, ddps, self.optimizer)
-            out["memory"]["activations"] = self.saved.peak
-            if self.device.type == "cuda":  # what the allocator really held at its peak
-                out["memory"]["device_peak"] = torch.cuda.max_memory_allocated(self.device)
-        if self.job.collect.params:
-            from megatron_mllm.models.weights import param_shards
-
-            self.sync_params()
-            c = self.groups.coords
-            out["params"] = {k: v for m in self.chunks for k, v in param_shards(m, c.tp).items()}
-            enc_tp = c.tp if self.stage0 else c.enc_tp
-            for encoder in (e for e in self.encoders if e is not None):
-                out["params"].update(param_shards(encoder, enc_tp))
-        return out
-
-
-def busy_seconds(spans, stream: str) -> float:
-    """Seconds in which `stream` had work (the union of its spans: fills run inside backbone
-    actions overlap them)."""
-    busy, end = 0.0, float("-inf")
-    for span in sorted((s for s in spans if s.stream == stream), key=lambda s: s.start):
-        if span.end > end:
-            busy += span.end - max(span.start, end)
-            end = span.end
-    return busy
+        return run_result(self)
