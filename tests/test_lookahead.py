@@ -59,7 +59,7 @@ def test_the_merged_step_is_valid_forward_only_and_faster_than_one_after_the_oth
     for before, after in zip(step.ranks, merged.ranks, strict=True):
         assert [a for a in after if a in set(before)] == before
     got = simulate(merged, workload).step_time_s
-    assert got == pytest.approx(merged.notes["lookahead_step_s"])
+    assert got == pytest.approx(merged.lookahead_times.step_s)
     # Faster than the step and the pool's pass one after the other, each simulated here.
     alone = simulate(step, workload).step_time_s
     pool_alone = simulate(*pool_plan(step, TINY, PLAN, 1, POOL)).step_time_s

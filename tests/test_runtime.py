@@ -435,7 +435,7 @@ def test_online_replanning_from_measured_unit_times(plan, unit):
     # a step slowed by the machine's noise moves neither; the prediction leaves out the
     # executor's own time between units, so it falls short (0.42 layer / 0.62 kernel here).
     samples = [{k: [statistics.median(v)] for k, v in o["unit_times"].items()} for o in outs]
-    predicted = predicted_with_measured(schedule, TINY, plan, 1, samples, unit)
+    predicted = predicted_with_measured(job, samples)
     step = statistics.median(max(o["seconds"][i] for o in outs) for i in range(3))
     assert 1 / 3 < predicted / step < 3.0, (predicted, step, [o["seconds"] for o in outs])
     for step, losses in enumerate(ref["history"]):

@@ -599,7 +599,7 @@ def test_damaged_shards_are_left_out_within_the_fraction(tmp_path, llava_dataset
 
     from megatron_mllm.training.arguments import parse_args
     from megatron_mllm.training.model_args import model_config
-    from megatron_mllm.training.train import llava_data
+    from megatron_mllm.training.run_config import llava_data
 
     data = shutil.copytree(llava_dataset[0], tmp_path / "data")
     shard = sorted(p.name for p in data.glob("train-*.tar"))[0]

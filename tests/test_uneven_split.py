@@ -98,3 +98,37 @@ def test_the_runtime_accepts_the_uneven_splits_the_planner_makes():
     bad = replace(schedule, meta=replace(schedule.meta, backbone_layers=(2, 2, 4, 2)))
     with pytest.raises(ConfigError, match="middle stages must hold equal layer counts"):
         check_job(RuntimeJob(ModelParts(cfg10, {}), PlanParts(four, bad), DataParts(1, 4)), 4)
+
+
+def test_re_planning_keeps_every_input_of_the_static_plan():
+    """The planning job a running job re-plans from (re-planning, optimus-adaptive, the plan
+    candidates) is the one its static plan was made from: recomputation, encoder load and the
+    uneven split it built, not a job rebuilt from part of them."""
+    from dataclasses import replace
+
+    from megatron_mllm.models.config import TINY
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.job import (
+        DataParts,
+        ExecutorSettings,
+        ModelParts,
+        PlanParts,
+        RuntimeJob,
+    )
+    from megatron_mllm.runtime.planning.replan import replan_job
+    from megatron_mllm.runtime.planning.schedules import job_of, planning_job, runtime_plan
+    from megatron_mllm.schedule.config import Recompute
+
+    cfg, plan = replace(TINY, llm_layers=5), ParallelPlan(1, 1, 2)
+    rc = Recompute("full", "uniform", 1)
+    inputs = dict(recompute=rc, images_per_sample=2.0, backbone_split=(2, 3))
+    schedule, _ = runtime_plan(cfg, plan, 1, 4, "optimus", **inputs)
+    job = RuntimeJob(
+        ModelParts(cfg, {}, recompute=rc),
+        PlanParts(plan, schedule),
+        DataParts(1, 4),
+        executor=ExecutorSettings(images_per_sample=2.0),
+    )
+    assert planning_job(job) == job_of(cfg, plan, 1, 4, **inputs)
+    # Re-planned from the analytic times themselves, the plan is the one it was.
+    assert replan_job(job, [{}])[0].ranks == schedule.ranks

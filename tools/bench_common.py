@@ -1,20 +1,29 @@
-"""What the runtime benchmarks share."""
+"""What the runtime benchmarks share: their runs configured as pretrain_mllm.py configures one."""
 
 from __future__ import annotations
 
 
-def bench_optimizer(args):
-    """The benchmarks' optimizer: with bf16 megatron-core's distributed optimizer with
-    overlapped reduce-scatter and gather and fp32 reduction, as Megatron recipes run."""
-    from megatron_mllm.runtime.job import OptimizerSettings
+def bench_run(cfg, args, plan, num_microbatches: int, micro_batch: int, *flags: str):
+    """The benchmark's run (a `training.run_config.RunConfig`) as pretrain_mllm.py's arguments
+    give it, checked by the same rules: the model `cfg` on the backbone `plan`, Adam at 1e-4
+    clipped at 1.0, megatron-core's DDP with overlapped reduction (fp32 gradient reduction);
+    with --precision bf16 its distributed optimizer with overlapped gathers, as Megatron recipes
+    run; `flags`: more of pretrain_mllm.py's arguments."""
+    from megatron_mllm.training.model_args import model_argv
+    from megatron_mllm.training.run_config import parse_run
 
-    bf16 = args.precision == "bf16"
-    return OptimizerSettings(
-        lr=1e-4,
-        clip_grad=1.0,
-        overlap_grad_reduce=True,
-        ddp_bucket_size=args.ddp_bucket_size,
-        distributed=bf16,
-        overlap_param_gather=bf16,
-        grad_reduce_in_fp32=True,
-    )
+    argv = [
+        *model_argv(cfg),
+        *("--tensor-model-parallel-size", str(plan.tp)),
+        *("--pipeline-model-parallel-size", str(plan.pp)),
+        *("--micro-batch-size", str(micro_batch)),
+        *("--global-batch-size", str(num_microbatches * micro_batch * plan.dp)),
+        *("--lr", "1e-4", "--clip-grad", "1.0", "--seed", "0"),
+        "--overlap-grad-reduce",
+        "--accumulate-allreduce-grads-in-fp32",
+    ]
+    if getattr(args, "ddp_bucket_size", None):
+        argv += ["--ddp-bucket-size", str(args.ddp_bucket_size)]
+    if getattr(args, "precision", "fp32") == "bf16":
+        argv += ["--bf16", "--use-distributed-optimizer", "--overlap-param-gather"]
+    return parse_run([*argv, *flags], plan.world_size)

@@ -31,7 +31,7 @@ import sys
 import time
 import warnings
 import weakref
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 warnings.filterwarnings("ignore", message=".*absl.*")
@@ -507,17 +507,11 @@ def pipeline_jobs(args) -> dict:
     """The step-time runs on a 2-stage pipeline (Optimus, distributed optimizer): B
     alone, 2B by accumulation (2N micro-batches, B's memory), the coreset (the pool's pass, then
     the step) and the coreset with look-ahead (the next pool in the step's bubbles)."""
+    from bench_common import bench_run
+
     from megatron_mllm.data.coreset import CoresetConfig
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.assembly.launch import spawn
-    from megatron_mllm.runtime.job import (
-        Collect,
-        DataParts,
-        ModelParts,
-        OptimizerSettings,
-        PlanParts,
-        RuntimeJob,
-    )
     from megatron_mllm.runtime.modes.reference import make_full_state
     from megatron_mllm.runtime.planning.profile_units import profile_units
     from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
@@ -534,14 +528,14 @@ def pipeline_jobs(args) -> dict:
     coreset = CoresetConfig(batch_size=args.batch, pool_ratio=2, features="zo", seed=0)
     merged = with_lookahead(step, pool, workload)
 
+    # fp32: bf16 matrix products are ~65x slower on this CPU
+    fp32 = argparse.Namespace(precision="fp32")
+    run = bench_run(cfg, fp32, plan, n, mb, "--lr", "1e-3", "--use-distributed-optimizer")
+    base = run.runtime_job(step, state, units="layer")
+
     def job(schedule, n_mb, **data):
-        return RuntimeJob(
-            ModelParts(cfg, state),  # fp32: bf16 matrix products are ~65x slower on this CPU
-            PlanParts(plan, schedule=schedule),
-            DataParts(mb, n_mb, **data),
-            optimizer=OptimizerSettings(lr=1e-3, distributed=True),
-            collect=Collect(grads=False),
-        )
+        plans = replace(base.plans, schedule=schedule)
+        return replace(base, plans=plans, data=replace(base.data, num_microbatches=n_mb, **data))
 
     jobs = {
         "B": job(step, n),
@@ -556,7 +550,7 @@ def pipeline_jobs(args) -> dict:
         f"{cfg.vit_hidden} + GPT {cfg.llm_layers}x{cfg.llm_hidden}, sequence {cfg.seq_len}, "
         f"synthetic image-caption pools (10 classes), B={args.batch} in micro-batches of {mb}"
     )
-    return {"jobs": jobs, "describe": describe, "predicted": merged.notes}
+    return {"jobs": jobs, "describe": describe, "predicted": asdict(merged.lookahead_times)}
 
 
 def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
@@ -609,7 +603,7 @@ def print_pipeline(p: dict) -> None:
     pred = p["predicted"]
     alone = pred["step_alone_s"] + pred["pool_alone_s"]
     print(f"  look-ahead / same-step coreset, paired by step: {med:.3f} ({lo:.3f}-{hi:.3f}); "
-          f"the planner predicted {pred['lookahead_step_s'] / alone:.3f}")  # fmt: skip
+          f"the planner predicted {pred['step_s'] / alone:.3f}")  # fmt: skip
 
 
 def time_to_target(curve, target: float) -> float | None:

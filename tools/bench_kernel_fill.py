@@ -65,21 +65,14 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
+    from bench_common import bench_run
+
     from megatron_mllm.models.config import BENCH, TINY
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.assembly.launch import spawn
-    from megatron_mllm.runtime.job import (
-        Collect,
-        DataParts,
-        ExecutorSettings,
-        ModelParts,
-        PlanParts,
-        RuntimeJob,
-    )
     from megatron_mllm.runtime.modes.reference import make_full_state
     from megatron_mllm.runtime.modes.runs import run_interleaved
     from megatron_mllm.runtime.planning.replan import predicted_with_measured
-    from megatron_mllm.runtime.planning.schedules import runtime_plan
     from megatron_mllm.schedule.simulator import simulate
 
     cfg, plan, n = (
@@ -106,33 +99,25 @@ def main() -> int:
     two_state = spawn(make_full_state, 1, two, 0)[0]
     replan_at = 1 + args.steps // 2  # steps 1 .. replan_at-1 before, the rest after
     jobs, predicted, fills = {}, {}, {}
+    fp32 = argparse.Namespace(precision="fp32")
     for name, (schedule_name, unit, frozen, sp) in runs.items():
         model = two if name.startswith("two") else cfg
-        schedule, workload = runtime_plan(
-            model, plan, 1, n, schedule_name, frozen_encoder=frozen, unit=unit, sequence_parallel=sp
-        )
+        flags = ["--bubble-schedule", schedule_name, "--fill-granularity", unit]
+        flags += ["--freeze-ViT"] * frozen + ["--sequence-parallel"] * sp
+        flags += ["--overlap-tp-fills"] * name.endswith(("_overlap", "_replanned"))
+        # No optimizer step (--lr 0): the schedules' own time, fp32, DDP as Megatron runs it.
+        run = bench_run(model, fp32, plan, n, 1, "--lr", "0", *flags)
+        schedule, workload = run.static_plan()
         predicted[name] = simulate(schedule, workload).step_time_s
         fills[name] = sum("@tp" in str(a) for rank in schedule.ranks for a in rank)
-        jobs[name] = RuntimeJob(
-            ModelParts(model, two_state if model is two else state, frozen_encoder=frozen),
-            PlanParts(plan, schedule=schedule, encoder_units=unit, sequence_parallel=sp),
-            DataParts(1, n),
-            collect=Collect(grads=False),
-            executor=ExecutorSettings(
-                replan_after=replan_at if name == "optimus_replanned" else None,
-                overlap_tp_fills=name.endswith(("_overlap", "_replanned")),
-            ),
-            steps=steps,
-        )
+        job = run.runtime_job(schedule, two_state if model is two else state)
+        replan = replan_at if name == "optimus_replanned" else None
+        jobs[name] = replace(job, steps=steps, executor=replace(job.executor, replan_after=replan))
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
     measured, spread, losses, calibrated = {}, {}, {}, {}
     for i, name in enumerate(jobs):
         out = [rank_results[i] for rank_results in per_rank]
-        _, unit, frozen, sp = runs[name]
-        calibrated[name] = predicted_with_measured(
-            jobs[name].schedule, jobs[name].cfg, plan, 1, [o["unit_times"] for o in out], unit,
-            frozen, sp,
-        )  # fmt: skip
+        calibrated[name] = predicted_with_measured(jobs[name], [o["unit_times"] for o in out])
         per_step = [max(o["seconds"][s] for o in out) for s in range(1, steps)]
         measured[name] = statistics.median(per_step)
         spread[name] = (min(per_step), max(per_step))

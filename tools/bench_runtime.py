@@ -161,21 +161,15 @@ RATIOS = (
 
 def plan_runs(args, cfg, dtype) -> dict:
     """Profile the units (both ranks at once), plan the schedules and build every run's job."""
-    from bench_common import bench_optimizer
+    from dataclasses import replace
+
+    from bench_common import bench_run
 
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.assembly.launch import spawn
-    from megatron_mllm.runtime.job import (
-        Collect,
-        DataParts,
-        ExecutorSettings,
-        ModelParts,
-        PlanParts,
-        RuntimeJob,
-    )
+    from megatron_mllm.runtime.job import ExecutorSettings, PlanParts
     from megatron_mllm.runtime.modes.reference import make_full_state
     from megatron_mllm.runtime.planning.profile_units import profile_units
-    from megatron_mllm.runtime.planning.schedules import job_of
     from megatron_mllm.schedule.baselines import megatron_schedule
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.planner import plan_optimus
@@ -185,7 +179,8 @@ def plan_runs(args, cfg, dtype) -> dict:
     state = spawn(make_full_state, 1, cfg, 0)[0]
     # Both ranks profile at once: the unit times then carry the two-process contention.
     measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype)[0]
-    costs = JobCosts(job_of(cfg, plan, mb, n), measured, unit="layer")
+    run = bench_run(cfg, args, plan, n, mb)
+    costs = JobCosts(run.planning_job(), measured, unit="layer")
     even = megatron_schedule(costs, even_split=True)
     balanced = megatron_schedule(costs)
     best, _, _ = plan_optimus(costs)
@@ -199,13 +194,10 @@ def plan_runs(args, cfg, dtype) -> dict:
     }
     # Every run: megatron-core's DDP (overlapped, as Megatron jobs run it) and optimizer, the
     # same settings for megatron-core's own 1F1B and for our executor.
-    common = dict(
-        steps=args.steps + 1, collect=Collect(grads=False), optimizer=bench_optimizer(args)
-    )
-    model = ModelParts(cfg, state, precision=args.precision)
+    base = replace(run.runtime_job(None, state), steps=args.steps + 1)
 
     def job(plans, **kw):
-        return RuntimeJob(model, plans, DataParts(mb, n), **kw, **common)
+        return replace(base, plans=plans, **kw)
 
     first = balanced[0].meta.backbone_layers[0]
     jobs = {

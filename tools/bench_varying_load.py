@@ -66,18 +66,10 @@ def _varying_load(args, max_images: int) -> int:
     from megatron_mllm.models.config import BENCH
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.assembly.launch import spawn
-    from megatron_mllm.runtime.job import (
-        Collect,
-        DataParts,
-        ExecutorSettings,
-        ModelParts,
-        PlanParts,
-        RuntimeJob,
-    )
+    from megatron_mllm.runtime.job import ExecutorSettings, PlanParts
     from megatron_mllm.runtime.modes.reference import make_full_state
     from megatron_mllm.runtime.modes.runs import run_interleaved
     from megatron_mllm.runtime.planning.profile_units import profile_units
-    from megatron_mllm.runtime.planning.schedules import job_of
     from megatron_mllm.schedule.baselines import megatron_schedule
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.planner import plan_optimus
@@ -94,30 +86,30 @@ def _varying_load(args, max_images: int) -> int:
     state = spawn(make_full_state, 1, cfg, 0)[0]
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype)[0]
-    costs = JobCosts(job_of(cfg, plan, mb, n, images_per_sample=load), measured, unit="layer")
-    balanced = megatron_schedule(costs)
-    best, _, _ = plan_optimus(costs)
-    from bench_common import bench_optimizer
-
-    bf16 = args.precision == "bf16"
-    optim = bench_optimizer(args)
-    steps = args.steps + 1
-    common = dict(steps=steps, collect=Collect(grads=False), optimizer=optim)
+    from bench_common import bench_run
 
     per_token = args.calculate_per_token_loss
+    run = bench_run(cfg, args, plan, n, mb, *(["--calculate-per-token-loss"] * per_token))
+    costs = JobCosts(replace(run.planning_job(), images_per_sample=load), measured, unit="layer")
+    balanced = megatron_schedule(costs)
+    best, _, _ = plan_optimus(costs)
+    bf16 = args.precision == "bf16"
+    steps = args.steps + 1
+    base = replace(run.runtime_job(None, state), steps=steps)
+    base = replace(base, data=replace(base.data, llava=data))
 
     def job(parts, mode="executor", executor=None, balance=False):
         # megatron-core's overlapped reduction needs every step's last micro-batch to reach
         # the encoder, which a text-only one does not: its run reduces at step end.
         overlap = mode == "executor"
         knobs = dict(overlap_grad_reduce=overlap, overlap_param_gather=overlap and bf16)
-        return RuntimeJob(
-            ModelParts(cfg, state, precision=args.precision),
-            parts,
-            DataParts(mb, n, llava=data, per_token_loss=per_token, balance_samples=balance),
+        return replace(
+            base,
+            plans=parts,
+            data=replace(base.data, balance_samples=balance),
             mode=mode,
             executor=executor or ExecutorSettings(),
-            **{**common, "optimizer": replace(optim, **knobs)},
+            optimizer=replace(base.optimizer, **knobs),
         )
 
     adaptive = ExecutorSettings(adaptive=True, images_per_sample=load, plan_times=measured)
@@ -134,9 +126,7 @@ def _varying_load(args, max_images: int) -> int:
     per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
     from megatron_mllm.runtime.planning.schedules import adaptive_planner
 
-    planner = adaptive_planner(
-        cfg, plan, mb, best.schedule, images_per_sample=load, measured=measured
-    )
+    planner = adaptive_planner(jobs["optimus_adaptive"])
     result = {"microbatches": n, "micro_batch": mb, "measured_steps": args.steps}
     result["seq_length"] = cfg.seq_len
     result["images_per_sample"] = load

@@ -16,7 +16,7 @@ the best of the candidates it tries.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from megatron_mllm.parallel.plans import ParallelPlan, check_colocated
 from megatron_mllm.schedule.actions import AG, EB, EF, EW, RS, Action
@@ -25,25 +25,10 @@ from megatron_mllm.schedule.blocks import JobCosts, concat
 from megatron_mllm.schedule.gaps import Gap, GapPool, Placed
 from megatron_mllm.schedule.keys import TensorKey, part_name
 from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_orders
-from megatron_mllm.schedule.schedule import Schedule, ScheduleMeta
+from megatron_mllm.schedule.schedule import OptimusOptions, Schedule, ScheduleMeta
 from megatron_mllm.schedule.simulator import simulate
 from megatron_mllm.schedule.transfers import add_transfers
 from megatron_mllm.schedule.workload import Workload, with_weight_split
-
-
-@dataclass(frozen=True)
-class OptimusOptions:
-    """One candidate of the planner's search."""
-
-    encoder_plan: ParallelPlan
-    split: str = "greedy"  # "greedy": any pipeline may take any micro-batch; "even": equal shares
-    extra_warmup: int = 0  # extra 1F1B warm-up micro-batches on every stage
-    fine: bool = True  # False: the coarse schedule only (all encoder work outside the backbone)
-    placement: str = "colocated"  # "stage0": the Megatron placement, kept when nothing beats it
-    even_backbone: bool = False  # Megatron's default even layer split (else balance the head)
-    # Split the encoder's backward into input-gradient (EB) and weight-gradient (EW) work; the
-    # weight gradients go into whatever bubble comes after their input gradient.
-    wgrad_split: bool = False
 
 
 def encoder_layouts(costs: JobCosts, enc_plan: ParallelPlan) -> tuple[list[EncoderLayout], int]:
@@ -146,13 +131,7 @@ def optimus_schedule(
     placer.place_forwards(opts.split)
     placer.place_backwards()
     schedule = add_transfers(meta, placer.lists())
-    schedule.notes.update(
-        encoder_plan=opts.encoder_plan,
-        split=opts.split,
-        extra_warmup=opts.extra_warmup,
-        fine=opts.fine,
-        wgrad_split=opts.wgrad_split,
-    )
+    schedule.origin = opts
     return schedule, workload
 
 

@@ -164,8 +164,12 @@ def lookahead_prediction(args, job: MLLMJob, measured, report: PlanReport) -> di
     pool_job = replace(job, global_batch=pool_batch, backbone_split=layers)
     options = replace(planned.options, wgrad_split=False)
     pool, pool_workload = optimus_schedule(JobCosts(pool_job, measured), options)
-    notes = with_lookahead(planned.schedule, pool, planned.workload).notes
-    out = {k: notes[k] for k in ("lookahead_step_s", "step_alone_s", "pool_alone_s")}
+    times = with_lookahead(planned.schedule, pool, planned.workload).lookahead_times
+    out = {
+        "lookahead_step_s": times.step_s,
+        "step_alone_s": times.step_alone_s,
+        "pool_alone_s": times.pool_alone_s,
+    }
     # The pool's schedule trained whole is R x B by accumulation (B's activation memory).
     out["accumulation_s"] = simulate(pool, pool_workload, keep_spans=False).step_time_s
     return out

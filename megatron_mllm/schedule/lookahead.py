@@ -21,7 +21,7 @@ from itertools import accumulate
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.actions import COMPUTE_KINDS, Action
 from megatron_mllm.schedule.keys import TensorKey
-from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.schedule import LookaheadTimes, Schedule
 from megatron_mllm.schedule.simulator import simulate
 from megatron_mllm.schedule.validator import ScheduleError, backbone_groups, validate
 from megatron_mllm.schedule.workload import Workload
@@ -108,7 +108,7 @@ def _merged(step: Schedule, meta, timed: list, shift: float) -> Schedule:
                 out += theirs[j][1]
                 j += 1
         ranks.append(out)
-    return Schedule(meta, ranks, dict(step.notes))
+    return Schedule(meta, ranks, step.origin)
 
 
 def _pool_first(step: Schedule, ahead: list[list[Action]], meta) -> Schedule:
@@ -117,7 +117,7 @@ def _pool_first(step: Schedule, ahead: list[list[Action]], meta) -> Schedule:
     for acts, extra in zip(step.ranks, ahead, strict=True):
         lead = _lead(acts)
         ranks.append(acts[:lead] + extra + acts[lead:])
-    return Schedule(meta, ranks, dict(step.notes))
+    return Schedule(meta, ranks, step.origin)
 
 
 def with_lookahead(
@@ -125,7 +125,7 @@ def with_lookahead(
 ) -> Schedule:
     """`step` with the forward half of `pool` (the next step's coreset pool) merged into its
     lists where simulation with `workload` finds it costs least (see the module docstring).
-    Its notes hold the predicted step time and the step's and the pool's alone."""
+    Its `lookahead_times` hold the predicted step time and the step's and the pool's alone."""
     _check_alike(step, pool)
     meta = replace(step.meta, lookahead=pool.meta.num_microbatches)
     ahead = forward_half(pool, step.meta.num_microbatches)
@@ -159,7 +159,5 @@ def with_lookahead(
         t = simulate(candidate, workload, **quick).step_time_s
         if t < best_time - 1e-12:
             best, best_time = candidate, t
-    best.notes.update(
-        lookahead_step_s=best_time, step_alone_s=alone.step_time_s, pool_alone_s=pool_end
-    )
+    best.lookahead_times = LookaheadTimes(best_time, alone.step_time_s, pool_end)
     return best

@@ -11,10 +11,11 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from megatron_mllm.errors import ConfigError
+from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.actions import Action, parse_action
 
 
@@ -115,13 +116,44 @@ class ScheduleMeta:
         return ScheduleMeta(encoders=encoders, **raw)
 
 
+@dataclass(frozen=True)
+class OptimusOptions:
+    """One candidate of the planner's search."""
+
+    encoder_plan: ParallelPlan
+    split: str = "greedy"  # "greedy": any pipeline may take any micro-batch; "even": equal shares
+    extra_warmup: int = 0  # extra 1F1B warm-up micro-batches on every stage
+    fine: bool = True  # False: the coarse schedule only (all encoder work outside the backbone)
+    placement: str = "colocated"  # "stage0": the Megatron placement, kept when nothing beats it
+    even_backbone: bool = False  # Megatron's default even layer split (else balance the head)
+    # Split the encoder's backward into input-gradient (EB) and weight-gradient (EW) work; the
+    # weight gradients go into whatever bubble comes after their input gradient.
+    wgrad_split: bool = False
+
+
+@dataclass(frozen=True)
+class LookaheadTimes:
+    """What the cost model predicts for a step with the next coreset pool's forward merged in
+    (`schedule.lookahead.with_lookahead`), against the step and the pool's pass alone."""
+
+    step_s: float
+    step_alone_s: float
+    pool_alone_s: float
+
+    @property
+    def saving(self) -> float:
+        """The pool's pass then the step, over the merged step."""
+        return (self.step_alone_s + self.pool_alone_s) / self.step_s
+
+
 @dataclass
 class Schedule:
     """Per-rank ordered action lists (`ranks[r]` is rank r's program) and their metadata."""
 
     meta: ScheduleMeta
     ranks: list[list[Action]]
-    notes: dict = field(default_factory=dict)
+    origin: OptimusOptions | None = None  # the planner's candidate these lists were built from
+    lookahead_times: LookaheadTimes | None = None  # set by with_lookahead
 
     def encoder_assignment(self) -> list[dict[int, int]]:
         """For each encoder, micro-batch -> the encoder pipeline that runs it (from EF actions)."""

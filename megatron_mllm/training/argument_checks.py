@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from megatron_mllm.errors import ConfigError, flag
+from megatron_mllm.schedule.choice import ScheduleChoice
 
 # What --use-checkpoint-args takes from a checkpoint (and a resume checks against it).
 MODEL_ARGS = (
@@ -278,7 +279,9 @@ def _check_plan_candidates(args) -> None:
 
     check_counts(k, args.plan_candidate_steps)
     others = {
-        "--bubble-schedule optimus-adaptive (it plans every step itself)": args.step_plans,
+        "--bubble-schedule optimus-adaptive (it plans every step itself)": (
+            ScheduleChoice(args.bubble_schedule).per_step
+        ),
         "--coreset-pool-ratio (its pool schedule is built for one layout)": args.coreset,
         "--replan-after-iters (candidates are re-planned after warm-up)": (
             args.replan_after_iters is not None
@@ -290,7 +293,7 @@ def _check_plan_candidates(args) -> None:
     for what, given in others.items():
         if given:
             raise ConfigError(f"--plan-candidates does not run with {what}; drop one of the two")
-    if args.bubble_schedule != "optimus":
+    if args.bubble_schedule != ScheduleChoice.OPTIMUS:
         raise ConfigError(
             f"--plan-candidates tries Optimus plans; use --bubble-schedule optimus (got "
             f"{args.bubble_schedule})"
@@ -331,10 +334,6 @@ def validate_args(args: argparse.Namespace) -> None:
         args.pipeline_model_parallel_size,
         args.world_size,
     )
-    # optimus-adaptive is the optimus plan plus per-step plans (runtime/planning/step_plans.py)
-    args.step_plans = args.bubble_schedule == "optimus-adaptive"
-    if args.step_plans:
-        args.bubble_schedule = "optimus"
     for name in (
         "tensor_model_parallel_size",
         "pipeline_model_parallel_size",
@@ -387,7 +386,8 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_encoder_plan(args, tp, pp)
     _check_coreset(args, dp)
     _check_data(args)
-    if args.step_plans and (args.coreset is not None or args.replan_after_iters is not None):
+    per_step = ScheduleChoice(args.bubble_schedule).per_step
+    if per_step and (args.coreset is not None or args.replan_after_iters is not None):
         raise ConfigError(
             "--bubble-schedule optimus-adaptive plans each step for its data; it does not run "
             "with --coreset-pool-ratio or --replan-after-iters (use --bubble-schedule optimus)"
@@ -395,7 +395,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_lookahead(args)
     _check_plan_candidates(args)
     if args.replan_after_iters is not None:
-        if args.replan_after_iters < 1 or args.bubble_schedule != "optimus":
+        if args.replan_after_iters < 1 or args.bubble_schedule != ScheduleChoice.OPTIMUS:
             raise ConfigError(
                 "--replan-after-iters N needs N >= 1 and --bubble-schedule optimus "
                 f"(got {args.replan_after_iters}, {args.bubble_schedule})"
@@ -445,8 +445,8 @@ def _check_encoder_plan(args: argparse.Namespace, tp: int, pp: int) -> None:
             "--encoder-pipeline-model-parallel-size, or neither"
         )
     if etp is not None:
-        if args.bubble_schedule != "optimus":
-            raise ConfigError("an encoder plan needs --bubble-schedule optimus")
+        if not ScheduleChoice(args.bubble_schedule).is_optimus:
+            raise ConfigError("an encoder plan needs --bubble-schedule optimus or optimus-adaptive")
         if tp % etp or pp % epp:
             raise ConfigError(f"encoder TP {etp} / PP {epp} must divide backbone TP {tp} / PP {pp}")
         if args.encoder_num_layers % epp:

@@ -412,7 +412,9 @@ def _add_checkpoint_and_logging_args(p: argparse.ArgumentParser) -> None:
     )
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
+    """pretrain_mllm.py's arguments, checked (`validate_args`) for `world_size` ranks (default:
+    WORLD_SIZE); a ConfigError names the first that cannot work."""
     args = build_parser().parse_args(argv)
     if args.use_checkpoint_args:
         if args.load is None:
@@ -423,7 +425,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for name in MODEL_ARGS:
             if name in saved:
                 setattr(args, name, saved[name])
-    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    args.world_size = world_size or int(os.environ.get("WORLD_SIZE", "1"))
     args.rank = int(os.environ.get("RANK", "0"))
     validate_args(args)
     return args

@@ -4,17 +4,19 @@ summary, the iteration line and the validation lines, and the step's mean loss t
 from __future__ import annotations
 
 import datetime
+from typing import TYPE_CHECKING
 
-from megatron_mllm.models.config import MLLMConfig
-from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.schedule.schedule import LookaheadTimes, Schedule
 from megatron_mllm.upstream_warnings import fallbacks
 
+if TYPE_CHECKING:
+    from megatron_mllm.training.run_config import RunConfig
 
-def startup_summary(
-    args, plan, enc_plan, stage0: bool, n_mb: int, p, load: float = 1.0, layers=()
-) -> str:
-    """Both plans (the backbone's `layers` per virtual stage) and the predicted bubble ratio
-    (`p`, the simulator's result) for `load` images per sample, one screen."""
+
+def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedule) -> str:
+    """Both plans (the backbone's layers per virtual stage as `schedule` built them) and the
+    predicted bubble ratio (`p`, the simulator's result) for the run's encoder load."""
+    args, plan, layers = run.args, run.plan, schedule.meta.backbone_layers
     where = "whole, on backbone stage 0" if stage0 else "colocated on every backbone stage"
     if args.extra_encoder:
         where = f"{1 + len(args.extra_encoder)} encoders, each " + where
@@ -26,9 +28,9 @@ def startup_summary(
             + (", sequence parallel" if args.sequence_parallel else "")
             + (f"; layers per stage {list(layers)}" if layers else ""),
             f" > encoder plan:  {enc_plan} ({where})",
-            f" > schedule: {schedule_name(args)}; {n_mb} micro-batches of "
-            f"{args.micro_batch_size} per step and DP replica, planned for {load:.2f} images "
-            "per sample" + _adaptive_note(args),
+            f" > schedule: {run.schedule}; {run.num_microbatches} micro-batches of "
+            f"{run.micro_batch} per step and DP replica, planned for "
+            f"{run.images_per_sample:.2f} images per sample" + _adaptive_note(run),
             " > " + training_summary(args),
             f" > optional libraries: {fallbacks()}",
             f" > predicted by the analytic CPU cost model (uncalibrated): step "
@@ -38,33 +40,30 @@ def startup_summary(
     )
 
 
-def _adaptive_note(args) -> str:
-    if not args.step_plans:
+def _adaptive_note(run: RunConfig) -> str:
+    if not run.schedule.per_step:
         return ""
-    if getattr(args, "calculate_per_token_loss", False):
+    if run.args.calculate_per_token_loss:
         return "; each step re-planned for its own, its samples dealt by images"
     return "; each step re-planned for its own (its micro-batches keep their samples)"
 
 
-def lookahead_line(notes: dict) -> str:
+def lookahead_line(times: LookaheadTimes) -> str:
     """The start-up line of --coreset-lookahead: what merging the next pool's forward into
-    the step is predicted to save (`schedule.lookahead.with_lookahead`'s notes)."""
-    alone = notes["step_alone_s"] + notes["pool_alone_s"]
-    merged = notes["lookahead_step_s"]
+    the step is predicted to save."""
+    alone, merged = times.step_alone_s + times.pool_alone_s, times.step_s
     return (
         f" > coreset look-ahead: the next pool's forward in this step's bubbles, predicted "
         f"{1000 * merged:.1f} ms a step against {1000 * alone:.1f} ms for the pool pass then "
-        f"the step ({alone / merged:.2f}x; the cost model above)"
+        f"the step ({times.saving:.2f}x; the cost model above)"
     )
 
 
-def schedule_name(args) -> str:
-    return "optimus-adaptive" if getattr(args, "step_plans", False) else args.bubble_schedule
-
-
-def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int) -> str:
+def dry_run_summary(run: RunConfig) -> str:
     """What --dry-run prints: the checked job, without planning or touching anything."""
+    args, cfg, plan = run.args, run.model, run.plan
     vit, llm = cfg.num_params()
+    forced = run.encoder_plan
     enc = f"{forced} (given)" if forced else "chosen by the planner at start-up"
     return "\n".join(
         [
@@ -72,13 +71,13 @@ def dry_run_summary(args, cfg: MLLMConfig, plan: ParallelPlan, forced, n_mb: int
                 plan.world_size, "dry run: nothing started"
             ),
             f" > backbone plan: {plan}{', sequence parallel' if args.sequence_parallel else ''}; "
-            f"encoder plan: {enc}; schedule {schedule_name(args)}",
+            f"encoder plan: {enc}; schedule {run.schedule}",
             f" > encoder: {cfg.vit_layers} layers x {cfg.vit_hidden} ({vit / 1e9:.2f}B "
             f"params, all encoders), {cfg.encoder_seq_len} tokens per image"
             + (f"; {cfg.num_encoders - 1} more encoder(s)" if cfg.num_encoders > 1 else ""),
             f" > backbone: {cfg.llm_layers} layers x {cfg.llm_hidden} ({llm / 1e9:.2f}B "
             f"params), {cfg.seq_len} tokens per sample",
-            f" > {n_mb} micro-batches of {args.micro_batch_size} per step and DP replica",
+            f" > {run.num_microbatches} micro-batches of {run.micro_batch} per step and DP replica",
             " > " + training_summary(args),
         ]
     )

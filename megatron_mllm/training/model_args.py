@@ -172,3 +172,18 @@ def initial_weights(cfg: MLLMConfig, seed: int, groups):
     from megatron_mllm.runtime.assembly.model_builder import seeded_state
 
     return seeded_state(cfg, seed, group=groups.solo)
+
+
+def model_argv(cfg: MLLMConfig) -> list[str]:
+    """`model_args(cfg)` as pretrain_mllm.py's command line (flags for the booleans)."""
+    out: list[str] = []
+    for name, value in model_args(cfg).items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            out += [flag] if value else []
+        elif isinstance(value, list):
+            for item in value:
+                out += [flag, str(item)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out

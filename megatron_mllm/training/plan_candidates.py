@@ -371,7 +371,7 @@ class CandidateRun:
         )
         from megatron_mllm.schedule.simulator import simulate
 
-        run, job, n = self.run, self.jobs[0], self.phase.calibration_steps
+        run, n = self.run, self.phase.calibration_steps
         gathered = run.gathered_unit_times()
         last = [None] * dist.get_world_size()
         steps = zip(run.seconds[-n:], run.breakdowns[-n:], strict=True)
@@ -379,18 +379,12 @@ class CandidateRun:
         dist.all_gather_object(last, mine)
         measured_s = statistics.median(max(r[i][0] for r in last) for i in range(n))
         overhead = statistics.median(o for r in last for _, o in r)
-        args = (job.cfg, job.backbone, job.micro_batch, gathered)
-        opts = dict(
-            frozen_encoder=job.model.frozen_encoder, sequence_parallel=job.plans.sequence_parallel
-        )
-        ran = measured_workload(run.job.schedule, *args, job.plans.encoder_units, **opts)
+        ran = measured_workload(run.job, gathered)
         latency = fitted_latency(run.job.schedule, ran, overhead, measured_s) if ran else 0.0
         self.calibration = {"overhead_s": overhead, "latency_s": latency}
         for i, cand_job in enumerate(self.jobs):
             self.jobs[i] = cand_job = self._replanned(cand_job, gathered)
-            workload = measured_workload(
-                cand_job.schedule, *args, cand_job.plans.encoder_units, **opts
-            )
+            workload = measured_workload(cand_job, gathered)
             if workload is not None:
                 calib = calibrated(workload, overhead, latency)
                 self.rows[i].predicted_s = simulate(cand_job.schedule, calib).step_time_s

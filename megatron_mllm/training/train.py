@@ -8,8 +8,6 @@ import time
 from typing import TYPE_CHECKING
 
 from megatron_mllm.errors import ConfigError, RunStopped, exit_on_config_error
-from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
-from megatron_mllm.schedule.config import Recompute
 from megatron_mllm.training.iteration_hooks import (
     ExitSignal,
     SavePolicy,
@@ -25,7 +23,8 @@ from megatron_mllm.training.log import (
     lookahead_line,
     startup_summary,
 )
-from megatron_mllm.training.model_args import initial_weights, model_config
+from megatron_mllm.training.model_args import initial_weights
+from megatron_mllm.training.run_config import RunConfig
 
 if TYPE_CHECKING:
     from megatron_mllm.runtime.job import FaultHooks
@@ -37,50 +36,23 @@ def main(argv: list[str] | None = None, faults: FaultHooks | None = None) -> int
     from megatron_mllm.training.arguments import parse_args
 
     args = parse_args(argv)
-    cfg = model_config(args)
-    plan = ParallelPlan(
-        args.data_parallel_size,
-        args.tensor_model_parallel_size,
-        args.pipeline_model_parallel_size,
-        args.virtual_pipeline_model_parallel_size,
-    )
-    n_mb = args.global_batch_size // (args.micro_batch_size * plan.dp)
-    from megatron_mllm.runtime.planning.schedules import runtime_plan
-
-    forced = None
-    if args.encoder_tensor_model_parallel_size:
-        forced = colocated_encoder_plan(
-            plan, args.encoder_tensor_model_parallel_size, args.encoder_pipeline_model_parallel_size
-        )
+    run = RunConfig.from_args(args)
     if args.dry_run:
-        print(dry_run_summary(args, cfg, plan, forced, n_mb))
+        print(dry_run_summary(run))
         return 0
     if args.save and args.rank == 0:  # one run per --save directory (released at exit)
         from megatron_mllm.training.save_lock import acquire
 
         acquire(args.save)
-    phase, kept = plan_candidates_of(args, cfg, plan, n_mb)
+    phase, kept = plan_candidates_of(run)
     if kept is not None:  # resumed after the candidate phase: the plan it kept
         schedule, workload = kept
     elif phase is not None:
         schedule, workload = phase.candidates[0].schedule, phase.candidates[0].workload
     else:
-        schedule, workload = runtime_plan(
-            cfg,
-            plan,
-            args.micro_batch_size,
-            n_mb,
-            args.bubble_schedule,
-            encoder_plan=forced,
-            frozen_encoder=args.freeze_ViT,
-            unit=args.fill_granularity if args.bubble_schedule == "optimus" else "layer",
-            sequence_parallel=args.sequence_parallel,
-            recompute=recompute_of(args),
-            images_per_sample=encoder_load(args),
-            backbone_split=args.backbone_split,
-        )
+        schedule, workload = run.static_plan()
     layers = schedule.meta.backbone_layers
-    if plan.vpp > 1 and len(set(layers)) > 1:
+    if run.plan.vpp > 1 and len(set(layers)) > 1:
         raise ConfigError(
             f"the planned backbone split {list(layers)} is uneven, which an interleaved "
             "backbone cannot run; use --bubble-schedule megatron"
@@ -88,32 +60,21 @@ def main(argv: list[str] | None = None, faults: FaultHooks | None = None) -> int
     from megatron_mllm.schedule.simulator import simulate
 
     predicted = simulate(schedule, workload)
-    pools = coreset_schedules(args, cfg, plan, schedule, workload)
-    return _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase, faults)
+    pools = coreset_schedules(run, schedule, workload)
+    return _train(run, schedule, pools, predicted, phase, faults)
 
 
-def plan_candidates_of(args, cfg, plan, n_mb) -> tuple:
+def plan_candidates_of(run: RunConfig) -> tuple:
     """(the candidate phase, None) for --plan-candidates; (None, (schedule, workload)) where
     --load holds a checkpoint saved after the phase (its kept plan trains on); (None, None)
     without candidates."""
+    args = run.args
     if not args.plan_candidates:
         return None, None
-    from megatron_mllm.runtime.planning.schedules import job_of
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.training.plan_candidates import CandidatePhase, kept_plan, plan_candidates
 
-    job = job_of(
-        cfg,
-        plan,
-        args.micro_batch_size,
-        n_mb,
-        args.freeze_ViT,
-        args.sequence_parallel,
-        recompute_of(args),
-        encoder_load(args),
-        args.backbone_split,
-    )
-    costs = JobCosts(job, unit=args.fill_granularity)
+    costs = JobCosts(run.planning_job(), unit=args.fill_granularity)
     if args.load:
         from megatron_mllm.training.checkpointing import read_common
 
@@ -124,20 +85,21 @@ def plan_candidates_of(args, cfg, plan, n_mb) -> tuple:
     return CandidatePhase(cands, args.plan_candidate_steps), None
 
 
-def coreset_schedules(args, cfg, plan, schedule, workload) -> tuple:
+def coreset_schedules(run: RunConfig, schedule, workload) -> tuple:
     """The coreset pool's forward-only schedule (for the step's own modules) and, with
     --coreset-lookahead, the step's schedule with the next pool merged in; (None, None)
     without a coreset."""
+    args = run.args
     if args.coreset is None:
         return None, None
     from megatron_mllm.runtime.planning.schedules import pool_plan
 
-    size = args.coreset.pool_size // args.micro_batch_size
+    size = args.coreset.pool_size // run.micro_batch
     pool, _ = pool_plan(
         schedule,
-        cfg,
-        plan,
-        args.micro_batch_size,
+        run.model,
+        run.plan,
+        run.micro_batch,
         size,
         unit=args.fill_granularity,
         frozen_encoder=args.freeze_ViT,
@@ -149,77 +111,7 @@ def coreset_schedules(args, cfg, plan, schedule, workload) -> tuple:
     return pool, with_lookahead(schedule, pool, workload)
 
 
-def recompute_of(args) -> Recompute:
-    """The recomputation the --recompute-* arguments ask for."""
-    return Recompute(
-        args.recompute_granularity,
-        args.recompute_method,
-        args.recompute_num_layers,
-        args.recompute_vision,
-    )
-
-
-def runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units, faults=None):
-    """The RuntimeJob that pretrain_mllm.py's arguments describe; `pools`: the coreset pool's
-    schedule and the look-ahead one (or None)."""
-    from megatron_mllm.runtime.job import (
-        Collect,
-        DataParts,
-        ExecutorSettings,
-        FaultHooks,
-        ModelParts,
-        OptimizerSettings,
-        PlanParts,
-        RuntimeJob,
-    )
-
-    return RuntimeJob(
-        ModelParts(
-            cfg,
-            state,
-            frozen_encoder=args.freeze_ViT,
-            precision="bf16" if args.bf16 else "fp16" if args.fp16 else "fp32",
-            recompute=recompute_of(args),
-            transformer_impl=args.transformer_impl,
-        ),
-        PlanParts(
-            plan, schedule=schedule, encoder_units=units, sequence_parallel=args.sequence_parallel
-        ),
-        DataParts(
-            args.micro_batch_size,
-            n_mb,
-            seed=args.seed,
-            coreset=args.coreset,
-            pool_schedule=pools[0],
-            lookahead_schedule=pools[1],
-            llava=llava_data(args),
-            per_token_loss=args.calculate_per_token_loss,
-            balance_samples=args.step_plans and args.calculate_per_token_loss,
-        ),
-        optimizer=OptimizerSettings(
-            lr=args.lr,
-            clip_grad=args.clip_grad,
-            min_lr=args.min_lr,
-            overlap_grad_reduce=args.overlap_grad_reduce,
-            distributed=args.use_distributed_optimizer,
-            ddp_bucket_size=args.ddp_bucket_size,
-            overlap_param_gather=args.overlap_param_gather,
-            grad_reduce_in_fp32=args.accumulate_allreduce_grads_in_fp32,
-            initial_loss_scale=args.initial_loss_scale,
-            check_nan=args.check_for_nan_in_loss_and_grad,
-        ),
-        faults=faults or FaultHooks(),
-        collect=Collect(grads=False),
-        executor=ExecutorSettings(
-            overlap_tp_fills=args.overlap_tp_fills,
-            adaptive=args.step_plans,
-            images_per_sample=encoder_load(args),
-        ),
-        timeout_s=args.distributed_timeout_minutes * 60,
-    )
-
-
-def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None, faults=None) -> int:
+def _train(run_config: RunConfig, schedule, pools, predicted, phase=None, faults=None) -> int:
     import torch.distributed as dist
 
     from megatron_mllm.models.weights import shapes_of
@@ -229,14 +121,15 @@ def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None, faults
     from megatron_mllm.runtime.modes.executor_run import ExecutorRun
     from megatron_mllm.training.resume import Checkpointer
 
+    args, plan = run_config.args, run_config.plan
     rank, world = args.rank, args.world_size
     device = init_rank(rank, world, args.seed, args.distributed_timeout_minutes * 60)
     enc_plan, stage0 = encoder_plan_of(schedule, plan)
     units = "layer" if stage0 else args.fill_granularity
     probe = build_colocated_groups(plan, plan if stage0 else enc_plan, world, rank)
-    state = initial_weights(cfg, args.seed, probe)
+    state = initial_weights(run_config.model, args.seed, probe)
     full_shapes = shapes_of(state)  # drawing none of the weights
-    job = runtime_job(args, cfg, plan, n_mb, schedule, pools, state, units, faults)
+    job = run_config.runtime_job(schedule, state, pools, units, faults)
     if phase is not None:
         from megatron_mllm.training.plan_candidates import CandidateRun
 
@@ -253,13 +146,10 @@ def _train(args, cfg, plan, n_mb, schedule, pools, predicted, phase=None, faults
         if rank == 0:
             print(f" loaded checkpoint from {args.load}: {what}", flush=True)
     if rank == 0:
-        layers = schedule.meta.backbone_layers
-        summary = startup_summary(
-            args, plan, enc_plan, stage0, n_mb, predicted, encoder_load(args), layers
-        )
+        summary = startup_summary(run_config, enc_plan, stage0, predicted, schedule)
         print(summary, flush=True)
         if job.data.lookahead_schedule is not None:
-            print(lookahead_line(job.data.lookahead_schedule.notes), flush=True)
+            print(lookahead_line(job.data.lookahead_schedule.lookahead_times), flush=True)
         if phase is not None:
             print(run.startup_line(), flush=True)
         elif args.plan_candidates:
@@ -288,34 +178,6 @@ def follow(scheduler, optimizer) -> None:
     """The LR scheduler drives `optimizer` from now on, at its current learning rate."""
     scheduler.optimizer = optimizer
     scheduler.step(0)
-
-
-def encoder_load(args) -> float:
-    """Images per sample the plan is made for: the data set's mean (1.0 for synthetic data)."""
-    if not args.data_path:
-        return 1.0
-    from megatron_mllm.data.energon_llava import images_per_sample
-
-    return images_per_sample(args.data_path)
-
-
-def llava_data(args):
-    """The conversation data --data-path and the tokenizer arguments describe (or None)."""
-    if not args.data_path:
-        return None
-    from megatron_mllm.data.llava_source import LlavaData
-
-    return LlavaData(
-        args.data_path,
-        args.tokenizer_model,
-        args.seq_length,
-        image_token=args.image_token,
-        loss_on_prompt=args.loss_on_prompt,
-        num_workers=args.num_workers,
-        clip_normalisation=args.encoder_arch == "clip",
-        exclude_shards=tuple(args.data_left_out),
-        sources=tuple(args.data_sources),
-    )
 
 
 def lr_scheduler(args, optimizer):

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
-from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.blocks import JobCosts
+from megatron_mllm.schedule.config import MLLMJob
 from megatron_mllm.schedule.planner import plan_optimus
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.workload import Workload
+
+if TYPE_CHECKING:
+    from megatron_mllm.runtime.job import RuntimeJob
 
 
 def measured_times(
@@ -56,117 +60,63 @@ def measured_times(
     return out
 
 
-def _job_and_times(
-    cfg: MLLMConfig,
-    plan: ParallelPlan,
-    micro_batch: int,
-    num_microbatches: int,
-    samples: list[dict],
-    unit: str,
-    frozen_encoder: bool,
-    sequence_parallel: bool,
-) -> tuple:
-    """The schedule core's job for the runtime's model and the measured times from `samples`."""
-    from megatron_mllm.runtime.planning.schedules import job_of
-
-    job = job_of(cfg, plan, micro_batch, num_microbatches, frozen_encoder, sequence_parallel)
-    return job, measured_times(samples, JobCosts(job, unit=unit), unit)
-
-
 def replan(
-    cfg: MLLMConfig,
-    plan: ParallelPlan,
-    micro_batch: int,
-    num_microbatches: int,
+    planning: MLLMJob,
     current: Schedule,
     encoder_plan: ParallelPlan,
     samples: list[dict],
     unit: str,
-    frozen_encoder: bool = False,
-    sequence_parallel: bool = False,
 ) -> tuple[Schedule, Workload, dict] | None:
     """The best Optimus schedule under the measured times for the current encoder plan and
-    backbone split, with the times used; None where the best one needs another layer split."""
-    job, times = _job_and_times(
-        cfg, plan, micro_batch, num_microbatches, samples, unit, frozen_encoder, sequence_parallel
-    )
-    best, _, _ = plan_optimus(JobCosts(job, times, unit=unit), encoder_plan=encoder_plan)
+    backbone split (`planning`'s), with the times used; None where the best one needs another
+    layer split."""
+    times = measured_times(samples, JobCosts(planning, unit=unit), unit)
+    best, _, _ = plan_optimus(JobCosts(planning, times, unit=unit), encoder_plan=encoder_plan)
     if best.schedule.meta.backbone_layers != current.meta.backbone_layers:
         return None
     return best.schedule, best.workload, times
 
 
-def measured_workload(
-    schedule: Schedule,
-    cfg: MLLMConfig,
-    plan: ParallelPlan,
-    micro_batch: int,
-    samples: list[dict],
-    unit: str,
-    frozen_encoder: bool = False,
-    sequence_parallel: bool = False,
-) -> Workload | None:
-    """`schedule`'s costs with the unit and TP-collective times measured in the job (they
-    need not be its own: units are the model's, whatever the schedule); None where its costs
-    cannot be rebuilt (the rebuilt layout has another backbone split)."""
+def measured_workload(job: RuntimeJob, samples: list[dict]) -> Workload | None:
+    """The costs of `job`'s schedule with the unit and TP-collective times measured in the
+    job (`samples`: every rank's; they need not come from this schedule: units are the
+    model's, whatever the schedule); None where its costs cannot be rebuilt (the rebuilt
+    layout has another backbone split)."""
     from megatron_mllm.runtime.job import encoder_plan_of
-    from megatron_mllm.runtime.planning.schedules import runtime_plan
+    from megatron_mllm.runtime.planning.schedules import plan_job, planning_job
 
-    n = schedule.meta.num_microbatches
-    _, times = _job_and_times(
-        cfg, plan, micro_batch, n, samples, unit, frozen_encoder, sequence_parallel
-    )
-    enc_plan, stage0 = encoder_plan_of(schedule, plan)
-    split = tuple(schedule.meta.backbone_layers) if plan.vpp == 1 else ()  # the built one
+    schedule, unit = job.schedule, job.plans.encoder_units
+    planning = planning_job(job, schedule.meta.num_microbatches)
+    times = measured_times(samples, JobCosts(planning, unit=unit), unit)
+    enc_plan, stage0 = encoder_plan_of(schedule, job.backbone)
     for name in ("megatron", "balanced") if stage0 else ("optimus",):
-        rebuilt, workload = runtime_plan(
-            cfg,
-            plan,
-            micro_batch,
-            n,
-            name,
-            encoder_plan=None if stage0 else enc_plan,
-            measured=times,
-            frozen_encoder=frozen_encoder,
-            unit=unit,
-            sequence_parallel=sequence_parallel,
-            backbone_split=split,
-        )
+        encoders = None if stage0 else enc_plan
+        rebuilt, workload = plan_job(planning, name, encoders, times, unit)
         if rebuilt.meta.backbone_layers == schedule.meta.backbone_layers:
             workload.check_matches(schedule.meta)
             return workload
     return None
 
 
-def replan_job(job, samples: list[dict]) -> tuple[Schedule, Workload, dict] | None:
+def replan_job(job: RuntimeJob, samples: list[dict]) -> tuple[Schedule, Workload, dict] | None:
     """`replan` for a RuntimeJob's own model, plans and schedule; None where its encoder sits
     on stage 0 (nothing to re-plan for the same modules) or the new plan needs other ones."""
     from megatron_mllm.runtime.job import encoder_plan_of
+    from megatron_mllm.runtime.planning.schedules import planning_job
 
     enc_plan, stage0 = encoder_plan_of(job.schedule, job.backbone)
     if stage0:
         return None
-    return replan(
-        job.cfg,
-        job.backbone,
-        job.micro_batch,
-        job.num_microbatches,
-        job.schedule,
-        enc_plan,
-        samples,
-        job.plans.encoder_units,
-        job.model.frozen_encoder,
-        job.plans.sequence_parallel,
-    )
+    return replan(planning_job(job), job.schedule, enc_plan, samples, job.plans.encoder_units)
 
 
-def predicted_with_measured(schedule: Schedule, *args, **kwargs) -> float | None:
-    """The simulator's step time for `schedule` under measured times (`measured_workload`'s
-    arguments); None where its costs cannot be rebuilt."""
+def predicted_with_measured(job: RuntimeJob, samples: list[dict]) -> float | None:
+    """The simulator's step time for `job`'s schedule under the times measured in `samples`
+    (every rank's); None where its costs cannot be rebuilt."""
     from megatron_mllm.schedule.simulator import simulate
 
-    workload = measured_workload(schedule, *args, **kwargs)
-    return None if workload is None else simulate(schedule, workload).step_time_s
+    workload = measured_workload(job, samples)
+    return None if workload is None else simulate(job.schedule, workload).step_time_s
 
 
 def calibrated(workload: Workload, overhead_s: float, latency_s: float) -> Workload:

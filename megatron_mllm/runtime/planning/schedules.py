@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.parallel.plans import ParallelPlan
@@ -14,6 +16,9 @@ from megatron_mllm.schedule.planner import plan_optimus
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.validator import validate
 from megatron_mllm.schedule.workload import Workload
+
+if TYPE_CHECKING:
+    from megatron_mllm.runtime.job import RuntimeJob
 
 # One CPU core in fp32, over gloo on loopback: only the ratios matter for planning, and measured
 # unit times (see tools/bench_runtime.py) replace these where given.
@@ -102,6 +107,18 @@ def runtime_plan(
         images_per_sample,
         backbone_split,
     )
+    return plan_job(job, name, encoder_plan, measured, unit, **options)
+
+
+def plan_job(
+    job: MLLMJob,
+    name: str,
+    encoder_plan: ParallelPlan | None = None,
+    measured: dict | None = None,
+    unit: str = "layer",
+    **options,
+) -> tuple[Schedule, Workload]:
+    """`runtime_plan` for a planning job built already (`job_of`, `planning_job`)."""
     costs = JobCosts(job, measured, unit=unit)
     if name not in ("megatron", "balanced", "optimus"):
         raise ConfigError(f"unknown schedule {name!r}; use megatron, balanced or optimus")
@@ -116,6 +133,24 @@ def runtime_plan(
         built = best.schedule, best.workload
     validate(built[0])
     return built
+
+
+def planning_job(job: RuntimeJob, num_microbatches: int | None = None) -> MLLMJob:
+    """The schedule core's job for a running RuntimeJob, built in this one place for every
+    planner that works on it (optimus-adaptive, re-planning, the plan candidates): its model,
+    plans, recomputation and encoder load, and the backbone split its schedule built."""
+    split = tuple(job.schedule.meta.backbone_layers) if job.backbone.vpp == 1 else ()
+    return job_of(
+        job.cfg,
+        job.backbone,
+        job.micro_batch,
+        num_microbatches or job.num_microbatches,
+        job.model.frozen_encoder,
+        job.plans.sequence_parallel,
+        job.model.recompute,
+        job.executor.images_per_sample,
+        split,
+    )
 
 
 def pool_plan(
@@ -147,48 +182,26 @@ def pool_plan(
     )
 
 
-def adaptive_planner(
-    cfg: MLLMConfig,
-    plan: ParallelPlan,
-    micro_batch: int,
-    schedule: Schedule,
-    unit: str = "layer",
-    frozen_encoder: bool = False,
-    sequence_parallel: bool = False,
-    recompute: Recompute = NO_RECOMPUTE,
-    images_per_sample: float = 1.0,
-    measured: dict | None = None,
-):
-    """The per-step planner (optimus-adaptive) around the runtime's static Optimus `schedule`
-    (planned from `measured` unit times, if it was), in whole-micro-batch mode with every
+def adaptive_planner(job: RuntimeJob):
+    """The per-step planner (optimus-adaptive) around a RuntimeJob's static Optimus schedule
+    (planned from `job.executor.plan_times`, if it was), in whole-micro-batch mode with every
     micro-batch keeping its encoder actions (a text-only one passes empty messages). None
-    where `schedule` is not a colocated Optimus plan."""
+    where the schedule is not a colocated Optimus plan."""
     from megatron_mllm.schedule.adaptive import AdaptivePlanner
     from megatron_mllm.schedule.planner import run
 
-    notes = schedule.notes
-    if schedule.meta.encoder_on_stage0 or "encoder_plan" not in notes:
+    schedule, opts = job.schedule, job.schedule.origin
+    if schedule.meta.encoder_on_stage0 or opts is None:
         return None
-    n = schedule.meta.num_microbatches
-    split = tuple(schedule.meta.backbone_layers) if plan.vpp == 1 else ()  # the built one
-    job = job_of(
-        cfg,
-        plan,
-        micro_batch,
-        n,
-        frozen_encoder,
-        sequence_parallel,
-        recompute,
-        images_per_sample,
-        split,
-    )
-    costs = JobCosts(job, measured, unit=unit)
-    opts = OptimusOptions(
-        notes["encoder_plan"], notes["split"], notes["extra_warmup"], notes["fine"]
-    )
+    costs = JobCosts(planning_job(job), job.executor.plan_times, unit=job.plans.encoder_units)
+    opts = OptimusOptions(opts.encoder_plan, opts.split, opts.extra_warmup, opts.fine)
     static = run("optimus", optimus_schedule(costs, opts), opts)
     if static.schedule.ranks != schedule.ranks:
         return None  # planned from other costs (measured times): nothing to re-plan from
     return AdaptivePlanner(
-        costs, static, images_per_sample, skip_text_only=False, whole_micro_batches=True
+        costs,
+        static,
+        job.executor.images_per_sample,
+        skip_text_only=False,
+        whole_micro_batches=True,
     )

@@ -106,18 +106,7 @@ class AdaptiveSteps:
 
         self.run, job = run, run.job
         group = dist.new_group(backend="gloo")  # every rank, the plans' agreement
-        planner = adaptive_planner(
-            job.cfg,
-            job.backbone,
-            job.micro_batch,
-            job.schedule,
-            job.plans.encoder_units,
-            job.model.frozen_encoder,
-            job.plans.sequence_parallel,
-            job.model.recompute,
-            job.executor.images_per_sample,
-            job.executor.plan_times,
-        )
+        planner = adaptive_planner(job)
         # None where the schedule keeps the encoder on stage 0: nothing to re-plan
         self.planner = None if planner is None else StepPlanner(planner, group)
         self.orders: list[list[int] | None] = []  # per step: slot -> micro-batch, if planned
