@@ -32,7 +32,7 @@ from megatron_mllm.runtime.engine.compute_actions import ComputeActions, planned
 from megatron_mllm.runtime.engine.fill_pacing import FillPacer, fill_budgets, planned_bubbles
 from megatron_mllm.runtime.engine.messages import Messages, PeerFailure
 from megatron_mllm.runtime.engine.program import Op
-from megatron_mllm.runtime.engine.step_types import PassOptions, StepResult
+from megatron_mllm.runtime.engine.step_types import PassKind, PassOptions, StepResult
 from megatron_mllm.schedule.actions import Action
 from megatron_mllm.schedule.dataflow import Dataflow
 from megatron_mllm.schedule.keys import TensorKey, part_encoder, part_name
@@ -59,8 +59,7 @@ class Executor(ComputeActions):
         options: PassOptions | None = None,
     ) -> None:
         options = options or PassOptions()
-        timeout_s, evaluate = options.timeout_s, options.evaluate
-        forward_only = options.forward_only
+        timeout_s = options.timeout_s
         dynamic, ordered, overlap_fills = options.dynamic, options.ordered, options.overlap_fills
         recv_lookahead, max_encoder_ahead = options.recv_lookahead, options.max_encoder_ahead
         loss_scale, loss_norm = options.loss_scale, options.loss_norm
@@ -84,11 +83,10 @@ class Executor(ComputeActions):
         ]
         self.data, self.micro_batch = data, micro_batch
         self.timeout_s = timeout_s
-        # Forward-only (a coreset pool): no graph; the last stage keeps its output layer's input.
-        self.forward_only = forward_only
-        # Evaluation (forward-only): the last stage computes losses and exact-match counts.
-        self.evaluate = evaluate
-        self.forward_only = forward_only or evaluate
+        # A pool pass (forward only, no graph): the last stage keeps its output layer's input;
+        # an evaluation (forward only): the last stage computes losses and exact-match counts.
+        self.evaluate = options.kind is PassKind.EVAL
+        self.forward_only = options.kind is not PassKind.TRAIN
         # Dynamic mode: run ready encoder work while waiting for a message (see _fill_wait),
         # at most `max_encoder_ahead` encoder micro-batches ahead of the program.
         self.dynamic, self.max_encoder_ahead = dynamic, max_encoder_ahead

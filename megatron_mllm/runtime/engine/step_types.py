@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 import torch
 
@@ -42,17 +43,25 @@ class StepResult:
     fills_per_wait: list[int] = field(default_factory=list)  # fills run inside each TP wait
 
 
+class PassKind(Enum):
+    """What a pass of a program is for."""
+
+    TRAIN = "train"  # forward and backward; losses for the step
+    EVAL = "eval"  # forward only, no graph: losses and exact-match counts (validation)
+    POOL = "pool"  # forward only, no graph: a coreset pool's output-layer inputs
+
+
 @dataclass(frozen=True)
 class PassOptions:
     """How one pass of a program runs; the defaults are a training step with tagged messages.
+    `kind`: a training step, an evaluation or a coreset pool's pass;
     `ordered`: NCCL's order-matched messages (receive orders, a group per direction);
     `dynamic`: ready encoder work while a message is on its way; `overlap_fills`: TP-bubble
     fills inside the backbone's TP collectives; `loss_scale` / `loss_norm`: the backward's
     scale and the loss's normaliser; `after_program`: run on the executor after the program."""
 
     timeout_s: float = 60.0
-    forward_only: bool = False
-    evaluate: bool = False
+    kind: PassKind = PassKind.TRAIN
     dynamic: bool = False
     ordered: tuple[dict, dict] | None = None
     overlap_fills: bool = False

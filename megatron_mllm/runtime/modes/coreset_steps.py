@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 from megatron_mllm.data.batch import MicroBatch
 from megatron_mllm.runtime.engine.program import forward_only_program, gpu_program
+from megatron_mllm.runtime.engine.step_types import PassKind
 
 
 class CoresetSteps:
@@ -86,7 +87,7 @@ class CoresetSteps:
             self.pool_program,
             self.job.data.pool_schedule.meta,
             batches.__getitem__,
-            forward_only=True,
+            kind=PassKind.POOL,
             ordered=run.pool_ordered,
         )
         executor.run_step()

@@ -21,6 +21,7 @@ from megatron_mllm.runtime.assembly.model_builder import (
 )
 from megatron_mllm.runtime.engine.breakdown import StepBreakdown, breakdown_of_spans, busy_seconds
 from megatron_mllm.runtime.engine.program import forward_only_program, gpu_program
+from megatron_mllm.runtime.engine.step_types import PassKind
 from megatron_mllm.runtime.job import RuntimeJob, check_job, encoder_plan_of, layer_overrides
 
 
@@ -269,7 +270,7 @@ class ExecutorRun:
             self.eval_program,
             self.job.schedule.meta,
             lambda m: data(m, dp),
-            evaluate=True,
+            kind=PassKind.EVAL,
             ordered=self.eval_ordered,
         )
         for module in self.rank_model.modules:  # no dropout (and no RNG draws) in validation

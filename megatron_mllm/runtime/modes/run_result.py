@@ -3,19 +3,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from megatron_mllm.runtime.assembly.optimizer import sub_optimizers
 
-if TYPE_CHECKING:
-    from megatron_mllm.runtime.modes.executor_run import ExecutorRun
 
-
-def run_result(run: ExecutorRun) -> dict:
-    """Everything `run` measured and computed so far (collective where parameters are
-    collected: every rank calls it)."""
+def run_result(run) -> dict:
+    """Everything `run` (an ExecutorRun) measured and computed so far (collective where
+    parameters are collected: every rank calls it)."""
     out = {
         "replanned": run.replanned is not None,
         "replan_times": run.replanned[2] if run.replanned is not None else None,
@@ -61,7 +56,7 @@ def run_result(run: ExecutorRun) -> dict:
     return out
 
 
-def _replan_predicted_s(run: ExecutorRun) -> float | None:
+def _replan_predicted_s(run) -> float | None:
     """The simulator's step time for the re-planned schedule under the measured times."""
     if run.replanned is None:
         return None
