@@ -16,6 +16,8 @@ from megatron_mllm.schedule.hardware import get_profile
 from megatron_mllm.schedule.specs import TransformerSpec
 
 ROOT = Path(__file__).resolve().parents[1]
+# The benchmarks' own modules (tools/bench_data, bench_common) are importable by tests as by tools.
+sys.path.insert(0, str(ROOT / "tools"))
 
 
 def tiny_encoder(layers: int = 4, hidden: int = 256, name: str = "tiny-vit") -> TransformerSpec:

@@ -1,8 +1,8 @@
 import pytest
 import torch
+from bench_data.mixture import VOCAB, build_mixture
 
 from megatron_mllm.data.coreset import CoresetConfig
-from megatron_mllm.data.mixture import VOCAB, build_mixture
 from megatron_mllm.data.sampler import CoresetHook, PoolSampler, answer_loss
 from megatron_mllm.errors import ConfigError
 
@@ -91,7 +91,7 @@ def test_pipeline_stages_get_the_last_stages_selection():
 
 
 def test_digit_shards_round_trip(tmp_path):
-    from megatron_mllm.data.webdataset import ImageCaptionShards, write_digit_shards
+    from bench_data.digit_shards import ImageCaptionShards, write_digit_shards
 
     paths = write_digit_shards(tmp_path / "d", per_shard=1000)
     assert len(paths) == 2 and all(p.suffix == ".tar" for p in paths)
@@ -106,9 +106,8 @@ def test_digit_shards_round_trip(tmp_path):
 
 def test_megatron_energon_reads_the_digit_shards(tmp_path):
     """The shards are an energon dataset: energon's own loader yields every sample of ours."""
+    from bench_data.digit_shards import ImageCaptionShards, write_digit_shards
     from megatron.energon import WorkerConfig, get_loader, get_val_dataset
-
-    from megatron_mllm.data.webdataset import ImageCaptionShards, write_digit_shards
 
     write_digit_shards(tmp_path / "d", per_shard=1000)
     ours = ImageCaptionShards(tmp_path / "d")

@@ -48,13 +48,11 @@ def test_the_schedule_choice_says_what_is_planned_and_whether_per_step(given, pl
     assert (schedule.origin is not None) == (planned == "optimus")
 
 
-def test_a_benchmark_run_is_the_pretrain_run_of_the_same_arguments(monkeypatch):
+def test_a_benchmark_run_is_the_pretrain_run_of_the_same_arguments():
+    from bench_common import bench_run
+
     from megatron_mllm.models.config import BENCH
     from megatron_mllm.parallel.plans import ParallelPlan
-    from tests.conftest import ROOT
-
-    monkeypatch.syspath_prepend(str(ROOT / "tools"))
-    from bench_common import bench_run
 
     run = bench_run(BENCH, argparse.Namespace(precision="bf16"), ParallelPlan(1, 1, 2), 4, 2)
     assert run.model == BENCH and (run.micro_batch, run.num_microbatches) == (2, 4)

@@ -269,9 +269,9 @@ def mllm_task(args) -> Task:
     import tempfile
 
     import torch
+    from bench_data.digit_shards import ImageCaptionShards, write_digit_shards
 
     from megatron_mllm.data.batch import image_then_text
-    from megatron_mllm.data.webdataset import ImageCaptionShards, write_digit_shards
 
     cfg = mllm_config(args, text_len=20)
     with tempfile.TemporaryDirectory() as tmp:
@@ -301,11 +301,11 @@ def mllm_task(args) -> Task:
 def gpt_task(args) -> Task:
     """A megatron-core GPT on the eight-source math + digit-caption mixture."""
     import torch
+    from bench_data.mixture import VOCAB, build_mixture
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.models.gpt.gpt_model import GPTModel
 
     from megatron_mllm.data.batch import IGNORE_INDEX
-    from megatron_mllm.data.mixture import VOCAB, build_mixture
     from megatron_mllm.models.config import transformer_config
     from megatron_mllm.models.stages import causal_mask
     from megatron_mllm.parallel.groups import build_colocated_groups

@@ -3,7 +3,7 @@
 
 import sys
 
-from megatron_mllm.schedule.cli import check_schedule_main
+from megatron_mllm.cli.plan_schedule import check_schedule_main
 
 if __name__ == "__main__":
     sys.exit(check_schedule_main())

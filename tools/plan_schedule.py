@@ -7,7 +7,7 @@
 
 import sys
 
-from megatron_mllm.schedule.cli import main
+from megatron_mllm.cli.plan_schedule import main
 
 if __name__ == "__main__":
     sys.exit(main())

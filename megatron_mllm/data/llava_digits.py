@@ -60,14 +60,14 @@ def write_llava_digits(
     turns."""
     from sklearn.datasets import load_digits
 
-    from megatron_mllm.data.mixture import _math
+    from megatron_mllm.data.math_problems import math_problems
 
     root = Path(out)
     if root.exists() and (not root.is_dir() or any(root.iterdir())):
         raise ConfigError(f"{root} exists and is not an empty folder; give a new output folder")
     (root / "images").mkdir(parents=True)
     digits, rng = load_digits(), random.Random(seed)
-    math = iter(_math("addition", rng, n))
+    math = iter(math_problems("addition", rng, n))
     records = []
     draw = _SourceDraw(images, rng)
     for k in range(n):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from megatron_mllm.data.math_problems import math_problems
 from megatron_mllm.errors import ConfigError
 
 # name -> share of the training pool (a few big, several small)
@@ -28,16 +29,6 @@ PAD, UNK = "#", "?"
 _DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
 
 
-def _clean(text: str) -> str:
-    return (
-        text.replace("$", "")
-        .replace("\\cdot", "*")
-        .replace("\\div", "/")
-        .replace(" ", "")
-        .replace("\\", "")
-    )
-
-
 def _digit_captions(rng: random.Random, n: int) -> list[tuple[str, str]]:
     from sklearn.datasets import load_digits
 
@@ -48,19 +39,6 @@ def _digit_captions(rng: random.Random, n: int) -> list[tuple[str, str]]:
         rows = digits.images[i].sum(axis=1)
         ink = "".join(str(min(9, int(r) // 8)) for r in rows)  # 8 row-ink levels, one digit each
         out.append((f"ink{ink}=", _DIGIT_WORDS[int(digits.target[i])]))
-    return out
-
-
-def _math(topic: str, rng: random.Random, n: int) -> list[tuple[str, str]]:
-    import mathgenerator
-
-    gen = getattr(mathgenerator, topic)
-    random.seed(rng.random())  # mathgenerator draws from the global RNG
-    out = []
-    for _ in range(n):
-        q, a = gen()
-        q, a = _clean(q), _clean(a)
-        out.append((q if q.endswith("=") else q + "=", a))
     return out
 
 
@@ -114,7 +92,9 @@ def build_mixture(
     train_pairs, train_src, held_pairs, held_src = [], [], [], []
     for s, (name, share) in enumerate(sources.items()):
         n = int(round(share * total))
-        make = _digit_captions if name == "digits" else (lambda r, k, t=name: _math(t, r, k))
+        make = (
+            _digit_captions if name == "digits" else (lambda r, k, t=name: math_problems(t, r, k))
+        )
         pairs = make(rng, n + heldout_per_source)
         train_pairs += pairs[:n]
         train_src += [s] * n

@@ -1,0 +1,1 @@
+"""Command lines over the library: plan_schedule.py and check_schedule.py (tools/)."""
