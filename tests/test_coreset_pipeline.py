@@ -209,7 +209,7 @@ def _chunked_and_whole(rank, world):
 
     def hidden(b):
         with torch.no_grad():
-            bb(None, bb.decoder_input([encoder(b.images)], b))
+            bb(None, bb.decoder_input([encoder(b.images)], b), b)
         return captured.pop().transpose(0, 1)
 
     whole = hidden(batch)

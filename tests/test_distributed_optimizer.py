@@ -81,7 +81,7 @@ def _train(
         for step in range(STEPS):
             image_embeds, batch = _batch(rank, world, step)
             opt.zero_grad()
-            loss = bb.loss(bb(None, bb.decoder_input([image_embeds], batch)), batch)
+            loss = bb.loss(bb(None, bb.decoder_input([image_embeds], batch), batch), batch)
             loss.backward()
             for p in bb.parameters():
                 dist.all_reduce(p.grad, group=pg.dp)

@@ -56,6 +56,9 @@ def _first_weights(rank: int, world: int, upstream: bool) -> dict:
     from megatron_mllm.runtime.assembly.model_builder import build_full_model
 
     if upstream:
+        from megatron_mllm_patches import cuda_device_on_cpu
+
+        cuda_device_on_cpu.apply()  # a CUDA rank has a current device; this machine has not
         _upstream_seeding(rank, world, True)
     else:
         init_rank(rank, world, 7, 60)

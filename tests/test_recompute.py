@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from megatron_mllm.models.config import TINY
+from megatron_mllm.models.stages import causal_mask
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.assembly.launch import spawn
 from megatron_mllm.runtime.planning.schedules import job_of
@@ -46,7 +47,7 @@ def _saved_bytes(rank: int, world: int, cfg, recompute: Recompute) -> dict[str, 
         return x
 
     def backbone_layers(x):
-        return bb.gpt.decoder(hidden_states=x, attention_mask=bb.mask)
+        return bb.gpt.decoder(hidden_states=x, attention_mask=causal_mask(cfg.seq_len))
 
     for name, run in (("backbone", backbone_layers), ("encoder", encoder_layers)):
         hidden = cfg.llm_hidden if name == "backbone" else cfg.vit_hidden

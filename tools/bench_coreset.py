@@ -160,7 +160,7 @@ def tiny_mllm(cfg):
 
         def forward(self, batch):
             bb = self.backbone
-            return bb(None, bb.decoder_input([self.encoder(batch.images)], batch))
+            return bb(None, bb.decoder_input([self.encoder(batch.images)], batch), batch)
 
         def hidden(self, batch):
             captured = []

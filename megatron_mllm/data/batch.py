@@ -29,6 +29,11 @@ class MicroBatch:
     sources: tuple[int, ...] = field(default=())  # each sample's source id (coreset budgets)
     # samples the loader's worker skipped before this batch: a member that does not decode
     corrupted: tuple[str, ...] = field(default=())
+    # Packed rows (`pack`): [b, s] each position's index in its own sample (positions restart
+    # per sample) and which sample of the row it belongs to (-1: padding). None: one sample a
+    # row, positions 0..s-1.
+    positions: torch.Tensor | None = None
+    segments: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.image_tokens and self.image_mask.device.type == "cpu":
@@ -65,13 +70,37 @@ class MicroBatch:
                 t = t.pin_memory()
             return t.to(device, dt, non_blocking=gpu)
 
+        packed = self.segments is not None
         return replace(
             self,
             images=move(self.images, dtype),
             tokens=move(self.tokens),
             labels=move(self.labels),
             image_mask=move(self.image_mask),
+            positions=move(self.positions) if packed else None,
+            segments=move(self.segments) if packed else None,
         )
+
+    @property
+    def packed(self) -> bool:
+        return self.segments is not None
+
+    def position_ids(self) -> torch.Tensor:
+        """[b, s] each token's position in its sample (0..s-1 in every row where unpacked)."""
+        if self.positions is not None:
+            return self.positions
+        b, s = self.tokens.shape
+        return torch.arange(s, device=self.tokens.device).expand(b, s)
+
+    def attention_mask(self) -> torch.Tensor:
+        """megatron-core's boolean mask (True: not allowed), causal and, in packed rows, only
+        within a sample: [1, 1, s, s] unpacked, [b, 1, s, s] packed."""
+        s = self.tokens.shape[1]
+        causal = torch.ones(s, s, dtype=torch.bool, device=self.tokens.device).triu(1)
+        if self.segments is None:
+            return causal[None, None]
+        other = self.segments[:, :, None] != self.segments[:, None, :]
+        return (causal[None] | other).unsqueeze(1)
 
     def select(self, rows: list[int], image_tokens: int) -> MicroBatch:
         """The samples `rows` (and their images) as a micro-batch."""
@@ -89,6 +118,8 @@ class MicroBatch:
             sources=tuple(self.sources[r] for r in rows) if self.sources else (),
             truncated=0,
             no_answer=0,
+            positions=None if self.positions is None else self.positions[index],
+            segments=None if self.segments is None else self.segments[index],
         )
 
 
@@ -106,7 +137,11 @@ def image_then_text(images: torch.Tensor, text: torch.Tensor, image_tokens: int)
 
 
 def collate(samples: list[MicroBatch]) -> MicroBatch:
-    """One micro-batch from one-sample micro-batches of equal sequence length."""
+    """One micro-batch from one-row micro-batches of equal sequence length (packed rows, or
+    none packed)."""
+    packed = [s.packed for s in samples]
+    if any(packed) and not all(packed):
+        raise ValueError("collate: packed and unpacked rows in one micro-batch")
     return MicroBatch(
         images=torch.cat([s.images for s in samples]),
         tokens=torch.cat([s.tokens for s in samples]),
@@ -117,4 +152,39 @@ def collate(samples: list[MicroBatch]) -> MicroBatch:
         no_answer=sum(s.no_answer for s in samples),
         image_tokens=samples[0].image_tokens,
         sources=tuple(i for s in samples for i in s.sources),
+        positions=torch.cat([s.positions for s in samples]) if all(packed) else None,
+        segments=torch.cat([s.segments for s in samples]) if all(packed) else None,
+    )
+
+
+def pack(samples: list[MicroBatch], seq_length: int, pad: int) -> MicroBatch:
+    """One row of `seq_length` from one-sample unpadded micro-batches (their lengths summing to
+    at most `seq_length`), in order: each keeps its tokens, labels and images, its positions
+    restart at 0, and the rest of the row is padding (`pad`, no label, its own segment -1)."""
+    lengths = [s.tokens.shape[1] for s in samples]
+    if sum(lengths) > seq_length:
+        raise ValueError(f"pack: {sum(lengths)} tokens do not fit a row of {seq_length}")
+    rest = seq_length - sum(lengths)
+    first = samples[0]
+    tokens = torch.cat([s.tokens for s in samples] + [first.tokens.new_full((1, rest), pad)], 1)
+    labels = torch.cat(
+        [s.labels for s in samples] + [first.labels.new_full((1, rest), IGNORE_INDEX)], 1
+    )
+    mask = torch.cat([s.image_mask for s in samples] + [first.image_mask.new_zeros(1, rest)], 1)
+    positions = torch.cat([torch.arange(n) for n in lengths] + [torch.arange(rest)]).unsqueeze(0)
+    segments = torch.cat(
+        [torch.full((n,), k) for k, n in enumerate(lengths)] + [torch.full((rest,), -1)]
+    ).unsqueeze(0)
+    return MicroBatch(
+        images=torch.cat([s.images for s in samples]),
+        tokens=tokens,
+        labels=labels,
+        image_mask=mask,
+        ids=tuple(i for s in samples for i in s.ids),
+        truncated=sum(s.truncated for s in samples),
+        no_answer=sum(s.no_answer for s in samples),
+        image_tokens=first.image_tokens,
+        sources=tuple(i for s in samples for i in s.sources),
+        positions=positions,
+        segments=segments.to(torch.int32),
     )

@@ -152,6 +152,7 @@ def open_loader(
     max_samples_per_sequence: int | None = None,
     epochs: int | None = None,
     exclude_shards: tuple[str, ...] = (),
+    packing_buffer_size: int | None = None,
 ):
     """energon's savable loader over `split` of the dataset at `path`, for data-parallel rank
     `dp_rank` of `dp_size` (ranks read disjoint parts), batched by `task_encoder`.
@@ -160,7 +161,9 @@ def open_loader(
     `shuffle_buffer_size` sample buffer) deterministically from `seed`; endless unless `epochs`
     is given (then that many passes, after which iteration stops). "val": in order, one pass per
     `iter(loader)` (or `epochs` passes). Shards named in `exclude_shards` (`DataAccount.left_out`)
-    are not read. Call `close_loader` when done to end the workers."""
+    are not read. `packing_buffer_size` (train only; a task encoder with energon's packing
+    hooks, `PackingTaskEncoder`): samples are packed from buffers of that many. Call
+    `close_loader` when done to end the workers."""
     from megatron.energon import RepeatDataset, WorkerConfig, get_savable_loader
 
     if split not in SPLITS:
@@ -178,7 +181,12 @@ def open_loader(
     try:
         if split == "train":
             dataset = _train_dataset(
-                path, common, shuffle_buffer_size, max_samples_per_sequence, epochs is None
+                path,
+                common,
+                shuffle_buffer_size,
+                max_samples_per_sequence,
+                epochs is None,
+                packing_buffer_size,
             )
         else:
             from megatron.energon import get_val_dataset
@@ -192,7 +200,9 @@ def open_loader(
     return get_savable_loader(dataset)
 
 
-def _train_dataset(path, common: dict, shuffle_buffer_size, max_samples_per_sequence, repeat):
+def _train_dataset(
+    path, common: dict, shuffle_buffer_size, max_samples_per_sequence, repeat, packing_buffer_size
+):
     from megatron.energon import get_train_dataset
 
     return get_train_dataset(
@@ -201,6 +211,7 @@ def _train_dataset(path, common: dict, shuffle_buffer_size, max_samples_per_sequ
         shuffle_buffer_size=shuffle_buffer_size,
         max_samples_per_sequence=max_samples_per_sequence,
         repeat=repeat,
+        packing_buffer_size=packing_buffer_size,
         **common,
     )
 
@@ -340,3 +351,52 @@ class LlavaTaskEncoder(TaskEncoder):
         skipped = tuple(_CORRUPTED)
         _CORRUPTED.clear()
         return replace(batch, corrupted=skipped) if skipped else batch
+
+
+@edataclass
+class EncodedSample(Sample):
+    """An encoded record, or a packed row of them, as energon carries it between its packing
+    stages (a Sample, so that energon can restore its packing buffer from restore keys)."""
+
+    batch: Any  # a one-row data.batch.MicroBatch
+
+
+class PackingTaskEncoder(LlavaTaskEncoder):
+    """`LlavaTaskEncoder` with energon's packing hooks: each buffer of encoded (unpadded)
+    samples is packed into rows of the sequence length, every sample in exactly one row
+    (`pack_lengths`), and a row is `batch.pack` of its samples in reading order."""
+
+    @stateless
+    def encode_sample(self, sample: LlavaRawSample) -> EncodedSample:
+        return EncodedSample.derive_from(sample, batch=super().encode_sample(sample))
+
+    def select_samples_to_pack(self, samples: list[EncodedSample]) -> list[list[EncodedSample]]:
+        lengths = [s.batch.tokens.shape[1] for s in samples]
+        return [[samples[i] for i in row] for row in pack_lengths(lengths, self.spec.seq_length)]
+
+    @stateless
+    def pack_selected_samples(self, samples: list[EncodedSample]) -> EncodedSample:
+        from megatron_mllm.data.batch import pack
+
+        row = pack([s.batch for s in samples], self.spec.seq_length, self.spec.pad_id)
+        return EncodedSample.derive_from(samples[0], batch=row)
+
+    @stateless
+    def batch(self, samples: list[EncodedSample]):
+        return super().batch([s.batch for s in samples])
+
+
+def pack_lengths(lengths: list[int], capacity: int) -> list[list[int]]:
+    """Indices of `lengths` grouped into rows of at most `capacity` (first fit, longest
+    first; each row in reading order, rows by their first sample): every index once."""
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        fit = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if fit is None:
+            rows.append([i])
+            room.append(capacity - lengths[i])
+        else:
+            rows[fit].append(i)
+            room[fit] -= lengths[i]
+    return sorted(sorted(row) for row in rows)

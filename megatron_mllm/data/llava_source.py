@@ -34,8 +34,11 @@ class LlavaData:
     max_samples_per_sequence: int | None = 16
     exclude_shards: tuple[str, ...] = ()  # damaged shards left out (energon_llava.DataAccount)
     sources: tuple[str, ...] = ()  # source names, where samples carry source ids (coreset)
+    # --packing-buffer-size: training rows pack samples from buffers of this many (else each
+    # sample is padded to its own row)
+    packing_buffer_size: int | None = None
 
-    def spec(self, image_tokens: int, image_size: int) -> EncodeSpec:
+    def spec(self, image_tokens: int, image_size: int, packing: bool = False) -> EncodeSpec:
         from megatron_mllm.data.tokenizer import load_tokenizer
 
         return EncodeSpec(
@@ -47,6 +50,7 @@ class LlavaData:
             CLIP_STD if self.clip_normalisation else PLAIN_STD,
             self.loss_on_prompt,
             self.sources,
+            packing,
         )
 
 
@@ -84,14 +88,20 @@ class LlavaStream:
         image_size: int,
         seed: int,
     ) -> None:
-        from megatron_mllm.data.energon_loader import LlavaTaskEncoder, open_loader
+        from megatron_mllm.data.energon_loader import (
+            LlavaTaskEncoder,
+            PackingTaskEncoder,
+            open_loader,
+        )
 
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # workers are forked
         self.split, self.micro_batch = split, micro_batch
+        packing = data.packing_buffer_size is not None and split == "train"
+        encoder = PackingTaskEncoder if packing else LlavaTaskEncoder
         self.loader = open_loader(
             data.path,
             split,
-            LlavaTaskEncoder(data.spec(image_tokens, image_size)),
+            encoder(data.spec(image_tokens, image_size, packing)),
             dp_rank=dp_rank,
             dp_size=dp_size,
             batch_size=micro_batch,
@@ -100,11 +110,13 @@ class LlavaStream:
             shuffle_buffer_size=data.shuffle_buffer_size if split == "train" else None,
             max_samples_per_sequence=data.max_samples_per_sequence if split == "train" else None,
             exclude_shards=data.exclude_shards,
+            packing_buffer_size=data.packing_buffer_size if packing else None,
         )
         self._it = None
         self.corrupted = 0  # samples skipped so far: a member that does not decode
         self.truncated = 0  # samples cut to the sequence length so far
         self.no_answer = 0  # of those, samples left without an answer token
+        self.samples = 0  # samples read so far (a packed row holds several)
 
     def next(self) -> MicroBatch:
         """The next micro-batch. A validation stream starts over after its last and skips the
@@ -126,6 +138,7 @@ class LlavaStream:
             if batch.num_samples == self.micro_batch:
                 self.truncated += batch.truncated
                 self.no_answer += batch.no_answer
+                self.samples += len(batch.ids)
                 return batch
 
     def _skipped(self, names: tuple[str, ...]) -> None:
@@ -148,6 +161,7 @@ class LlavaStream:
             "truncated": self.truncated,
             "no_answer": self.no_answer,
             "corrupted": self.corrupted,
+            "samples": self.samples,
         }
 
     def restore(self, state: dict) -> None:
@@ -158,6 +172,7 @@ class LlavaStream:
         self.truncated = state["truncated"]
         self.no_answer = state.get("no_answer", 0)  # absent in older checkpoints
         self.corrupted = state.get("corrupted", 0)
+        self.samples = state.get("samples", 0)  # absent before packing
 
     def close(self) -> None:
         from megatron_mllm.data.energon_loader import close_loader

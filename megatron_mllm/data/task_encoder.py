@@ -8,9 +8,10 @@ them, labels on the assistant turns, images decoded and normalised, one sequence
   the image's token count (every encoder's patches).
 * Labels: `labels[j]` is token j + 1 where that token is in an assistant content (or any text
   token with `loss_on_prompt`), else IGNORE_INDEX.
-* Length: padded to `seq_length`, or cut there; a cut never splits an image (it moves before
-  the image, whose file is then dropped) and is counted in `MicroBatch.truncated` (and in
-  `no_answer` when it removed every answer token).
+* Length: padded to `seq_length` (left unpadded for packing: `EncodeSpec.packing`), or cut
+  there; a cut never splits an image (it moves before the image, whose file is then dropped)
+  and is counted in `MicroBatch.truncated` (and in `no_answer` when it removed every answer
+  token).
 * Images: decoded with Pillow, RGB, resized (bicubic) to the encoder's square input and
   normalised per channel with the encoder's mean and std (CLIP's for a CLIP tower).
 """
@@ -45,6 +46,13 @@ class EncodeSpec:
     std: tuple[float, float, float] = PLAIN_STD
     loss_on_prompt: bool = False
     sources: tuple[str, ...] = ()  # the data set's source names; a sample's id is its index
+    packing: bool = False  # samples unpadded (cut at seq_length still), for `batch.pack`
+
+    @property
+    def pad_id(self) -> int:
+        """The token padding is made of: the tokenizer's pad token, else its end token."""
+        pad = self.tokenizer.pad_token_id
+        return self.tokenizer.eos_token_id if pad is None else pad
 
     def check(self) -> None:
         if self.seq_length < self.image_tokens:
@@ -133,10 +141,9 @@ def encode_record(record: LlavaRecord, image_bytes: list[bytes], spec: EncodeSpe
     is_image = [False] * len(ids)
     for start in starts[:kept]:
         is_image[start : start + n_img] = [True] * n_img
-    pad = spec.tokenizer.pad_token_id
-    pad = spec.tokenizer.eos_token_id if pad is None else pad
     n = len(ids)
-    tokens = torch.full((1, s), pad, dtype=torch.long)
+    s = n if spec.packing else s
+    tokens = torch.full((1, s), spec.pad_id, dtype=torch.long)
     tokens[0, :n] = torch.tensor(ids, dtype=torch.long)
     labels = torch.full((1, s), IGNORE_INDEX, dtype=torch.long)
     wanted = torch.tensor(target[1:], dtype=torch.bool)

@@ -291,6 +291,10 @@ class BackboneStage(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sequence_parallel and tp > 1
         config_overrides.setdefault("sequence_parallel", self.sequence_parallel)
+        # megatron-core's multimodal rotary embedding, every section on the one position: the
+        # model's RoPE, with positions per row and token (packed rows restart them).
+        half = cfg.llm_hidden // cfg.llm_heads // 2
+        config_overrides.setdefault("mrope_section", [half, 0, 0])
         config = transformer_config(cfg, "llm", tp, pp, **config_overrides)
         self.gpt = GPTModel(
             config,
@@ -304,7 +308,7 @@ class BackboneStage(nn.Module):
             pre_process=pre_process,
             post_process=post_process,
             share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
+            position_embedding_type="mrope",
             rotary_base=int(cfg.rope_base),
             pg_collection=pg,
             vp_stage=vp_stage,
@@ -315,7 +319,6 @@ class BackboneStage(nn.Module):
             # the default RNG, the same on every TP rank); its own config says so.
             self.gpt.embedding.config = copy.copy(config)
             self.gpt.embedding.config.sequence_parallel = False
-        self.register_buffer("mask", causal_mask(cfg.seq_len), persistent=False)
 
     def set_input_tensor(self, tensor) -> None:
         self.gpt.set_input_tensor(tensor)
@@ -339,12 +342,30 @@ class BackboneStage(nn.Module):
 
         return scatter_to_sequence_parallel_region(x, group=self.pg.tp)
 
-    def forward(self, hidden: torch.Tensor | None, decoder_input: torch.Tensor | None = None):
-        """Non-first stages pass `hidden`; stage 0 passes `decoder_input`."""
+    def forward(
+        self,
+        hidden: torch.Tensor | None,
+        decoder_input: torch.Tensor | None = None,
+        batch: MicroBatch | None = None,
+    ):
+        """Non-first stages pass `hidden`; stage 0 passes `decoder_input`. `batch`: the
+        micro-batch's positions and attention mask (packed rows: within each sample); without
+        it one unpacked sample per row."""
         if not self.pre_process:
             self.gpt.set_input_tensor(hidden)
+        if batch is None:
+            b = (hidden if decoder_input is None else decoder_input).shape[1]
+            s = self.cfg.seq_len
+            device = (hidden if decoder_input is None else decoder_input).device
+            positions = torch.arange(s, device=device).expand(b, s)
+            mask = causal_mask(s).to(device)
+        else:
+            positions, mask = batch.position_ids(), batch.attention_mask()
         return self.gpt(
-            input_ids=None, position_ids=None, attention_mask=self.mask, decoder_input=decoder_input
+            input_ids=None,
+            position_ids=positions.unsqueeze(0).expand(3, -1, -1),
+            attention_mask=mask,
+            decoder_input=decoder_input,
         )
 
     def loss(self, logits: torch.Tensor, batch: MicroBatch, summed: bool = False) -> torch.Tensor:

@@ -201,6 +201,40 @@ def _check_schedule_and_rates(args: argparse.Namespace) -> None:
         )
 
 
+def _check_packing(args: argparse.Namespace) -> None:
+    """--packing-buffer-size: conversation data, a per-token loss (a row's sample count
+    varies, so a mean per row would weigh samples differently), the local attention path
+    (its [b, 1, s, s] mask), and none of the features that move samples between rows."""
+    size = args.packing_buffer_size
+    if size is None:
+        return
+    if size < 1:
+        raise ConfigError(f"--packing-buffer-size {size}: give a buffer of 1 or more samples")
+    refused = {
+        "--data-path (synthetic data is one sample a row)": args.data_path is None,
+        "--calculate-per-token-loss (with a mean per row, the samples' weights would depend "
+        "on how they were packed)": not args.calculate_per_token_loss,
+    }
+    for what, missing in refused.items():
+        if missing:
+            raise ConfigError(f"--packing-buffer-size needs {what}")
+    others = {
+        "--coreset-pool-ratio (selection picks samples, a packed row holds several)": (
+            args.coreset is not None
+        ),
+        "--bubble-schedule optimus-adaptive (it deals samples between rows)": (
+            ScheduleChoice(args.bubble_schedule).per_step
+        ),
+        "--transformer-impl transformer_engine (packed rows use the local attention path's "
+        "mask; THD packing with Transformer Engine is not here)": (
+            args.transformer_impl == "transformer_engine"
+        ),
+    }
+    for what, given in others.items():
+        if given:
+            raise ConfigError(f"--packing-buffer-size does not run with {what}")
+
+
 def _check_data(args: argparse.Namespace) -> None:
     """--data-path and its tokenizer, validation and loader arguments; with a tokenizer,
     --vocab-size becomes its size padded as Megatron pads it."""
@@ -385,6 +419,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_virtual_stages(args, pp)
     _check_encoder_plan(args, tp, pp)
     _check_coreset(args, dp)
+    _check_packing(args)
     _check_data(args)
     per_step = ScheduleChoice(args.bubble_schedule).per_step
     if per_step and (args.coreset is not None or args.replan_after_iters is not None):

@@ -198,6 +198,15 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes")
     g.add_argument(
+        "--packing-buffer-size",
+        type=int,
+        default=None,
+        help="sequence packing (Megatron-LM's multimodal flag): training rows of --seq-length "
+        "hold several conversations, packed from buffers of this many samples (first fit, "
+        "longest first), each attending only to itself with its positions restarting; needs "
+        "--calculate-per-token-loss. Validation stays one sample a row",
+    )
+    g.add_argument(
         "--max-skipped-samples-fraction",
         type=float,
         default=0.01,

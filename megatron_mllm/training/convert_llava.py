@@ -172,7 +172,7 @@ def checkpoint_logits(
     )
     with torch.no_grad():
         decoder_input = backbone.decoder_input([encoder(batch.images)], batch)
-        logits = backbone(None, decoder_input).contiguous()
+        logits = backbone(None, decoder_input, batch).contiguous()
     pieces = [torch.empty_like(logits) for _ in range(tp)]
     dist.all_gather(pieces, logits, group=groups.backbone.tp)
     dist.barrier()

@@ -82,21 +82,21 @@ def not_finite_step(loss: float, grad_norm: float, fp16: bool) -> bool:
     return not math.isfinite(loss) or (not fp16 and not math.isfinite(grad_norm))
 
 
-def truncated_samples(run, device) -> tuple[int, int, int]:
-    """Samples cut to --seq-length so far, those of them left without an answer token, and
-    samples skipped as corrupted, over every DP replica (collective: each replica's
-    stage-0 TP-rank-0 counts its stream)."""
+def truncated_samples(run, device) -> tuple[int, int, int, int]:
+    """Samples cut to --seq-length so far, those of them left without an answer token,
+    samples skipped as corrupted and samples read, over every DP replica (collective: each
+    replica's stage-0 TP-rank-0 counts its stream)."""
     import torch
     import torch.distributed as dist
 
     c = run.groups.coords
-    mine = run.data.cut() if (c.tp == 0 and c.stage == 0) else (0, 0, 0)
+    mine = run.data.cut() if (c.tp == 0 and c.stage == 0) else (0, 0, 0, 0)
     total = torch.tensor(mine, dtype=torch.long, device=device)
     dist.all_reduce(total)
-    return int(total[0]), int(total[1]), int(total[2])
+    return tuple(int(x) for x in total)
 
 
-def check_corrupted(args, counts: tuple[int, int, int] | None, consumed: int) -> None:
+def check_corrupted(args, counts: tuple[int, ...] | None, consumed: int) -> None:
     """Samples skipped as corrupted stay within --max-skipped-samples-fraction of those read."""
     if counts is None or not counts[2]:
         return

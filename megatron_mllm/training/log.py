@@ -32,12 +32,24 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
             f"{run.micro_batch} per step and DP replica, planned for "
             f"{run.images_per_sample:.2f} images per sample" + _adaptive_note(run),
             " > " + training_summary(args),
+            *_packing_line(run),
             f" > optional libraries: {fallbacks()}",
             f" > predicted by the analytic CPU cost model (uncalibrated): step "
             f"{1000 * p.step_time_s:.1f} ms, bubble ratio "
             f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",
         ]
     )
+
+
+def _packing_line(run: RunConfig) -> list[str]:
+    size = run.args.packing_buffer_size
+    if size is None:
+        return []
+    return [
+        f" > packed: each training row of {run.args.seq_length} tokens holds the conversations "
+        f"that fit, from buffers of {size} samples (first fit, longest first), attention and "
+        "positions within each"
+    ]
 
 
 def _adaptive_note(run: RunConfig) -> str:
@@ -118,13 +130,14 @@ def log_line(
     skipped: int = 0,
     nan: int = 0,
     loss_scale: float | None = None,
-    truncated: tuple[int, int, int] | None = None,
+    truncated: tuple[int, ...] | None = None,
+    packed: bool = False,
 ) -> str:
     """Megatron's iteration line; `skipped` / `nan`: iterations since the last line whose step
     was not applied (non-finite gradient norm, fp16 overflow) / whose loss was NaN or Inf;
     `loss_scale`: fp16's current loss scale; `truncated`: conversation data's samples cut to
-    --seq-length so far, those of them left without an answer token, and samples skipped as
-    corrupted."""
+    --seq-length so far, those of them left without an answer token, samples skipped as
+    corrupted and samples read; `packed`: rows hold several samples (their count is shown)."""
     now = datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S")
     scale = f"loss scale: {loss_scale:.1f} | " if loss_scale is not None else ""
     return (
@@ -139,6 +152,7 @@ def log_line(
             if truncated is not None
             else ""
         )
+        + (f" packed samples: {truncated[3]} |" if packed and truncated is not None else "")
     )
 
 

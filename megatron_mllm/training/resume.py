@@ -23,10 +23,12 @@ def _saved_args(args: argparse.Namespace) -> dict:
 
 def loader_position_fits(saved_args: dict, args: argparse.Namespace) -> bool:
     """A saved loader position fits only a loader opened the same way: the same data (and
-    damaged shards left out), DP size, micro-batch, workers and seed."""
+    damaged shards left out), DP size, micro-batch, workers, seed and packing buffer."""
     keys = ("data_parallel_size", "data_path", "micro_batch_size", "num_workers", "seed")
     left_out = saved_args.get("data_left_out", [])  # absent before data accounting
     same = all(saved_args.get(k) == getattr(args, k) for k in keys)
+    packing = getattr(args, "packing_buffer_size", None)
+    same = same and saved_args.get("packing_buffer_size") == packing
     return same and left_out == getattr(args, "data_left_out", [])
 
 

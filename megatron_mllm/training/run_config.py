@@ -220,4 +220,5 @@ def llava_data(args):
         clip_normalisation=args.encoder_arch == "clip",
         exclude_shards=tuple(args.data_left_out),
         sources=tuple(args.data_sources),
+        packing_buffer_size=args.packing_buffer_size,
     )

@@ -246,6 +246,7 @@ def _loop(args, run, scheduler, checkpointer, validation, start: int, device) ->
                 nan,
                 run.loss_scale,
                 truncated,
+                packed=args.packing_buffer_size is not None,
             )
             print(line, flush=True)
         if log_now and args.timing_log_level:

@@ -32,9 +32,10 @@ class ComputeActions:
         self._capture_next = pool
         if v == 0:
             first = self.chunks[a.chunk]
-            out = first(None, first.decoder_input(inputs, self._batch(a.mb)))
+            batch = self._batch(a.mb)
+            out = first(None, first.decoder_input(inputs, batch), batch)
         else:
-            out = self.chunks[a.chunk](inputs[0])
+            out = self.chunks[a.chunk](inputs[0], batch=self._batch(a.mb))
         self._capture_next = False
         if pool:  # a coreset pool's micro-batch: the selection reads the output layer's input
             self.last_layer_inputs[a.mb] = self._captured.pop()

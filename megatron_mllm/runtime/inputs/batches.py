@@ -133,21 +133,27 @@ class StepData:
         n = self.job.num_microbatches
         return [[get(m, dp).num_images for m in range(n)] for dp in self.replicas]
 
-    def cut(self) -> tuple[int, int, int]:
+    def cut(self) -> tuple[int, int, int, int]:
         """Samples cut to the sequence length so far, those of them left without an answer
-        token, and samples skipped as corrupted, over this process's replicas (not counting a
-        step read ahead)."""
+        token, samples skipped as corrupted, and samples read (packed rows hold several),
+        over this process's replicas (not counting a step read ahead)."""
         if self._ahead is not None and self._ahead[2]:
             states = list(self._ahead[2].values())
         else:
             states = [
-                {"truncated": s.truncated, "no_answer": s.no_answer, "corrupted": s.corrupted}
+                {
+                    "truncated": s.truncated,
+                    "no_answer": s.no_answer,
+                    "corrupted": s.corrupted,
+                    "samples": s.samples,
+                }
                 for s in self.streams.values()
             ]
         return (
             sum(state["truncated"] for state in states),
             sum(state.get("no_answer", 0) for state in states),
             sum(state.get("corrupted", 0) for state in states),
+            sum(state.get("samples", 0) for state in states),
         )
 
     def state(self, dp: int) -> dict | None:

@@ -43,8 +43,8 @@ class _Stage0Model(nn.Module):
     def forward(self, batch):
         if self.backbone.pre_process:
             embeds = self.encoder(batch.images)
-            return self.backbone(None, self.backbone.decoder_input([embeds], batch))
-        return self.backbone(self._input)
+            return self.backbone(None, self.backbone.decoder_input([embeds], batch), batch)
+        return self.backbone(self._input, batch=batch)
 
 
 class MegatronCoreRun:

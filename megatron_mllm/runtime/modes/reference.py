@@ -57,7 +57,7 @@ class ReferenceRun:
         for dp, m in keys:
             batch = data(m, dp).to(self.device, torch.float32)
             embeds = [encoder(batch.images) for encoder in model.encoders]
-            out = model.backbone(None, model.backbone.decoder_input(embeds, batch))
+            out = model.backbone(None, model.backbone.decoder_input(embeds, batch), batch)
             loss = model.backbone.loss(out, batch, summed=job.data.per_token_loss)
             (loss / divisor).backward()
             losses[(dp, m)] = loss.detach() / max(weight[(dp, m)], 1)  # a mean either way

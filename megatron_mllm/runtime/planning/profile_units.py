@@ -13,6 +13,7 @@ import statistics
 import torch
 
 from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.models.stages import causal_mask
 
 
 def median_seconds(fn, repeats: int, device: torch.device) -> float:
@@ -75,6 +76,7 @@ def profile_units(
         dtype=dtype,
     )
     enc, bb = model.encoders[0], model.backbone
+    mask = causal_mask(cfg.seq_len).to(device)
     batch = image_then_text(*microbatch(cfg, 0, micro_batch)[:2], cfg.image_tokens)
     batch = batch.to(device, dtype)
     images = batch.images
@@ -91,7 +93,7 @@ def profile_units(
         ("vit", "layer"): (lambda x: enc.run_unit(1, (x,))[0], leaf(vit_h)),
         ("vit", "projector"): (lambda x: enc.run_unit(enc.num_units - 1, (x,))[0], leaf(vit_h)),
         ("llm", "layer"): (
-            lambda x: bb.gpt.decoder.layers[0](hidden_states=x, attention_mask=bb.mask)[0],
+            lambda x: bb.gpt.decoder.layers[0](hidden_states=x, attention_mask=mask)[0],
             leaf(llm_h),
         ),
         ("llm", "head"): (
