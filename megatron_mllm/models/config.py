@@ -48,6 +48,13 @@ class MLLMConfig:
     llm_query_groups: int | None = None  # None: one per head (no grouped-query attention)
     llm_norm_eps: float = 1e-5
     rope_base: float = 10000.0
+    # Qwen2's attention: biases on Q, K and V only (Megatron's --add-qkv-bias, with
+    # --disable-bias-linear).
+    llm_qkv_bias: bool = False
+    # Qwen2-VL's multimodal RoPE (Megatron's --mrope-section T H W): the rotary frequencies in
+    # three sections, over half the head dim, turned by each token's temporal, height and
+    # width position (an image's tokens on their grid, text on one line). (): 1-D RoPE.
+    llm_mrope_section: tuple[int, ...] = ()
     # Training-time only (no effect on the weights' shapes): Megatron's --hidden-dropout and
     # --attention-dropout, 0 by default here.
     hidden_dropout: float = 0.0
@@ -86,6 +93,12 @@ class MLLMConfig:
         return self.channels * self.patch_size**2
 
     @property
+    def image_grid(self) -> tuple[int, int]:
+        """An image's tokens in the backbone as (rows, columns) of its patch grid."""
+        side = self.image_size // self.patch_size
+        return side, side
+
+    @property
     def seq_len(self) -> int:
         return self.image_tokens + self.text_len
 
@@ -105,6 +118,8 @@ class MLLMConfig:
         layer = 2 * h * h + 2 * h * kv + up * h + f * h + 2 * norm
         if self.llm_bias:
             layer += h + 2 * kv + h + up + h
+        elif self.llm_qkv_bias:
+            layer += h + 2 * kv
         return vit + extra, self.llm_layers * layer + 2 * self.vocab_size * h + norm
 
     def transformer_specs(self):
@@ -184,6 +199,20 @@ class MLLMConfig:
             raise ConfigError(
                 f"normalization '{self.llm_normalization}' is not one of LayerNorm, RMSNorm"
             )
+        self._validate_mrope()
+
+    def _validate_mrope(self) -> None:
+        if not self.llm_mrope_section:
+            return
+        half = self.llm_hidden // self.llm_heads // 2
+        section = self.llm_mrope_section
+        if len(section) != 3 or min(section) < 0 or sum(section) != half:
+            raise ConfigError(
+                f"--mrope-section {' '.join(map(str, section))}: give three sizes (temporal, "
+                f"height, width) summing to half the head dim, {half}"
+            )
+        if self.extra_encoders:
+            raise ConfigError("--mrope-section places one encoder's images; drop --extra-encoder")
 
 
 VIT_FIELDS = (
@@ -250,6 +279,7 @@ def _architecture(cfg: MLLMConfig, part: str) -> dict:
         gated_linear_unit=cfg.llm_swiglu,
         activation_func=F.silu if cfg.llm_swiglu else F.gelu,
         add_bias_linear=cfg.llm_bias,
+        add_qkv_bias=cfg.llm_qkv_bias,
         num_query_groups=cfg.llm_query_groups,
     )
 

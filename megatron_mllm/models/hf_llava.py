@@ -150,7 +150,7 @@ def _normalized(sd: dict) -> dict:
 def llava_to_canonical(sd: dict, cfg: MLLMConfig) -> dict[str, torch.Tensor]:
     """A LLaVA state dict -> our canonical weights for `cfg` (from `config_from_llava`)."""
     s = {k: v.detach().to(torch.float32) for k, v in _normalized(sd).items()}
-    h, groups = cfg.vit_hidden, cfg.llm_query_groups or cfg.llm_heads
+    h = cfg.vit_hidden
     out = {
         "encoder.class_embedding": s["vision.embeddings.class_embedding"],
         "encoder.patch_embed.weight": s["vision.embeddings.patch_embedding.weight"].reshape(h, -1),
@@ -159,9 +159,6 @@ def llava_to_canonical(sd: dict, cfg: MLLMConfig) -> dict[str, torch.Tensor]:
         "encoder.pre_layernorm.bias": s["vision.pre_layrnorm.bias"],
         "projector.encoder.linear_fc1.weight": s["projector.linear_1.weight"],
         "projector.encoder.linear_fc2.weight": s["projector.linear_2.weight"],
-        "backbone.embedding.word_embeddings.weight": s["text.embed_tokens.weight"],
-        "backbone.decoder.final_layernorm.weight": s["text.norm.weight"],
-        "backbone.output_layer.weight": s["lm_head.weight"],
     }
     if cfg.projector_bias:
         out["projector.encoder.linear_fc1.bias"] = s["projector.linear_1.bias"]
@@ -173,10 +170,24 @@ def llava_to_canonical(sd: dict, cfg: MLLMConfig) -> dict[str, torch.Tensor]:
             out[f"{dst}self_attention.linear_qkv.{kind}"] = _fuse_qkv(q, k, v, cfg.vit_heads)
             for ours, theirs in _CLIP_LAYER_NAMES:
                 out[f"{dst}{ours}.{kind}"] = s[f"{src}{theirs}.{kind}"]
+    return {**out, **decoder_to_canonical(s, cfg)}
+
+
+def decoder_to_canonical(s: dict, cfg: MLLMConfig) -> dict[str, torch.Tensor]:
+    """A Llama- or Qwen2-style decoder (`_normalized` keys: text.*, lm_head.*; Q, K and V biases
+    where `cfg.llm_qkv_bias`) -> our canonical backbone weights."""
+    groups = cfg.llm_query_groups or cfg.llm_heads
+    out = {
+        "backbone.embedding.word_embeddings.weight": s["text.embed_tokens.weight"],
+        "backbone.decoder.final_layernorm.weight": s["text.norm.weight"],
+        "backbone.output_layer.weight": s["lm_head.weight"],
+    }
     for i in range(cfg.llm_layers):
         src, dst = f"text.layers.{i}.", f"backbone.decoder.layers.{i}."
-        q, k, v = (s[f"{src}self_attn.{n}_proj.weight"] for n in "qkv")
-        out[f"{dst}self_attention.linear_qkv.weight"] = _fuse_qkv(q, k, v, groups)
+        kinds = ("weight", "bias") if cfg.llm_qkv_bias else ("weight",)
+        for kind in kinds:
+            q, k, v = (s[f"{src}self_attn.{n}_proj.{kind}"] for n in "qkv")
+            out[f"{dst}self_attention.linear_qkv.{kind}"] = _fuse_qkv(q, k, v, groups)
         out[f"{dst}self_attention.linear_proj.weight"] = s[f"{src}self_attn.o_proj.weight"]
         out[f"{dst}input_layernorm.weight"] = s[f"{src}input_layernorm.weight"]
         out[f"{dst}pre_mlp_layernorm.weight"] = s[f"{src}post_attention_layernorm.weight"]

@@ -291,10 +291,11 @@ class BackboneStage(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.sequence_parallel = sequence_parallel and tp > 1
         config_overrides.setdefault("sequence_parallel", self.sequence_parallel)
-        # megatron-core's multimodal rotary embedding, every section on the one position: the
-        # model's RoPE, with positions per row and token (packed rows restart them).
+        # megatron-core's multimodal rotary embedding: Qwen2-VL's sections, or every section on
+        # the one position (the model's 1-D RoPE), with positions per row and token (packed
+        # rows restart them).
         half = cfg.llm_hidden // cfg.llm_heads // 2
-        config_overrides.setdefault("mrope_section", [half, 0, 0])
+        config_overrides.setdefault("mrope_section", list(cfg.llm_mrope_section) or [half, 0, 0])
         config = transformer_config(cfg, "llm", tp, pp, **config_overrides)
         self.gpt = GPTModel(
             config,
@@ -354,16 +355,24 @@ class BackboneStage(nn.Module):
         if not self.pre_process:
             self.gpt.set_input_tensor(hidden)
         if batch is None:
-            b = (hidden if decoder_input is None else decoder_input).shape[1]
+            x = hidden if decoder_input is None else decoder_input
             s = self.cfg.seq_len
-            device = (hidden if decoder_input is None else decoder_input).device
-            positions = torch.arange(s, device=device).expand(b, s)
-            mask = causal_mask(s).to(device)
+            positions = torch.arange(s, device=x.device).expand(x.shape[1], s)
+            mask = causal_mask(s).to(x.device)
+            if self.cfg.llm_mrope_section:
+                raise ValueError("multimodal positions need the micro-batch: pass `batch`")
         else:
             positions, mask = batch.position_ids(), batch.attention_mask()
+        if self.cfg.llm_mrope_section:
+            from megatron_mllm.models.positions import mrope_position_ids
+
+            grid = self.cfg.image_grid
+            position_ids = mrope_position_ids(batch.image_mask, positions, grid)
+        else:
+            position_ids = positions.unsqueeze(0).expand(3, -1, -1)
         return self.gpt(
             input_ids=None,
-            position_ids=positions.unsqueeze(0).expand(3, -1, -1),
+            position_ids=position_ids,
             attention_mask=mask,
             decoder_input=decoder_input,
         )

@@ -36,6 +36,8 @@ MODEL_ARGS = (
     "rotary_base",
     "disable_projector_bias",
     "extra_encoder",
+    "add_qkv_bias",
+    "mrope_section",
 )
 
 

@@ -169,6 +169,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--group-query-attention", action="store_true")
     g.add_argument("--num-query-groups", type=int, default=1)
     g.add_argument("--rotary-base", type=float, default=10000.0)
+    g.add_argument(
+        "--add-qkv-bias",
+        action="store_true",
+        help="biases on the attention's Q, K and V (Qwen2; with --disable-bias-linear)",
+    )
+    g.add_argument(
+        "--mrope-section",
+        type=int,
+        nargs=3,
+        default=None,
+        metavar=("T", "H", "W"),
+        help="Qwen2-VL's multimodal rotary embedding: the rotary frequencies in three sections "
+        "(temporal, height, width) summing to half the head dim; image tokens sit on their "
+        "patch grid, text on one line (default: 1-D RoPE)",
+    )
     g.add_argument("--disable-projector-bias", action="store_true")
     g.add_argument(
         "--extra-encoder",

@@ -66,6 +66,8 @@ def model_config(args: argparse.Namespace) -> MLLMConfig:
         llm_bias=not args.disable_bias_linear,
         llm_query_groups=args.num_query_groups if args.group_query_attention else None,
         rope_base=args.rotary_base,
+        llm_qkv_bias=getattr(args, "add_qkv_bias", False),
+        llm_mrope_section=tuple(getattr(args, "mrope_section", None) or ()),
         hidden_dropout=getattr(args, "hidden_dropout", 0.0),
         attention_dropout=getattr(args, "attention_dropout", 0.0),
         extra_encoders=tuple(
@@ -158,6 +160,8 @@ def model_args(cfg: MLLMConfig) -> dict:
         rotary_base=cfg.rope_base,
         disable_projector_bias=not cfg.projector_bias,
         extra_encoder=[encoder_spec(e) for e in cfg.extra_encoders],
+        add_qkv_bias=cfg.llm_qkv_bias,
+        mrope_section=tuple(cfg.llm_mrope_section) or None,
     )
     rebuilt = model_config(argparse.Namespace(**args))
     if rebuilt != cfg:
@@ -181,9 +185,11 @@ def model_argv(cfg: MLLMConfig) -> list[str]:
         flag = "--" + name.replace("_", "-")
         if isinstance(value, bool):
             out += [flag] if value else []
-        elif isinstance(value, list):
+        elif isinstance(value, list):  # a repeatable flag
             for item in value:
                 out += [flag, str(item)]
+        elif isinstance(value, tuple):  # one flag of several values
+            out += [flag, *map(str, value)]
         elif value is not None:
             out += [flag, str(value)]
     return out
