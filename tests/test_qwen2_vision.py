@@ -37,12 +37,12 @@ def _both(rank: int, world: int) -> dict:
     n = int((GRIDS[:, 1] * GRIDS[:, 2]).sum())
     patches = torch.randn(n, SPEC.patch_dim)
     with torch.no_grad():
-        mine = ours(patches, GRIDS)
+        mine = ours(patches, GRIDS).squeeze(1)
         theirs = hf.model.visual(patches, grid_thw=GRIDS).pooler_output
         first = int(GRIDS[0, 1] * GRIDS[0, 2])
         other = patches.clone()
         other[first:] = torch.randn(n - first, SPEC.patch_dim)  # the other images changed
-        changed = ours(other, GRIDS)
+        changed = ours(other, GRIDS).squeeze(1)
     return {"ours": mine, "theirs": theirs, "changed": changed}
 
 

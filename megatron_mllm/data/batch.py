@@ -34,16 +34,33 @@ class MicroBatch:
     # row, positions 0..s-1.
     positions: torch.Tensor | None = None
     segments: torch.Tensor | None = None
+    # Native-resolution images (`data/native_images.py`): `images` is then every image's patches
+    # [patches, patch_dim], `grids` [n, 3] each image's (frames, rows, columns) of patches (on
+    # the host: masks and positions are made from it there), `merge` the patches a backbone
+    # token merges along each side.
+    grids: torch.Tensor | None = None
+    merge: int = 1
 
     def __post_init__(self) -> None:
-        if self.image_tokens and self.image_mask.device.type == "cpu":
-            marked, wanted = int(self.image_mask.sum()), self.num_images * self.image_tokens
-            if marked != wanted:
-                raise ValueError(f"{marked} image positions for {self.num_images} images")
+        if self.image_mask.device.type != "cpu" or not (self.image_tokens or self.native):
+            return
+        marked = int(self.image_mask.sum())
+        wanted = int(self.tokens_per_image().sum()) if self.native else 0
+        wanted = wanted or self.num_images * self.image_tokens
+        if marked != wanted:
+            raise ValueError(f"{marked} image positions for {self.num_images} images")
+
+    @property
+    def native(self) -> bool:
+        return self.grids is not None
 
     @property
     def num_images(self) -> int:
-        return self.images.shape[0]
+        return self.grids.shape[0] if self.native else self.images.shape[0]
+
+    def tokens_per_image(self) -> torch.Tensor:
+        """Native-resolution images: each one's backbone tokens (its merged windows), host."""
+        return self.grids[:, 0] * self.grids[:, 1] * self.grids[:, 2] // self.merge**2
 
     @property
     def num_samples(self) -> int:
@@ -57,6 +74,8 @@ class MicroBatch:
 
     def images_per_sample(self) -> list[int]:
         """Each sample's image count (from the mask; `image_tokens` set)."""
+        if self.native:
+            raise NotImplementedError("images per sample of native-resolution images")
         return (self.image_mask.sum(1) // self.image_tokens).tolist()
 
     def to(self, device: torch.device, dtype: torch.dtype) -> MicroBatch:
@@ -103,7 +122,9 @@ class MicroBatch:
         return (causal[None] | other).unsqueeze(1)
 
     def select(self, rows: list[int], image_tokens: int) -> MicroBatch:
-        """The samples `rows` (and their images) as a micro-batch."""
+        """The samples `rows` (and their images) as a micro-batch (fixed-size images)."""
+        if self.native:
+            raise NotImplementedError("selecting samples of native-resolution images")
         per_sample = (self.image_mask.sum(1) // image_tokens).tolist()
         starts = [sum(per_sample[:r]) for r in range(len(per_sample))]
         picked = [i for r in rows for i in range(starts[r], starts[r] + per_sample[r])]
@@ -154,7 +175,15 @@ def collate(samples: list[MicroBatch]) -> MicroBatch:
         sources=tuple(i for s in samples for i in s.sources),
         positions=torch.cat([s.positions for s in samples]) if all(packed) else None,
         segments=torch.cat([s.segments for s in samples]) if all(packed) else None,
+        **_native_of(samples),
     )
+
+
+def _native_of(samples: list[MicroBatch]) -> dict:
+    """The grids and merge of native-resolution samples, concatenated (else nothing)."""
+    if not samples[0].native:
+        return {}
+    return {"grids": torch.cat([s.grids for s in samples]), "merge": samples[0].merge}
 
 
 def pack(samples: list[MicroBatch], seq_length: int, pad: int) -> MicroBatch:
@@ -187,4 +216,5 @@ def pack(samples: list[MicroBatch], seq_length: int, pad: int) -> MicroBatch:
         sources=tuple(i for s in samples for i in s.sources),
         positions=positions,
         segments=segments.to(torch.int32),
+        **_native_of(samples),
     )

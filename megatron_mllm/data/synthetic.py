@@ -66,3 +66,42 @@ def samples(
         texts.append(((c * 7 + steps * (c + 1)) % cfg.vocab_size).unsqueeze(0))
         classes.append(c)
     return torch.cat(images), torch.cat(texts), torch.cat(classes)
+
+
+def native_microbatch(cfg, index: int, micro_batch: int, seed: int = 0):
+    """Global micro-batch `index` for a native-resolution tower (`cfg.vit_native`): each
+    sample one image of its own size (sides drawn from the multiples of patch x merge up to
+    `cfg.image_size`; every fourth sample text only), its class's pattern cropped to that size
+    plus noise, cut into patches; its tokens first, then the caption, padded to the sequence."""
+    from megatron_mllm.data.batch import IGNORE_INDEX, MicroBatch
+    from megatron_mllm.data.native_images import NativeImageSpec, patchify
+
+    spec = NativeImageSpec(cfg.patch_size, cfg.vit_merge, cfg.vit_temporal_patch)
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    images, text = microbatch(cfg, index, micro_batch, seed)
+    sides = cfg.image_size // spec.factor
+    seq, b = cfg.seq_len, micro_batch
+    tokens = torch.zeros(b, seq, dtype=torch.long)
+    labels = torch.full((b, seq), IGNORE_INDEX, dtype=torch.long)
+    mask = torch.zeros(b, seq, dtype=torch.bool)
+    patches, grids = [], []
+    for i in range(b):
+        n = 0
+        if (index * b + i) % 4 != 3:
+            h, w = (int(torch.randint(1, sides + 1, (1,), generator=g)) * spec.factor for _ in "hw")
+            cut, grid = patchify(images[i, :, :h, :w], spec)
+            patches.append(cut)
+            grids.append(grid)
+            n = grid[1] * grid[2] // spec.merge**2
+            mask[i, :n] = True
+        t = text.shape[1]
+        tokens[i, n : n + t] = text[i]
+        labels[i, max(n - 1, 0) : n + t - 1] = text[i, int(n == 0) :]  # next-token targets
+    return MicroBatch(
+        torch.cat(patches) if patches else torch.zeros(0, cfg.patch_dim),
+        tokens,
+        labels,
+        mask,
+        grids=torch.tensor(grids, dtype=torch.long).reshape(-1, 3),
+        merge=spec.merge,
+    )

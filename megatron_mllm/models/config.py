@@ -38,6 +38,13 @@ class MLLMConfig:
     vit_final_norm: bool = True  # LayerNorm after the last layer
     vit_patch_bias: bool = True
     vit_activation: str = "gelu"  # or "quick_gelu"
+    # Qwen2-VL's native-resolution tower (models/qwen2_vision.py) instead of the ViT: each image
+    # at its own size, patches of patch_size over vit_temporal_patch frames, each vit_merge x
+    # vit_merge window of patches one backbone token. image_size is then the nominal image the
+    # planner costs (and the largest synthetic one).
+    vit_native: bool = False
+    vit_merge: int = 2
+    vit_temporal_patch: int = 2
     vit_norm_eps: float = 1e-5
     projector_bias: bool = True
     # Backbone architecture (Megatron's --normalization, --swiglu, --disable-bias-linear,
@@ -76,7 +83,10 @@ class MLLMConfig:
 
     @property
     def image_tokens(self) -> int:
-        """Image tokens in the backbone's input: every encoder's patches, in encoder order."""
+        """Image tokens in the backbone's input: every encoder's patches, in encoder order (a
+        native-resolution tower's nominal image: its merged windows)."""
+        if self.vit_native:
+            return self.num_patches // self.vit_merge**2
         return sum(self.encoder_config(e).num_patches for e in range(self.num_encoders))
 
     @property
@@ -90,12 +100,30 @@ class MLLMConfig:
 
     @property
     def patch_dim(self) -> int:
-        return self.channels * self.patch_size**2
+        depth = self.vit_temporal_patch if self.vit_native else 1
+        return self.channels * depth * self.patch_size**2
+
+    def vision_spec(self):
+        """The native-resolution tower's shape (`models.qwen2_vision.Qwen2VisionSpec`)."""
+        from megatron_mllm.models.qwen2_vision import Qwen2VisionSpec
+
+        return Qwen2VisionSpec(
+            layers=self.vit_layers,
+            hidden=self.vit_hidden,
+            heads=self.vit_heads,
+            mlp_ratio=(self.vit_ffn or 4 * self.vit_hidden) / self.vit_hidden,
+            out_hidden=self.llm_hidden,
+            patch_size=self.patch_size,
+            temporal_patch_size=self.vit_temporal_patch,
+            merge=self.vit_merge,
+            channels=self.channels,
+        )
 
     @property
     def image_grid(self) -> tuple[int, int]:
-        """An image's tokens in the backbone as (rows, columns) of its patch grid."""
-        side = self.image_size // self.patch_size
+        """An image's tokens in the backbone as (rows, columns) of its patch grid (a
+        native-resolution tower's nominal image: of its merged windows)."""
+        side = self.image_size // self.patch_size // (self.vit_merge if self.vit_native else 1)
         return side, side
 
     @property
@@ -200,6 +228,19 @@ class MLLMConfig:
                 f"normalization '{self.llm_normalization}' is not one of LayerNorm, RMSNorm"
             )
         self._validate_mrope()
+        self._validate_native()
+
+    def _validate_native(self) -> None:
+        if not self.vit_native:
+            return
+        factor = self.patch_size * self.vit_merge
+        if self.image_size % factor:
+            raise ConfigError(
+                f"the native-resolution tower's nominal image {self.image_size} is not a "
+                f"multiple of patch x merge = {factor}"
+            )
+        if self.extra_encoders:
+            raise ConfigError("a native-resolution tower runs alone; drop --extra-encoder")
 
     def _validate_mrope(self) -> None:
         if not self.llm_mrope_section:

@@ -34,3 +34,24 @@ def mrope_position_ids(
     height = torch.where(is_image, base + k // cols, base)
     width = torch.where(is_image, base + k % cols, base)
     return torch.stack([base, height, width])
+
+
+def native_mrope_position_ids(
+    image_mask: torch.Tensor, positions: torch.Tensor, grids: torch.Tensor
+) -> torch.Tensor:
+    """`mrope_position_ids` for images of their own sizes: `grids` [n, 2] each image's (rows,
+    columns) of backbone tokens, the images in the micro-batch's order (row by row)."""
+    device = image_mask.device
+    rows, cols = grids[:, 0].to(device), grids[:, 1].to(device)
+    ends = torch.cumsum(rows * cols, 0)
+    image = image_mask.long()
+    rank = (torch.cumsum(image.flatten(), 0) - 1).view_as(image)  # among the image tokens
+    owner = torch.searchsorted(ends, rank.clamp(min=0), right=True).clamp(max=len(ends) - 1)
+    k = rank - (ends - rows * cols)[owner]  # an image token's place in its image
+    side = torch.maximum(rows, cols)[owner]
+    first = image * (k == 0)  # each image's first token carries its larger side
+    sides_before = _before_in_sample(first * side, positions) - image * (k > 0) * side
+    base = _before_in_sample(1 - image, positions) + sides_before
+    width = cols[owner]
+    height = torch.where(image_mask, base + k // width, base)
+    return torch.stack([base, height, torch.where(image_mask, base + k % width, base)])

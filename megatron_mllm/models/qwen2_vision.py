@@ -61,54 +61,58 @@ def block_diagonal_mask(grid_thw: torch.Tensor, device) -> torch.Tensor:
     return (owner[:, None] != owner[None, :])[None, None]
 
 
-class Qwen2VisionTower(nn.Module):
-    """The vision tower on TP group `pg.tp` of `tp` (megatron-core's layers shard over it; the
-    patch embedding and the merger are whole on every rank)."""
+class Qwen2VisionStage(nn.Module):
+    """Stage `stage` of `num_stages` of the vision tower (layers split as megatron-core splits
+    them over `pg.pp`) on TP group `pg.tp` of `tp` (the patch embedding and the merger are
+    whole on every rank). Its work is a list of units, as `stages.EncoderStage`'s: [the patch
+    embedding], each layer, [the merger]; `prepare(grids)` sets the micro-batch's attention
+    mask and rotary angles first (the images' patch grids decide both)."""
 
-    def __init__(self, spec: Qwen2VisionSpec, pg, tp: int = 1) -> None:
+    kernel_units = False  # layer-sized units only
+    recompute_layers = False
+
+    def __init__(
+        self,
+        spec: Qwen2VisionSpec,
+        pg,
+        tp: int = 1,
+        stage: int = 0,
+        num_stages: int = 1,
+        index: int = 0,
+        **config_overrides,
+    ) -> None:
         super().__init__()
-        from megatron.core.activations import quick_gelu
-        from megatron.core.models.vision import vit_layer_specs
-        from megatron.core.transformer.enums import AttnMaskType
         from megatron.core.transformer.transformer_block import TransformerBlock
-        from megatron.core.transformer.transformer_config import TransformerConfig
 
-        self.spec = spec
-        config = TransformerConfig(
-            num_layers=spec.layers,
-            hidden_size=spec.hidden,
-            num_attention_heads=spec.heads,
-            ffn_hidden_size=int(spec.hidden * spec.mlp_ratio),
-            tensor_model_parallel_size=tp,
-            pipeline_dtype=torch.float32,
-            params_dtype=torch.float32,
-            use_cpu_initialization=True,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            bias_dropout_fusion=False,
-            masked_softmax_fusion=False,
-            gradient_accumulation_fusion=False,
-            apply_rope_fusion=False,
-            layernorm_epsilon=1e-6,
-            activation_func=quick_gelu,
-        )
-        layer = copy.deepcopy(vit_layer_specs.get_vit_layer_with_local_spec())
-        layer.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
-        self.patch_embed = nn.Linear(spec.patch_dim, spec.hidden, bias=False)
+        self.spec, self.index, self.stage, self.num_stages = spec, index, stage, num_stages
+        self.first, self.last = stage == 0, stage == num_stages - 1
+        if self.first:
+            self.patch_embed = nn.Linear(spec.patch_dim, spec.hidden, bias=False)
         self.block = TransformerBlock(
-            config, layer, post_layer_norm=False, pre_process=True, post_process=False,
-            pg_collection=pg,
+            _config(spec, tp, num_stages, **config_overrides), _layer_spec(),
+            post_layer_norm=False, pre_process=self.first, post_process=False, pg_collection=pg,
         )  # fmt: skip
-        window = spec.hidden * spec.merge**2
-        self.merger_norm = nn.LayerNorm(spec.hidden, eps=1e-6)
-        self.merger_fc1 = nn.Linear(window, window)
-        self.merger_fc2 = nn.Linear(window, spec.out_hidden)
+        if self.last:
+            window = spec.hidden * spec.merge**2
+            self.projector = nn.ModuleDict(
+                {
+                    "norm": nn.LayerNorm(spec.hidden, eps=1e-6),
+                    "fc1": nn.Linear(window, window),
+                    "fc2": nn.Linear(window, spec.out_hidden),
+                }
+            )
         dim = spec.hidden // spec.heads // 2  # each of row and column rotates half the head
         self.register_buffer(
             "inv_freq",
             1.0 / spec.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim),
             persistent=False,
         )
+        self._mask = self._rotary = None
+
+    def prepare(self, grids: torch.Tensor) -> None:
+        """The micro-batch's images' (frames, rows, columns) of patches, for the units after."""
+        self._mask = block_diagonal_mask(grids, self.inv_freq.device)
+        self._rotary = self.rotary(grids)
 
     def rotary(self, grid_thw: torch.Tensor) -> torch.Tensor:
         """megatron-core's rotary angles [patches, 1, 1, head dim]: rows on the first quarter,
@@ -117,29 +121,121 @@ class Qwen2VisionTower(nn.Module):
         angles = (pos[..., None].float() * self.inv_freq).flatten(1)  # [n, rows | columns]
         return torch.cat([angles, angles], dim=-1)[:, None, None, :]
 
-    def forward(self, patches: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """[patches, patch_dim] (every image's, concatenated) -> [windows, out_hidden]."""
-        x = self.patch_embed(patches).unsqueeze(1)  # [n, 1, hidden]
-        mask = block_diagonal_mask(grid_thw, x.device)
-        x = self.block(hidden_states=x, attention_mask=mask, rotary_pos_emb=self.rotary(grid_thw))
+    def _unit_table(self) -> list[tuple[str, object, list]]:
+        if getattr(self, "_units", None) is not None:
+            return self._units
+        units = []
+        if self.first:
+            embed = lambda st: (self.patch_embed(st[0]).unsqueeze(1),)  # noqa: E731
+            units.append(("embed", embed, [*self.patch_embed.parameters()]))
+        for layer in self.block.layers:
+            run = lambda st, lay=layer: (self._layer(lay, st[0]),)  # noqa: E731
+            units.append(("layer", run, [*layer.parameters()]))
+        if self.last:
+            units.append(
+                ("projector", lambda st: (self._merge(st[0]),), [*self.projector.parameters()])
+            )
+        self._units = units
+        return units
+
+    def _layer(self, layer, x: torch.Tensor) -> torch.Tensor:
+        out = layer(hidden_states=x, attention_mask=self._mask, rotary_pos_emb=self._rotary)
+        return out[0] if isinstance(out, tuple) else out
+
+    def _merge(self, x: torch.Tensor) -> torch.Tensor:
+        """[patches, 1, hidden] -> [windows, 1, out_hidden]: each window's patches side by side."""
+        p = self.projector
         window = self.spec.hidden * self.spec.merge**2
-        x = self.merger_norm(x.squeeze(1)).reshape(-1, window)
-        return self.merger_fc2(nn.functional.gelu(self.merger_fc1(x)))
+        y = p["norm"](x.squeeze(1)).reshape(-1, window)
+        return p["fc2"](nn.functional.gelu(p["fc1"](y))).unsqueeze(1)
+
+    @property
+    def num_units(self) -> int:
+        return len(self._unit_table())
+
+    def unit_names(self) -> list[str]:
+        return [name for name, _, _ in self._unit_table()]
+
+    def run_unit(self, u: int, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return self._unit_table()[u][1](state)
+
+    def unit_trainable(self, u: int) -> bool:
+        return any(p.requires_grad for p in self._unit_table()[u][2])
+
+    def freeze(self) -> None:
+        """A frozen tower: only the merger (the projector) trains."""
+        for name, p in self.named_parameters():
+            p.requires_grad_(name.startswith("projector."))
+
+    def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
+        """The whole stage on [patches, patch_dim] (first stage; else [patches, 1, hidden]) of
+        images with patch grids `grids`."""
+        if grids.shape[0] == 0:  # a micro-batch without images: nothing to compute
+            width = self.spec.out_hidden if self.last else self.spec.hidden
+            return patches.new_zeros(0, 1, width)
+        self.prepare(grids)
+        state = (patches,)
+        for u in range(self.num_units):
+            state = self.run_unit(u, state)
+        return state[0]
+
+
+def Qwen2VisionTower(spec: Qwen2VisionSpec, pg, tp: int = 1) -> Qwen2VisionStage:  # noqa: N802
+    """The whole tower as one stage."""
+    return Qwen2VisionStage(spec, pg, tp)
+
+
+def _config(spec: Qwen2VisionSpec, tp: int, num_stages: int, **overrides):
+    from megatron.core.activations import quick_gelu
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    kwargs = dict(
+        num_layers=spec.layers,
+        hidden_size=spec.hidden,
+        num_attention_heads=spec.heads,
+        ffn_hidden_size=int(spec.hidden * spec.mlp_ratio),
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=num_stages,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        apply_rope_fusion=False,
+        layernorm_epsilon=1e-6,
+        activation_func=quick_gelu,
+        batch_p2p_comm=False,
+        batch_p2p_sync=False,
+    )
+    kwargs.update(overrides)
+    return TransformerConfig(**kwargs)
+
+
+def _layer_spec():
+    from megatron.core.models.vision import vit_layer_specs
+    from megatron.core.transformer.enums import AttnMaskType
+
+    layer = copy.deepcopy(vit_layer_specs.get_vit_layer_with_local_spec())
+    layer.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
+    return layer
 
 
 def qwen2_vision_from_hf(sd: dict, spec: Qwen2VisionSpec) -> dict[str, torch.Tensor]:
-    """Hugging Face's `model.visual.*` weights -> `Qwen2VisionTower`'s state dict."""
+    """Hugging Face's `model.visual.*` weights -> the one-stage tower's state dict."""
     from megatron_mllm.models.hf_llava import _fuse_qkv
 
     s = {k.removeprefix("model.").removeprefix("visual."): v.float() for k, v in sd.items()}
     out = {
         "patch_embed.weight": s["patch_embed.proj.weight"].reshape(spec.hidden, -1),
-        "merger_norm.weight": s["merger.ln_q.weight"],
-        "merger_norm.bias": s["merger.ln_q.bias"],
-        "merger_fc1.weight": s["merger.mlp.0.weight"],
-        "merger_fc1.bias": s["merger.mlp.0.bias"],
-        "merger_fc2.weight": s["merger.mlp.2.weight"],
-        "merger_fc2.bias": s["merger.mlp.2.bias"],
+        "projector.norm.weight": s["merger.ln_q.weight"],
+        "projector.norm.bias": s["merger.ln_q.bias"],
+        "projector.fc1.weight": s["merger.mlp.0.weight"],
+        "projector.fc1.bias": s["merger.mlp.0.bias"],
+        "projector.fc2.weight": s["merger.mlp.2.weight"],
+        "projector.fc2.bias": s["merger.mlp.2.bias"],
     }
     names = (
         ("input_layernorm", "norm1"),

@@ -255,6 +255,12 @@ class EncoderStage(nn.Module):
         return self.pre_layernorm(x) if self.cfg.vit_pre_norm else x
 
 
+def encode(encoder: nn.Module, batch: MicroBatch) -> torch.Tensor:
+    """An encoder stage's output for the micro-batch's images (native-resolution ones with
+    their patch grids)."""
+    return encoder(batch.images, batch.grids) if batch.native else encoder(batch.images)
+
+
 def causal_mask(seq_len: int) -> torch.Tensor:
     """megatron-core's boolean mask convention: True where attention is not allowed."""
     return torch.triu(torch.ones(1, 1, seq_len, seq_len, dtype=torch.bool), diagonal=1)
@@ -363,7 +369,12 @@ class BackboneStage(nn.Module):
                 raise ValueError("multimodal positions need the micro-batch: pass `batch`")
         else:
             positions, mask = batch.position_ids(), batch.attention_mask()
-        if self.cfg.llm_mrope_section:
+        if self.cfg.llm_mrope_section and batch.native and batch.num_images:
+            from megatron_mllm.models.positions import native_mrope_position_ids
+
+            grids = batch.grids[:, 1:] // batch.merge  # backbone tokens' rows and columns
+            position_ids = native_mrope_position_ids(batch.image_mask, positions, grids)
+        elif self.cfg.llm_mrope_section:
             from megatron_mllm.models.positions import mrope_position_ids
 
             grid = self.cfg.image_grid

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
 from megatron_mllm.schedule.config import NO_RECOMPUTE, Recompute
@@ -67,6 +68,19 @@ class RankModel:
                 p.grad = None
 
 
+def _native_stage(cfg: MLLMConfig, e, recompute: Recompute, impl: str, precision: dict):
+    """The native-resolution tower's stage this rank holds (layer units, local layers)."""
+    from megatron_mllm.models.qwen2_vision import Qwen2VisionStage
+
+    if e.kernel_units or recompute.vision or impl != "local":
+        raise ConfigError(
+            "the native-resolution tower runs layer-sized units of megatron-core's local layers "
+            "without recomputation; drop --fill-granularity kernel, --recompute-vision and "
+            "--transformer-impl transformer_engine"
+        )
+    return Qwen2VisionStage(cfg.vision_spec(), e.pg, e.tp, e.stage, e.stages, **precision)
+
+
 def build_rank_model(
     cfg: MLLMConfig,
     backbone: BackbonePlacement,
@@ -88,7 +102,9 @@ def build_rank_model(
 
     precision = _precision(dtype)
     encoders: list[EncoderStage | None] = [None] * cfg.num_encoders
-    if encoder is not None:  # built first: a model from the seed draws the encoder's weights first
+    if encoder is not None and cfg.vit_native:
+        encoders = [_native_stage(cfg, encoder, recompute, transformer_impl, precision)]
+    elif encoder is not None:  # built first: a model from the seed draws its weights first
         e = encoder
         encoders = [
             EncoderStage(

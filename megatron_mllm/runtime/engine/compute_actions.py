@@ -85,6 +85,8 @@ class ComputeActions:
         if a.k0 > 0:
             state = units[-1][1]
         encoder, model = self.encoders[a.enc], self.cfg.encoder_name(a.enc)
+        if self._batch(a.mb).native:  # its images' masks and rotary angles, for these units
+            encoder.prepare(self._batch(a.mb).grids)
         names, t_unit = encoder.unit_names(), self.clock.mark()
         for u in range(a.k0, a.k1):
             if encoder.unit_trainable(u):

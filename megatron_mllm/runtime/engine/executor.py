@@ -435,7 +435,13 @@ class Executor(ComputeActions):
             split = config.tensor_model_parallel_size if config.sequence_parallel else 1
             return (cfg.seq_len // split, b, cfg.llm_hidden)
         enc = cfg.encoder_config(k.enc)
-        images = self._batch(k.mb).num_images  # encoder messages carry the micro-batch's images
+        batch = self._batch(k.mb)
+        if batch.native:  # one sequence of every image's patches (or merged windows)
+            patches = batch.images.shape[0]
+            if k.kind in ("eout", "egrad"):
+                return (patches // batch.merge**2, 1, cfg.llm_hidden)
+            return (patches, 1, enc.vit_hidden)
+        images = batch.num_images  # encoder messages carry the micro-batch's images
         if k.kind in ("eout", "egrad"):
             return (enc.num_patches, images, cfg.llm_hidden)
         return (enc.encoder_seq_len, images, enc.vit_hidden)

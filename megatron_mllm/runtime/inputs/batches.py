@@ -12,12 +12,14 @@ from megatron_mllm.data.batch import MicroBatch, image_then_text
 def batches(job, step: int) -> Callable[..., MicroBatch]:
     """Synthetic data: `get(mb, dp=0)`, micro-batch `mb` of step `step` for DP replica `dp`.
     Tensors are on the CPU; each run mode moves them to its device."""
-    from megatron_mllm.data.synthetic import microbatch
+    from megatron_mllm.data.synthetic import microbatch, native_microbatch
 
     b, n_mb, dp_size = job.micro_batch, job.num_microbatches, job.backbone.dp
 
     def synthetic(mb: int, dp: int = 0) -> MicroBatch:
         index = (step * dp_size + dp) * n_mb + mb
+        if job.cfg.vit_native:  # images of their own sizes
+            return native_microbatch(job.cfg, index, b, job.data.seed)
         images, text = microbatch(job.cfg, index, b, job.data.seed)
         return image_then_text(images, text, job.cfg.image_tokens)
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from megatron_mllm.data.batch import IGNORE_INDEX
 from megatron_mllm.models.loss import mean_over_ranks
+from megatron_mllm.models.stages import encode
 from megatron_mllm.runtime.engine.breakdown import ScheduleTimer
 
 
@@ -42,7 +43,7 @@ class _Stage0Model(nn.Module):
 
     def forward(self, batch):
         if self.backbone.pre_process:
-            embeds = self.encoder(batch.images)
+            embeds = encode(self.encoder, batch)
             return self.backbone(None, self.backbone.decoder_input([embeds], batch), batch)
         return self.backbone(self._input, batch=batch)
 

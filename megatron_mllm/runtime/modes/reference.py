@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from megatron_mllm.models.config import MLLMConfig
+from megatron_mllm.models.stages import encode
 
 
 def make_full_state(rank: int, world: int, cfg: MLLMConfig, seed: int) -> dict[str, torch.Tensor]:
@@ -56,7 +57,7 @@ class ReferenceRun:
         divisor = max(sum(weight.values()), 1)
         for dp, m in keys:
             batch = data(m, dp).to(self.device, torch.float32)
-            embeds = [encoder(batch.images) for encoder in model.encoders]
+            embeds = [encode(encoder, batch) for encoder in model.encoders]
             out = model.backbone(None, model.backbone.decoder_input(embeds, batch), batch)
             loss = model.backbone.loss(out, batch, summed=job.data.per_token_loss)
             (loss / divisor).backward()

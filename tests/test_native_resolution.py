@@ -1,0 +1,97 @@
+"""A native-resolution vision tower (Qwen2-VL's) in the runtime: micro-batches whose images
+have their own sizes (text-only samples included), their multimodal positions as Hugging
+Face's, and PP=2 (Megatron's schedule and Optimus) equal to the one-process reference."""
+
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from megatron_mllm.data.synthetic import native_microbatch
+from megatron_mllm.models.config import TINY
+from megatron_mllm.models.positions import native_mrope_position_ids
+from megatron_mllm.runtime.assembly.launch import spawn
+
+# 16-pixel nominal images in 4-pixel patches merged 2 x 2: sides of 8 or 16 pixels, 1 to 4
+# backbone tokens an image; a Qwen2-shaped backbone with multimodal positions.
+CFG = replace(
+    TINY,
+    vit_native=True,
+    patch_size=4,
+    image_size=16,
+    llm_mrope_section=(2, 3, 3),
+    llm_qkv_bias=True,
+    llm_bias=False,
+)
+
+
+def test_synthetic_micro_batches_have_images_of_their_own_sizes():
+    seen = set()
+    for index in range(6):
+        batch = native_microbatch(CFG, index, 4)
+        assert batch.images.shape == (int(batch.grids.prod(1).sum()), CFG.patch_dim)
+        assert batch.image_mask.sum(1).tolist() == _tokens_per_sample(batch)
+        seen |= {tuple(g) for g in batch.grids[:, 1:].tolist()}
+    assert len(seen) >= 3  # several sizes, not one
+
+
+def _tokens_per_sample(batch) -> list[int]:
+    per = batch.tokens_per_image().tolist()
+    out, k = [], 0
+    for row in range(batch.num_samples):
+        has = bool(batch.image_mask[row].any())
+        out.append(per[k] if has else 0)
+        k += has
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_native_positions_are_hugging_faces(seed):
+    """Images of different grids in one row, and in a packed row sample by sample."""
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from tests.test_mrope import _hf_config
+
+    hf = Qwen2VLForConditionalGeneration(_hf_config())
+    rng = random.Random(seed)
+    types, grids, positions, per_sample = [], [], [], []
+    for _ in range(3):  # three samples packed in a row
+        sample, sample_grids = [], []
+        for _ in range(rng.randint(1, 3)):
+            rows, cols = rng.randint(1, 3), rng.randint(1, 3)
+            sample += [0] * rng.randint(1, 3) + [1] * (rows * cols)
+            sample_grids.append((rows, cols))
+        sample += [0] * rng.randint(1, 3)
+        types += sample
+        grids += sample_grids
+        positions += range(len(sample))
+        per_sample.append((sample, sample_grids))
+    mask = torch.tensor([types], dtype=torch.bool)
+    ours = native_mrope_position_ids(mask, torch.tensor([positions]), torch.tensor(grids))[:, 0]
+    expected = []
+    for sample, sample_grids in per_sample:
+        ids = torch.tensor([[100 if t else 1 for t in sample]])
+        thw = torch.tensor([[1, 2 * r, 2 * c] for r, c in sample_grids])  # before the merge
+        kind = torch.tensor([sample], dtype=torch.int)
+        expected.append(hf.model.get_rope_index(ids, kind, thw)[0][:, 0])
+    assert torch.equal(ours, torch.cat(expected, dim=1))
+
+
+@pytest.mark.parametrize("schedule", ["megatron", "optimus"])
+def test_pp2_on_images_of_their_own_sizes_matches_the_reference(schedule):
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob
+    from megatron_mllm.runtime.modes.runs import run_rank
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
+    from tests.test_runtime import TRAIN, N, check_against, reference_of
+
+    reference = reference_of(CFG, **TRAIN)
+    plan = ParallelPlan(1, 1, 2)
+    job = RuntimeJob(
+        ModelParts(CFG, reference[0]),
+        PlanParts(plan, schedule=runtime_schedule(CFG, plan, 1, N, schedule)),
+        DataParts(1, N),
+        **TRAIN,
+    )
+    check_against(reference, spawn(run_rank, 2, job), {"encoder": 1, "projector": 1, "backbone": 1})
