@@ -126,7 +126,9 @@ def test_bad_sections_are_refused_in_one_line():
         replace(CFG, llm_mrope_section=(2, 2, 2)).validate()
 
 
-@pytest.mark.parametrize("schedule", ["megatron", "optimus"])
+@pytest.mark.parametrize(
+    "schedule", [pytest.param("megatron", marks=pytest.mark.slow), "optimus"]
+)  # make test runs the Optimus program; CI the Megatron one too
 def test_pp2_with_multimodal_positions_matches_the_reference(schedule):
     """The Qwen2-shaped backbone on PP=2 (our executor on Megatron's and on the Optimus
     schedule): the one-process reference's losses and gradients."""

@@ -78,7 +78,9 @@ def test_native_positions_are_hugging_faces(seed):
     assert torch.equal(ours, torch.cat(expected, dim=1))
 
 
-@pytest.mark.parametrize("schedule", ["megatron", "optimus"])
+@pytest.mark.parametrize(
+    "schedule", [pytest.param("megatron", marks=pytest.mark.slow), "optimus"]
+)  # make test runs the Optimus program; CI the Megatron one too
 def test_pp2_on_images_of_their_own_sizes_matches_the_reference(schedule):
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob

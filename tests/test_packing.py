@@ -162,6 +162,7 @@ def test_packing_reads_the_samples_the_padded_loader_reads(packing_data):
     assert len(rows) < n  # rows hold more than one sample on average
 
 
+@pytest.mark.slow  # two pretrain runs; make test resumes the packing loader itself above
 def test_packed_training_resumes_bit_exactly(tmp_path, llava_dataset):
     """pretrain_mllm.py on packed LLaVA digits (PP=2 Optimus, bf16 with the distributed
     optimizer, per-token loss): a run resumed at iteration 2 (its loader's packing buffer in
