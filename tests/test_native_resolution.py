@@ -97,3 +97,48 @@ def test_pp2_on_images_of_their_own_sizes_matches_the_reference(schedule):
         **TRAIN,
     )
     check_against(reference, spawn(run_rank, 2, job), {"encoder": 1, "projector": 1, "backbone": 1})
+
+
+QWEN_ARGS = ["--encoder-arch", "qwen2vl", "--patch-dim", "4", "--img-h", "16", "--mrope-section",
+             "2", "3", "3", "--add-qkv-bias", "--disable-bias-linear", "--normalization",
+             "RMSNorm", "--swiglu"]  # fmt: skip
+
+
+@pytest.mark.slow  # two pretrain runs; make test runs the executor on these images above
+def test_pretrain_trains_the_native_tower_and_resumes_bit_exactly(tmp_path):
+    """pretrain_mllm.py --encoder-arch qwen2vl on synthetic images of their own sizes (PP=2
+    Optimus, bf16 + distributed optimizer): resumed at iteration 2 it continues bit-exactly."""
+    from tests.test_training import COMMON, resumed_at_2_is_bit_exact
+
+    args = [*COMMON, *QWEN_ARGS, "--train-iters", "4", "--pipeline-model-parallel-size", "2",
+            "--bf16", "--use-distributed-optimizer"]  # fmt: skip
+    straight, _, _ = resumed_at_2_is_bit_exact(tmp_path, args)
+    assert "encoder plan:" in straight.stdout
+
+
+@pytest.mark.parametrize(
+    "extra, msg",
+    [(["--fill-granularity", "kernel"], "runs layer-sized units"),
+     (["--recompute-vision"], "does not run with --recompute-vision"),
+     (["--tensor-model-parallel-size", "2"], "TP is not tested yet"),
+     (["--spatial-merge-size", "0"], "--spatial-merge-size 0: give 1 or more"),
+     (["--img-h", "20"], "not a multiple of patch x merge = 8")],
+)  # fmt: skip
+def test_native_arguments_are_refused_in_one_line(extra, msg, monkeypatch):
+    from tests.test_training import refused
+
+    refused([*QWEN_ARGS, *extra], msg, monkeypatch)
+
+
+def test_the_dry_run_names_the_native_tower():
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "pretrain_mllm.py"), "--dry-run", *QWEN_ARGS],
+        capture_output=True, text=True, timeout=120, cwd=ROOT,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "native resolution: each image at its own size, up to 16 patches" in out.stdout

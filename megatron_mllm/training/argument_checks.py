@@ -38,6 +38,8 @@ MODEL_ARGS = (
     "extra_encoder",
     "add_qkv_bias",
     "mrope_section",
+    "spatial_merge_size",
+    "temporal_patch_size",
 )
 
 
@@ -201,6 +203,33 @@ def _check_schedule_and_rates(args: argparse.Namespace) -> None:
             f"--lr-warmup-iters {args.lr_warmup_iters} must be at least 0 and below the LR "
             f"decay's {decay} iterations ({source})"
         )
+
+
+def _check_native(args: argparse.Namespace) -> None:
+    """--encoder-arch qwen2vl: what its tower runs with here (layer units of megatron-core's
+    local layers, synthetic images of their own sizes) and what it does not yet."""
+    if args.encoder_arch != "qwen2vl":
+        return
+    refused = {
+        "--data-path (conversations with native-resolution images are not read yet; synthetic "
+        "images of their own sizes are)": args.data_path,
+        "--fill-granularity kernel (the tower runs layer-sized units)": (
+            args.fill_granularity == "kernel"
+        ),
+        "--recompute-vision": args.recompute_vision,
+        "--transformer-impl transformer_engine": args.transformer_impl == "transformer_engine",
+        "--coreset-pool-ratio": args.coreset is not None,
+        "--bubble-schedule optimus-adaptive": ScheduleChoice(args.bubble_schedule).per_step,
+        "--tensor-model-parallel-size above 1 (the tower's TP is not tested yet)": (
+            args.tensor_model_parallel_size > 1
+        ),
+    }
+    for what, given in refused.items():
+        if given:
+            raise ConfigError(f"--encoder-arch qwen2vl does not run with {what}")
+    for name in ("spatial_merge_size", "temporal_patch_size"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
 
 
 def _check_packing(args: argparse.Namespace) -> None:
@@ -422,6 +451,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_encoder_plan(args, tp, pp)
     _check_coreset(args, dp)
     _check_packing(args)
+    _check_native(args)
     _check_data(args)
     per_step = ScheduleChoice(args.bubble_schedule).per_step
     if per_step and (args.coreset is not None or args.replan_after_iters is not None):

@@ -151,10 +151,24 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--encoder-ffn-hidden-size", type=int, default=None)
     g.add_argument(
         "--encoder-arch",
-        choices=["vit", "clip"],
+        choices=["vit", "clip", "qwen2vl"],
         default="vit",
         help="vit: patches + final norm; clip: LLaVA's CLIP tower (class token, pre-norm, "
-        "quick_gelu, no final norm)",
+        "quick_gelu, no final norm); qwen2vl: Qwen2-VL's native-resolution tower (each image "
+        "at its own size, 2-D rotary positions, attention within an image, the patch merger; "
+        "--img-h is then the nominal image the planner costs)",
+    )
+    g.add_argument(
+        "--spatial-merge-size",
+        type=int,
+        default=2,
+        help="qwen2vl: patches merged into one backbone token along each side",
+    )
+    g.add_argument(
+        "--temporal-patch-size",
+        type=int,
+        default=2,
+        help="qwen2vl: frames a patch spans (a still image is repeated over them)",
     )
     g.add_argument(
         "--encoder-activation",

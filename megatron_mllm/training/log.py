@@ -85,7 +85,7 @@ def dry_run_summary(run: RunConfig) -> str:
             f" > backbone plan: {plan}{', sequence parallel' if args.sequence_parallel else ''}; "
             f"encoder plan: {enc}; schedule {run.schedule}",
             f" > encoder: {cfg.vit_layers} layers x {cfg.vit_hidden} ({vit / 1e9:.2f}B "
-            f"params, all encoders), {cfg.encoder_seq_len} tokens per image"
+            f"params, all encoders), {_image_tokens(cfg)}"
             + (f"; {cfg.num_encoders - 1} more encoder(s)" if cfg.num_encoders > 1 else ""),
             f" > backbone: {cfg.llm_layers} layers x {cfg.llm_hidden} ({llm / 1e9:.2f}B "
             f"params), {cfg.seq_len} tokens per sample",
@@ -93,6 +93,15 @@ def dry_run_summary(run: RunConfig) -> str:
             " > " + training_summary(args),
         ]
     )
+
+
+def _image_tokens(cfg) -> str:
+    if cfg.vit_native:
+        return (
+            f"native resolution: each image at its own size, up to {cfg.encoder_seq_len} patches "
+            f"and {cfg.image_tokens} backbone tokens at --img-h {cfg.image_size}"
+        )
+    return f"{cfg.encoder_seq_len} tokens per image"
 
 
 def training_summary(args) -> str:

@@ -24,6 +24,8 @@ def _encoder_fields(
 ) -> dict:
     """MLLMConfig's encoder fields for one encoder (the first or an --extra-encoder)."""
     fields = dict(CLIP_VIT) if arch == "clip" else {}
+    if arch == "qwen2vl":
+        fields = dict(vit_native=True, vit_activation="quick_gelu", vit_norm_eps=1e-6)
     if activation:
         fields["vit_activation"] = activation
     return dict(
@@ -51,6 +53,9 @@ def model_config(args: argparse.Namespace) -> MLLMConfig:
         args.encoder_num_attention_heads,
         args.encoder_ffn_hidden_size,
     )
+    if args.encoder_arch == "qwen2vl":
+        encoder["vit_merge"] = getattr(args, "spatial_merge_size", 2)
+        encoder["vit_temporal_patch"] = getattr(args, "temporal_patch_size", 2)
     cfg = MLLMConfig(
         **encoder,
         llm_layers=args.num_layers,
@@ -149,7 +154,7 @@ def model_args(cfg: MLLMConfig) -> dict:
         num_channels=cfg.channels,
         ffn_hidden_size=cfg.llm_ffn,
         encoder_ffn_hidden_size=cfg.vit_ffn,
-        encoder_arch="clip" if clip else "vit",
+        encoder_arch="qwen2vl" if cfg.vit_native else "clip" if clip else "vit",
         encoder_activation=cfg.vit_activation,
         normalization=cfg.llm_normalization,
         norm_epsilon=cfg.llm_norm_eps,
@@ -162,6 +167,8 @@ def model_args(cfg: MLLMConfig) -> dict:
         extra_encoder=[encoder_spec(e) for e in cfg.extra_encoders],
         add_qkv_bias=cfg.llm_qkv_bias,
         mrope_section=tuple(cfg.llm_mrope_section) or None,
+        spatial_merge_size=cfg.vit_merge,
+        temporal_patch_size=cfg.vit_temporal_patch,
     )
     rebuilt = model_config(argparse.Namespace(**args))
     if rebuilt != cfg:
