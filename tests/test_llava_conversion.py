@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("transformers")
 
 from megatron_mllm.runtime.assembly.launch import spawn  # noqa: E402
-from megatron_mllm.training.convert_llava import checkpoint_logits  # noqa: E402
+from megatron_mllm.training.convert_hf import checkpoint_logits  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 TOOL = [sys.executable, str(ROOT / "tools" / "convert_llava.py")]
@@ -166,7 +166,7 @@ def test_other_architecture_fails_clearly(tmp_path):
         )
     ).save_pretrained(tmp_path / "hf")
     rc, log = convert("hf-to-mcore", "--load-dir", tmp_path / "hf", "--save-dir", tmp_path / "o")
-    assert rc == 2 and "architecture 'llama' is not mapped" in log
+    assert rc == 2 and "model_type 'llama' is not one we convert; give a llava or qwen2_vl" in log
 
 
 def test_a_model_with_several_encoders_does_not_export():

@@ -14,7 +14,9 @@ GRIDS = torch.tensor([[1, 4, 4], [1, 4, 6], [1, 2, 2]])  # (frames, rows, column
 def _both(rank: int, world: int) -> dict:
     from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
 
-    from megatron_mllm.models.qwen2_vision import Qwen2VisionTower, qwen2_vision_from_hf
+    from megatron_mllm.models.hf_qwen2vl import config_from_qwen2vl, qwen2vl_to_canonical
+    from megatron_mllm.models.qwen2_vision import Qwen2VisionTower
+    from megatron_mllm.models.weights import load_full_state
     from megatron_mllm.parallel.groups import build_colocated_groups
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
@@ -28,12 +30,11 @@ def _both(rank: int, world: int) -> dict:
                 intermediate_size=64, vocab_size=64, num_key_value_heads=4)  # fmt: skip
     hf = Qwen2VLForConditionalGeneration(Qwen2VLConfig(vision_config=vision, text_config=text))
     hf = hf.eval()
+    cfg = config_from_qwen2vl(hf.config, text_len=8)
+    assert cfg.vision_spec() == SPEC
     one = ParallelPlan(1, 1, 1)
-    pg = build_colocated_groups(one, one, 1, 0).backbone
-    ours = Qwen2VisionTower(SPEC, pg).eval()
-    visual = {k: v for k, v in hf.state_dict().items() if ".visual." in f".{k}"}
-    missing, unexpected = ours.load_state_dict(qwen2_vision_from_hf(visual, SPEC), strict=False)
-    assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
+    ours = Qwen2VisionTower(SPEC, build_colocated_groups(one, one, 1, 0).backbone).eval()
+    load_full_state(ours, qwen2vl_to_canonical(hf.state_dict(), cfg), 0, 1)  # by canonical names
     n = int((GRIDS[:, 1] * GRIDS[:, 2]).sum())
     patches = torch.randn(n, SPEC.patch_dim)
     with torch.no_grad():

@@ -221,34 +221,3 @@ def _layer_spec():
     layer = copy.deepcopy(vit_layer_specs.get_vit_layer_with_local_spec())
     layer.submodules.self_attention.params["attn_mask_type"] = AttnMaskType.arbitrary
     return layer
-
-
-def qwen2_vision_from_hf(sd: dict, spec: Qwen2VisionSpec) -> dict[str, torch.Tensor]:
-    """Hugging Face's `model.visual.*` weights -> the one-stage tower's state dict."""
-    from megatron_mllm.models.hf_llava import _fuse_qkv
-
-    s = {k.removeprefix("model.").removeprefix("visual."): v.float() for k, v in sd.items()}
-    out = {
-        "patch_embed.weight": s["patch_embed.proj.weight"].reshape(spec.hidden, -1),
-        "projector.norm.weight": s["merger.ln_q.weight"],
-        "projector.norm.bias": s["merger.ln_q.bias"],
-        "projector.fc1.weight": s["merger.mlp.0.weight"],
-        "projector.fc1.bias": s["merger.mlp.0.bias"],
-        "projector.fc2.weight": s["merger.mlp.2.weight"],
-        "projector.fc2.bias": s["merger.mlp.2.bias"],
-    }
-    names = (
-        ("input_layernorm", "norm1"),
-        ("self_attention.linear_proj", "attn.proj"),
-        ("pre_mlp_layernorm", "norm2"),
-        ("mlp.linear_fc1", "mlp.fc1"),
-        ("mlp.linear_fc2", "mlp.fc2"),
-    )
-    for i in range(spec.layers):
-        src, dst = f"blocks.{i}.", f"block.layers.{i}."
-        for kind in ("weight", "bias"):
-            q, k, v = s[f"{src}attn.qkv.{kind}"].chunk(3)
-            out[f"{dst}self_attention.linear_qkv.{kind}"] = _fuse_qkv(q, k, v, spec.heads)
-            for ours, theirs in names:
-                out[f"{dst}{ours}.{kind}"] = s[f"{src}{theirs}.{kind}"]
-    return out

@@ -1,6 +1,8 @@
-"""Hugging Face LLaVA directories <-> our torch_dist checkpoints (behind tools/convert_llava.py).
+"""Hugging Face directories <-> our torch_dist checkpoints (behind tools/convert_hf.py and
+tools/convert_llava.py): LLaVA (`models/hf_llava.py`) and Qwen2-VL (`models/hf_qwen2vl.py`),
+the architecture read from config.json.
 
-Both directions go through the canonical weights (`models/hf_llava.py`) and the training code's
+Both directions go through the canonical weights and the training code's
 own checkpoint writer and reader on one gloo rank, so a converted checkpoint is exactly what
 pretrain_mllm.py loads, under any pair of plans. Every check runs before the process group or
 any output file is touched; nothing existing is overwritten.
@@ -52,8 +54,26 @@ def _one_rank_model(cfg: MLLMConfig, seed: int = 1234):
     return encoder, backbone, [(backbone, 0, 1, 0), (encoder, 0, 1, 0)]
 
 
-def hf_to_mcore(load_dir: str, save_dir: str, seq_length: int) -> MLLMConfig:
-    """A LLaVA save_pretrained directory -> <save_dir>/iter_0000000 (model only)."""
+def _architecture(hf, seq_length: int, image_size: int | None):
+    """(our model, the state-dict mapping, the source's name) of a transformers config."""
+    kind = getattr(hf, "model_type", None)
+    if kind == "qwen2_vl":
+        from megatron_mllm.models.hf_qwen2vl import config_from_qwen2vl, qwen2vl_to_canonical
+
+        return config_from_qwen2vl(hf, seq_length, image_size), qwen2vl_to_canonical, kind
+    if kind == "llava":
+        return config_from_llava(hf, seq_length), llava_to_canonical, kind
+    raise ConfigError(
+        f"config.json's model_type {kind!r} is not one we convert; give a llava or qwen2_vl "
+        "save_pretrained directory"
+    )
+
+
+def hf_to_mcore(
+    load_dir: str, save_dir: str, seq_length: int, image_size: int | None = None
+) -> MLLMConfig:
+    """A LLaVA or Qwen2-VL save_pretrained directory -> <save_dir>/iter_0000000 (model only);
+    `image_size`: a native-resolution tower's nominal image (the planner's)."""
     from transformers import AutoConfig
 
     src = Path(load_dir)
@@ -64,12 +84,12 @@ def hf_to_mcore(load_dir: str, save_dir: str, seq_length: int) -> MLLMConfig:
             f"--save-dir {save_dir} already holds a checkpoint; choose an empty directory"
         )
     hf = AutoConfig.from_pretrained(str(src))
-    cfg = config_from_llava(hf, seq_length)
+    cfg, to_canonical, kind = _architecture(hf, seq_length, image_size)
     cfg.validate()
     from megatron_mllm.training.model_args import model_args
 
     args = model_args(cfg)
-    canonical = llava_to_canonical(read_hf_weights(src), cfg)
+    canonical = to_canonical(read_hf_weights(src), cfg)
 
     import torch.distributed as dist
 
@@ -88,7 +108,7 @@ def hf_to_mcore(load_dir: str, save_dir: str, seq_length: int) -> MLLMConfig:
         "iteration": 0,
         "model_only": True,
         "args": args,
-        "source": {"hf_dir": str(src), "llava_config": hf.to_dict()},
+        "source": {"hf_dir": str(src), f"{kind}_config": hf.to_dict()},
     }
     checkpointing.save(save_dir, 0, parts, shapes, None, common)
     dist.destroy_process_group()
@@ -96,18 +116,20 @@ def hf_to_mcore(load_dir: str, save_dir: str, seq_length: int) -> MLLMConfig:
 
 
 def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = None):
-    """The latest checkpoint under `load_dir` -> a LlavaForConditionalGeneration directory."""
-    from transformers import LlavaForConditionalGeneration
-
+    """The latest checkpoint under `load_dir` -> a LlavaForConditionalGeneration or (a
+    native-resolution tower) a Qwen2VLForConditionalGeneration directory."""
     from megatron_mllm.training import checkpointing
     from megatron_mllm.training.model_args import checkpoint_model_config
 
     common = checkpointing.read_common(load_dir, "--load-dir")
     cfg = checkpoint_model_config(common)
-    check_exportable(cfg)
+    kind = "qwen2_vl" if cfg.vit_native else "llava"
+    if kind == "llava":
+        check_exportable(cfg)
     if image_token_index is None:  # the source model's, else the last vocabulary entry
-        source = common.get("source", {}).get("llava_config", {})
-        image_token_index = source.get("image_token_index", cfg.vocab_size - 1)
+        source = common.get("source", {}).get(f"{kind}_config", {})
+        key = "image_token_id" if kind == "qwen2_vl" else "image_token_index"
+        image_token_index = source.get(key, cfg.vocab_size - 1)
     if not 0 <= image_token_index < cfg.vocab_size:
         raise ConfigError(
             f"--image-token-index {image_token_index} is outside the vocabulary "
@@ -116,7 +138,7 @@ def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = No
     out = Path(save_dir)
     if (out / "config.json").exists():
         raise ConfigError(f"--save-dir {save_dir} already holds a model; choose an empty directory")
-    hf_config = llava_config(cfg, image_token_index)
+    model, to_hf = _hf_model(cfg, kind, image_token_index)
 
     import torch.distributed as dist
 
@@ -127,10 +149,23 @@ def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = No
     checkpointing.load(load_dir, parts, shapes, None)
     state = full_state(encoder, backbone)
     dist.destroy_process_group()
-    model = LlavaForConditionalGeneration(hf_config)
-    model.load_state_dict(canonical_to_llava(state, cfg), strict=True)
+    model.load_state_dict(to_hf(state, cfg), strict=True)
     model.save_pretrained(str(out))
-    return hf_config
+    return model.config
+
+
+def _hf_model(cfg: MLLMConfig, kind: str, image_token_index: int):
+    """An empty transformers model of our `cfg` and the mapping of our weights into it."""
+    if kind == "qwen2_vl":
+        from transformers import Qwen2VLForConditionalGeneration
+
+        from megatron_mllm.models.hf_qwen2vl import canonical_to_qwen2vl, qwen2vl_config
+
+        config = qwen2vl_config(cfg, image_token_index)
+        return Qwen2VLForConditionalGeneration(config), canonical_to_qwen2vl
+    from transformers import LlavaForConditionalGeneration
+
+    return LlavaForConditionalGeneration(llava_config(cfg, image_token_index)), canonical_to_llava
 
 
 def checkpoint_logits(
