@@ -3,6 +3,7 @@ have their own sizes (text-only samples included), their multimodal positions as
 Face's, and PP=2 (Megatron's schedule and Optimus) equal to the one-process reference."""
 
 import random
+import sys
 from dataclasses import replace
 
 import pytest
@@ -142,3 +143,62 @@ def test_the_dry_run_names_the_native_tower():
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "native resolution: each image at its own size, up to 16 patches" in out.stdout
+
+
+def test_conversations_with_native_images_agree_with_the_reference(llava_dataset):
+    """The LLaVA digits through the task encoder at their own sizes (16 to 48 pixels, 4 to 36
+    backbone tokens an image, up to four a conversation, text-only ones too): PP=2 Optimus
+    equals the one-process reference."""
+    from megatron_mllm.data.llava_source import LlavaData
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.inputs.batches import StepData
+    from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob
+    from megatron_mllm.runtime.modes.reference import make_full_state
+    from megatron_mllm.runtime.modes.runs import run_rank
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
+    from tests.test_runtime import TRAIN, check_against
+
+    seq, mb, n = 96, 2, 3
+    train = dict(TRAIN, steps=1)
+    cfg = replace(CFG, text_len=seq - CFG.image_tokens, vocab_size=384)
+    path, tokenizer = llava_dataset
+    data = LlavaData(str(path), str(tokenizer), seq, num_workers=1, min_pixels=64, max_pixels=2304)
+    state = spawn(make_full_state, 1, cfg, 0)[0]
+    one = ParallelPlan(1, 1, 1)
+    reference = RuntimeJob(
+        ModelParts(cfg, state), PlanParts(one), DataParts(mb, n, llava=data), mode="reference",
+        **train,
+    )  # fmt: skip
+    ref = spawn(run_rank, 1, reference)[0]
+    stream = StepData(reference, [0])
+    batches = [stream.step(0)(m) for m in range(n)]
+    stream.close()
+    assert all(b.native for b in batches)
+    sizes = {tuple(g) for b in batches for g in b.grids[:, 1:].tolist()}
+    assert len(sizes) >= 3  # images of several sizes
+    plan = ParallelPlan(1, 1, 2)
+    job = RuntimeJob(
+        ModelParts(cfg, state),
+        PlanParts(plan, schedule=runtime_schedule(cfg, plan, mb, n, "optimus")),
+        DataParts(mb, n, llava=data),
+        **train,
+    )
+    outs = spawn(run_rank, 2, job)
+    check_against((state, ref), outs, {"encoder": 1, "projector": 1, "backbone": 1})
+
+
+@pytest.mark.slow  # the example's own data set is made on first use
+def test_the_tiny_qwen_vl_example_trains(tmp_path):
+    import os
+    import subprocess
+
+    from tests.conftest import ROOT
+
+    env = {**os.environ, "TRAIN_ITERS": "4", "LOG_INTERVAL": "1", "RAW": str(tmp_path / "raw"),
+           "DATA_PATH": str(tmp_path / "energon"), "PYTHON": sys.executable}  # fmt: skip
+    out = subprocess.run(
+        ["bash", str(ROOT / "examples" / "pretrain_qwen_vl_tiny_cpu.sh")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "iteration        4/       4" in out.stdout and "packed samples:" in out.stdout

@@ -37,10 +37,23 @@ class LlavaData:
     # --packing-buffer-size: training rows pack samples from buffers of this many (else each
     # sample is padded to its own row)
     packing_buffer_size: int | None = None
+    # A native-resolution tower (--encoder-arch qwen2vl): --min-pixels / --max-pixels bound
+    # each image's resized pixel count (Qwen2-VL's processor's defaults where None).
+    min_pixels: int | None = None
+    max_pixels: int | None = None
 
-    def spec(self, image_tokens: int, image_size: int, packing: bool = False) -> EncodeSpec:
+    def spec(
+        self, image_tokens: int, image_size: int, packing: bool = False, native=None
+    ) -> EncodeSpec:
+        """How records are encoded; `native`: a NativeImageSpec of the tower's patches (its
+        pixel bounds are this data's, where given)."""
+        from dataclasses import replace
+
         from megatron_mllm.data.tokenizer import load_tokenizer
 
+        if native is not None:
+            bounds = {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+            native = replace(native, **{k: v for k, v in bounds.items() if v is not None})
         return EncodeSpec(
             load_tokenizer(self.tokenizer_model, self.image_token),
             self.seq_length,
@@ -51,6 +64,7 @@ class LlavaData:
             self.loss_on_prompt,
             self.sources,
             packing,
+            native,
         )
 
 
@@ -87,6 +101,7 @@ class LlavaStream:
         image_tokens: int,
         image_size: int,
         seed: int,
+        native=None,
     ) -> None:
         from megatron_mllm.data.energon_loader import (
             LlavaTaskEncoder,
@@ -101,7 +116,7 @@ class LlavaStream:
         self.loader = open_loader(
             data.path,
             split,
-            encoder(data.spec(image_tokens, image_size, packing)),
+            encoder(data.spec(image_tokens, image_size, packing, native)),
             dp_rank=dp_rank,
             dp_size=dp_size,
             batch_size=micro_batch,

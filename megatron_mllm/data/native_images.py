@@ -26,9 +26,15 @@ class NativeImageSpec:
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
 
+    channels: int = 3
+
     @property
     def factor(self) -> int:
         return self.patch_size * self.merge
+
+    @property
+    def patch_dim(self) -> int:
+        return self.channels * self.temporal_patch_size * self.patch_size**2
 
 
 def smart_resize(height: int, width: int, spec: NativeImageSpec) -> tuple[int, int]:

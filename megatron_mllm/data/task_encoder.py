@@ -47,6 +47,7 @@ class EncodeSpec:
     loss_on_prompt: bool = False
     sources: tuple[str, ...] = ()  # the data set's source names; a sample's id is its index
     packing: bool = False  # samples unpadded (cut at seq_length still), for `batch.pack`
+    native: object = None  # a data.native_images.NativeImageSpec: images at their own size
 
     @property
     def pad_id(self) -> int:
@@ -108,17 +109,18 @@ def check_tokenizer(tokenizer, where: str) -> None:
 
 
 def tokenize_record(
-    record: LlavaRecord, spec: EncodeSpec
+    record: LlavaRecord, spec: EncodeSpec, lengths: list[int] | None = None
 ) -> tuple[list[int], list[bool], list[int]]:
     """Token ids, per token whether it is a loss target, and where each image's tokens start
-    (before the length is fixed)."""
+    (before the length is fixed); `lengths`: each image's token count (default: the spec's)."""
     tok, ids, target, starts = spec.tokenizer, [], [], []
     for text, answer in _pieces(record.turns, tok):
         for k, part in enumerate(text.split(IMAGE)):
             if k:
+                n = lengths[len(starts)] if lengths is not None else spec.image_tokens
                 starts.append(len(ids))
-                ids += [tok.image_token_id] * spec.image_tokens
-                target += [False] * spec.image_tokens
+                ids += [tok.image_token_id] * n
+                target += [False] * n
             piece = tok(part, add_special_tokens=False)["input_ids"] if part else []
             ids += piece
             target += [answer or spec.loss_on_prompt] * len(piece)
@@ -127,19 +129,28 @@ def tokenize_record(
 
 def encode_record(record: LlavaRecord, image_bytes: list[bytes], spec: EncodeSpec) -> MicroBatch:
     """One record as a one-sample micro-batch (see the module docstring)."""
-    ids, target, starts = tokenize_record(record, spec)
-    s, n_img = spec.seq_length, spec.image_tokens
+    native = None
+    if spec.native is not None:  # each image's patches first: its token count is its size's
+        from megatron_mllm.data.native_images import preprocess_native
+
+        native = [preprocess_native(b, spec.native) for b in image_bytes]
+        merge = spec.native.merge
+        lengths = [grid[1] * grid[2] // merge**2 for _, grid in native]
+    else:
+        lengths = [spec.image_tokens] * len(image_bytes)
+    ids, target, starts = tokenize_record(record, spec, lengths)
+    s = spec.seq_length
     truncated = len(ids) > s
     cut = s
-    for start in starts:
+    for start, n_img in zip(starts, lengths, strict=True):
         if start < cut < start + n_img:
             cut = start  # never split an image: cut before it
     answered = any(target[1:])
     ids, target = ids[:cut], target[:cut]
     no_answer = int(truncated and answered and not any(target[1:]))
-    kept = sum(start + n_img <= cut for start in starts)
+    kept = sum(start + n <= cut for start, n in zip(starts, lengths, strict=True))
     is_image = [False] * len(ids)
-    for start in starts[:kept]:
+    for start, n_img in zip(starts[:kept], lengths[:kept], strict=True):
         is_image[start : start + n_img] = [True] * n_img
     n = len(ids)
     s = n if spec.packing else s
@@ -151,12 +162,23 @@ def encode_record(record: LlavaRecord, image_bytes: list[bytes], spec: EncodeSpe
         labels[0, : n - 1] = torch.where(wanted, tokens[0, 1:n], IGNORE_INDEX)
     mask = torch.zeros(1, s, dtype=torch.bool)
     mask[0, :n] = torch.tensor(is_image, dtype=torch.bool)
+    meta = dict(ids=(record.id,), truncated=int(truncated), no_answer=no_answer)
+    if native is not None:
+        patches = [p for p, _ in native[:kept]]
+        dim = spec.native.patch_dim
+        return MicroBatch(
+            torch.cat(patches) if patches else torch.empty(0, dim),
+            tokens,
+            labels,
+            mask,
+            grids=torch.tensor([g for _, g in native[:kept]], dtype=torch.long).reshape(-1, 3),
+            merge=spec.native.merge,
+            **meta,
+        )
     images = [preprocess_image(b, spec.image_size, spec.mean, spec.std) for b in image_bytes[:kept]]
     size = spec.image_size
     stacked = torch.stack(images) if images else torch.empty(0, 3, size, size)
-    return MicroBatch(
-        stacked, tokens, labels, mask, (record.id,), int(truncated), no_answer, spec.image_tokens
-    )
+    return MicroBatch(stacked, tokens, labels, mask, image_tokens=spec.image_tokens, **meta)
 
 
 def encode_batch(records: list[tuple[LlavaRecord, list[bytes]]], spec: EncodeSpec) -> MicroBatch:

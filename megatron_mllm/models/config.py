@@ -103,6 +103,14 @@ class MLLMConfig:
         depth = self.vit_temporal_patch if self.vit_native else 1
         return self.channels * depth * self.patch_size**2
 
+    def native_image_spec(self):
+        """How a native-resolution tower's images are cut (`data.native_images`)."""
+        from megatron_mllm.data.native_images import NativeImageSpec
+
+        return NativeImageSpec(
+            self.patch_size, self.vit_merge, self.vit_temporal_patch, channels=self.channels
+        )
+
     def vision_spec(self):
         """The native-resolution tower's shape (`models.qwen2_vision.Qwen2VisionSpec`)."""
         from megatron_mllm.models.qwen2_vision import Qwen2VisionSpec

@@ -211,8 +211,6 @@ def _check_native(args: argparse.Namespace) -> None:
     if args.encoder_arch != "qwen2vl":
         return
     refused = {
-        "--data-path (conversations with native-resolution images are not read yet; synthetic "
-        "images of their own sizes are)": args.data_path,
         "--fill-granularity kernel (the tower runs layer-sized units)": (
             args.fill_granularity == "kernel"
         ),
@@ -230,6 +228,18 @@ def _check_native(args: argparse.Namespace) -> None:
     for name in ("spatial_merge_size", "temporal_patch_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
+    low, high = args.min_pixels, args.max_pixels
+    if (low is not None and low < 1) or (high is not None and high < 1):
+        raise ConfigError("--min-pixels and --max-pixels must be positive pixel counts")
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"--min-pixels {low} is above --max-pixels {high}")
+
+
+def _check_pixels_need_native(args: argparse.Namespace) -> None:
+    if args.encoder_arch != "qwen2vl" and (args.min_pixels or args.max_pixels):
+        raise ConfigError(
+            "--min-pixels and --max-pixels size native images: add --encoder-arch qwen2vl"
+        )
 
 
 def _check_packing(args: argparse.Namespace) -> None:
@@ -452,6 +462,7 @@ def validate_args(args: argparse.Namespace) -> None:
     _check_coreset(args, dp)
     _check_packing(args)
     _check_native(args)
+    _check_pixels_need_native(args)
     _check_data(args)
     per_step = ScheduleChoice(args.bubble_schedule).per_step
     if per_step and (args.coreset is not None or args.replan_after_iters is not None):

@@ -227,6 +227,20 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument("--num-workers", type=int, default=2, help="data-loader worker processes")
     g.add_argument(
+        "--min-pixels",
+        type=int,
+        default=None,
+        help="--encoder-arch qwen2vl: the fewest pixels an image is resized to (Qwen2-VL's "
+        "processor's min_pixels; default 56 x 56)",
+    )
+    g.add_argument(
+        "--max-pixels",
+        type=int,
+        default=None,
+        help="--encoder-arch qwen2vl: the most pixels an image is resized to (default "
+        "28 x 28 x 1280)",
+    )
+    g.add_argument(
         "--packing-buffer-size",
         type=int,
         default=None,

@@ -221,4 +221,6 @@ def llava_data(args):
         exclude_shards=tuple(args.data_left_out),
         sources=tuple(args.data_sources),
         packing_buffer_size=args.packing_buffer_size,
+        min_pixels=args.min_pixels,
+        max_pixels=args.max_pixels,
     )

@@ -72,6 +72,7 @@ class StepData:
                     cfg.image_tokens,
                     cfg.image_size,
                     job.data.seed,
+                    native=cfg.native_image_spec() if cfg.vit_native else None,
                 )
                 for dp in replicas
             }
