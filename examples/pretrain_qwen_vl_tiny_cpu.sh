@@ -44,7 +44,7 @@ if [[ -n "$PACKING" ]]; then DATA_ARGS+=(--packing-buffer-size "$PACKING"); fi
 TRAINING_ARGS=(
     --pipeline-model-parallel-size "$PP" --bubble-schedule "$SCHEDULE"
     --micro-batch-size 2 --global-batch-size 8 --train-iters "$TRAIN_ITERS"
-    --lr "${LR:-1e-3}" --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters 10
+    --lr "${LR:-1e-3}" --min-lr 1e-4 --lr-decay-style cosine --lr-warmup-iters "${WARMUP:-10}"
     --bf16 --use-distributed-optimizer --overlap-grad-reduce --accumulate-allreduce-grads-in-fp32
     --log-interval "${LOG_INTERVAL:-10}"
 )

@@ -190,7 +190,8 @@ def test_llava_fine_tunes_on_conversations_and_generates(tmp_path, llava_dataset
     from transformers import LlavaForConditionalGeneration
 
     from megatron_mllm.data.llava import IMAGE, LlavaRecord
-    from megatron_mllm.data.task_encoder import CLIP_MEAN, CLIP_STD, EncodeSpec, encode_record
+    from megatron_mllm.data.pixel_norms import CLIP_MEAN, CLIP_STD
+    from megatron_mllm.data.task_encoder import EncodeSpec, encode_record
     from megatron_mllm.data.tokenizer import load_tokenizer
 
     data, tokenizer = llava_dataset

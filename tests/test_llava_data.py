@@ -167,3 +167,23 @@ def test_image_paths_stay_inside_the_image_folder(tmp_path):
     assert lines["out.png"] == lines["out_missing.png"]
     with pytest.raises(ConfigError, match=r"record r: image 'ok.png' has 16x16 pixels, over"):
         check_images(record("ok.png"), folder, max_pixels=100)
+
+
+def test_llava_digits_images_drawn_from_a_distribution_of_sizes(tmp_path):
+    """`--image-sizes DIST`: every digit's side is one of DIST's, each drawn (a
+    native-resolution tower then sees from 16 to 1600 patches of 4 pixels a digit)."""
+    from PIL import Image
+
+    from megatron_mllm.data.llava_digits import write_llava_digits
+
+    sizes = {16: 0.4, 64: 0.3, 160: 0.3}
+    path = write_llava_digits(tmp_path / "d", n=40, seed=3, sizes=sizes)
+    records = read_records(path, tmp_path / "d" / "images")
+    seen = []
+    for record in records:
+        for name in record.images:
+            with Image.open(tmp_path / "d" / "images" / name) as img:
+                seen.append(img.size)
+    # Square digits of the drawn sides; the count task's strips are several side by side.
+    assert {h for w, h in seen} == set(sizes)
+    assert all(w == h or w >= 2 * min(sizes) for w, h in seen)

@@ -194,7 +194,8 @@ def test_the_tiny_qwen_vl_example_trains(tmp_path):
 
     from tests.conftest import ROOT
 
-    env = {**os.environ, "TRAIN_ITERS": "4", "LOG_INTERVAL": "1", "RAW": str(tmp_path / "raw"),
+    env = {**os.environ, "TRAIN_ITERS": "4", "WARMUP": "1", "LOG_INTERVAL": "1",
+           "RAW": str(tmp_path / "raw"),
            "DATA_PATH": str(tmp_path / "energon"), "PYTHON": sys.executable}  # fmt: skip
     out = subprocess.run(
         ["bash", str(ROOT / "examples" / "pretrain_qwen_vl_tiny_cpu.sh")],

@@ -10,13 +10,8 @@ from PIL import Image
 
 from megatron_mllm.data.batch import IGNORE_INDEX, collate
 from megatron_mllm.data.llava import IMAGE, LlavaRecord
-from megatron_mllm.data.task_encoder import (
-    CLIP_MEAN,
-    CLIP_STD,
-    EncodeSpec,
-    encode_record,
-    preprocess_image,
-)
+from megatron_mllm.data.pixel_norms import CLIP_MEAN, CLIP_STD
+from megatron_mllm.data.task_encoder import EncodeSpec, encode_record, preprocess_image
 from megatron_mllm.data.tokenizer import train_tiny_tokenizer
 from megatron_mllm.errors import ConfigError
 

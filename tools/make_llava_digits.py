@@ -4,7 +4,7 @@ no-image conversations) to a new folder: OUT/llava.json, OUT/images/ and OUT/tok
 byte-level BPE trained on the conversations, with an image token and a chat template).
 
     python tools/make_llava_digits.py out/data/llava_digits [--records 400] [--seed 0]
-        [--images-per-sample 0:0.2,1:0.3,4:0.3,8:0.2]
+        [--images-per-sample 0:0.2,1:0.3,4:0.3,8:0.2] [--image-sizes 16:0.4,64:0.3,160:0.3]
 """
 
 import argparse
@@ -29,13 +29,21 @@ def main() -> int:
         help="draw each record's image count from DIST, e.g. 0:0.2,1:0.3,4:0.3,8:0.2 (the "
         "share of records with that many images); default: the four sources in turn (0-2)",
     )
+    ap.add_argument(
+        "--image-sizes",
+        default=None,
+        metavar="DIST",
+        help="draw each image's side in pixels from DIST, e.g. 16:0.4,64:0.3,160:0.3 (the share "
+        "of images of that size; for native-resolution towers); default: 16, 24, 32 or 48",
+    )
     args = ap.parse_args()
-    dist = None
-    if args.images_per_sample is not None:
-        from megatron_mllm.schedule.loads import parse_distribution
+    from megatron_mllm.schedule.loads import parse_distribution
 
-        dist = parse_distribution(args.images_per_sample)
-    path = write_llava_digits(args.out, args.records, args.seed, dist)
+    dist = parse_distribution(args.images_per_sample) if args.images_per_sample else None
+    sizes = parse_distribution(args.image_sizes) if args.image_sizes else None
+    if sizes and min(sizes) < 8:
+        raise SystemExit(f"error: --image-sizes {args.image_sizes}: sides of at least 8 pixels")
+    path = write_llava_digits(args.out, args.records, args.seed, dist, sizes)
     tok = train_tiny_tokenizer(conversation_texts(path), path.parent / "tokenizer", args.vocab)
     print(
         f"wrote {args.records} records to {path} (images in {path.parent / 'images'}), "

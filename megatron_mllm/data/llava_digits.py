@@ -50,14 +50,26 @@ def _record(rid: str, source: str, images: list[str], question: str, answer: str
     return record
 
 
+def _side(rng: random.Random, sizes: dict[int, float] | None) -> int:
+    """An image's side in pixels: from `sizes` (side -> share), else 16, 24, 32 or 48."""
+    if sizes is None:
+        return rng.choice((16, 24, 32, 48))
+    return rng.choices(list(sizes), weights=list(sizes.values()))[0]
+
+
 def write_llava_digits(
-    out: str | Path, n: int = 400, seed: int = 0, images: dict[int, float] | None = None
+    out: str | Path,
+    n: int = 400,
+    seed: int = 0,
+    images: dict[int, float] | None = None,
+    sizes: dict[int, float] | None = None,
 ) -> Path:
     """Write `n` records to OUT/llava.json and their images to OUT/images/; returns the JSON's
     path. Refuses a non-empty OUT (nothing is overwritten). `images` (images in a record ->
     share of records, `loads.parse_distribution`'s form): each record's image count is drawn
     from it (0: math, 1: digit, 2: compare, more: largest); without it the four sources take
-    turns."""
+    turns. `sizes` (side in pixels -> share of images): each image's size is drawn from it
+    (for native-resolution towers: e.g. 16 to 160 pixels, 16 to 1600 patches of 4)."""
     from sklearn.datasets import load_digits
 
     from megatron_mllm.data.math_problems import math_problems
@@ -70,12 +82,13 @@ def write_llava_digits(
     math = iter(math_problems("addition", rng, n))
     records = []
     draw = _SourceDraw(images, rng)
+    extra = 24 if sizes is None else None  # more digits' side (None: each drawn from `sizes`)
     for k in range(n):
         source, rid = draw(k), f"s{k:05d}"
         picks = [rng.randrange(len(digits.target)) for _ in range(rng.randint(1, 4))]
-        sizes = [rng.choice((16, 24, 32, 48)) for _ in picks]
+        sides = [_side(rng, sizes) for _ in picks]
         ext = rng.choice(("png", "jpg"))
-        shown = [_image(digits.images[i], s) for i, s in zip(picks, sizes, strict=True)]
+        shown = [_image(digits.images[i], s) for i, s in zip(picks, sides, strict=True)]
         labels = [int(digits.target[i]) for i in picks]
         if source == "math":
             q, a = next(math)
@@ -84,12 +97,12 @@ def write_llava_digits(
         if source == "digit":
             files, question, answer = [shown[:1]], "What digit is shown?", str(labels[0])
         elif source == "compare":
-            shown, labels = _more_digits(shown[:2], labels[:2], 2, digits, rng)
+            shown, labels = _more_digits(shown[:2], labels[:2], 2, digits, rng, extra, sizes)
             files = [shown[:1], shown[1:2]]
             question = f"First {IMAGE} second {IMAGE}: which shows the larger digit?"
             answer = "first" if labels[0] >= labels[1] else "second"
         elif source == "largest":
-            shown, labels = _more_digits(shown, labels, draw.count, digits, rng)
+            shown, labels = _more_digits(shown, labels, draw.count, digits, rng, extra, sizes)
             files = [[img] for img in shown]
             question = f"Which of these {len(shown)} images shows the largest digit? " + " ".join(
                 [IMAGE] * len(shown)
@@ -112,12 +125,15 @@ def write_llava_digits(
     return path
 
 
-def _more_digits(shown: list, labels: list[int], count: int, digits, rng) -> tuple[list, list]:
-    """`count` images and their digits: the first of `shown`, then random ones of size 24."""
+def _more_digits(
+    shown: list, labels: list[int], count: int, digits, rng, side: int | None = 24, sizes=None
+) -> tuple[list, list]:
+    """`count` images and their digits: the first of `shown`, then random ones of `side`
+    pixels (None: each of a side drawn from `sizes`)."""
     shown, labels = shown[:count], labels[:count]
     while len(shown) < count:
         i = rng.randrange(len(digits.target))
-        shown.append(_image(digits.images[i], 24))
+        shown.append(_image(digits.images[i], side or _side(rng, sizes)))
         labels.append(int(digits.target[i]))
     return shown, labels
 

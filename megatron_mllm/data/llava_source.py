@@ -14,7 +14,8 @@ import os
 from dataclasses import dataclass
 
 from megatron_mllm.data.batch import MicroBatch
-from megatron_mllm.data.task_encoder import CLIP_MEAN, CLIP_STD, PLAIN_MEAN, PLAIN_STD, EncodeSpec
+from megatron_mllm.data.pixel_norms import CLIP_MEAN, CLIP_STD, PLAIN_MEAN, PLAIN_STD
+from megatron_mllm.data.task_encoder import EncodeSpec
 
 # energon's loader always asks for pinned memory, which torch warns about without a GPU.
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_mllm.data.task_encoder import CLIP_MEAN, CLIP_STD
+from megatron_mllm.data.pixel_norms import CLIP_MEAN, CLIP_STD
 from megatron_mllm.errors import ConfigError
 
 

@@ -25,12 +25,9 @@ import torch
 
 from megatron_mllm.data.batch import IGNORE_INDEX, MicroBatch, collate
 from megatron_mllm.data.llava import IMAGE, LlavaRecord
+from megatron_mllm.data.pixel_norms import PLAIN_MEAN, PLAIN_STD
 from megatron_mllm.errors import ConfigError
 
-CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
-PLAIN_MEAN = (0.5, 0.5, 0.5)  # [0, 1] pixels to [-1, 1]
-PLAIN_STD = (0.5, 0.5, 0.5)
 CHAT_ROLES = {"human": "user", "gpt": "assistant", "system": "system"}
 
 

@@ -261,7 +261,6 @@ def canonical_to_llava(state: dict[str, torch.Tensor], cfg: MLLMConfig) -> dict:
     """Our canonical weights -> a LLaVA state dict (transformers 5 layout)."""
     check_exportable(cfg)
     h, c, p = cfg.vit_hidden, cfg.channels, cfg.patch_size
-    groups = cfg.llm_query_groups or cfg.llm_heads
     v, t = "model.vision_tower.", "model.language_model."
     out = {
         f"{v}embeddings.class_embedding": state["encoder.class_embedding"],
@@ -276,9 +275,6 @@ def canonical_to_llava(state: dict[str, torch.Tensor], cfg: MLLMConfig) -> dict:
         f"{v}post_layernorm.bias": torch.zeros(h),
         "model.multi_modal_projector.linear_1.weight": state["projector.encoder.linear_fc1.weight"],
         "model.multi_modal_projector.linear_2.weight": state["projector.encoder.linear_fc2.weight"],
-        f"{t}embed_tokens.weight": state["backbone.embedding.word_embeddings.weight"],
-        f"{t}norm.weight": state["backbone.decoder.final_layernorm.weight"],
-        "lm_head.weight": state["backbone.output_layer.weight"],
     }
     if cfg.projector_bias:
         out["model.multi_modal_projector.linear_1.bias"] = state[
@@ -297,17 +293,29 @@ def canonical_to_llava(state: dict[str, torch.Tensor], cfg: MLLMConfig) -> dict:
                 out[f"{dst}self_attn.{n}_proj.{kind}"] = x
             for ours, theirs in _CLIP_LAYER_NAMES:
                 out[f"{dst}{theirs}.{kind}"] = state[f"{src}{ours}.{kind}"]
+    out.update(canonical_to_decoder(state, cfg, t))
+    return {k: x.contiguous() for k, x in out.items()}
+
+
+def canonical_to_decoder(state: dict, cfg: MLLMConfig, prefix: str) -> dict[str, torch.Tensor]:
+    """`decoder_to_canonical`'s inverse: the decoder under `prefix` (e.g. "model.language_model.")
+    and the LM head, in Hugging Face's Llama / Qwen2 names."""
+    groups = cfg.llm_query_groups or cfg.llm_heads
+    out = {
+        f"{prefix}embed_tokens.weight": state["backbone.embedding.word_embeddings.weight"],
+        f"{prefix}norm.weight": state["backbone.decoder.final_layernorm.weight"],
+        "lm_head.weight": state["backbone.output_layer.weight"],
+    }
     for i in range(cfg.llm_layers):
-        src, dst = f"backbone.decoder.layers.{i}.", f"{t}layers.{i}."
-        q, k, vv = _split_qkv(
-            state[f"{src}self_attention.linear_qkv.weight"], groups, cfg.llm_heads
-        )
-        for n, x in zip("qkv", (q, k, vv), strict=True):
-            out[f"{dst}self_attn.{n}_proj.weight"] = x
+        src, dst = f"backbone.decoder.layers.{i}.", f"{prefix}layers.{i}."
+        for kind in ("weight", "bias") if cfg.llm_qkv_bias else ("weight",):
+            fused = state[f"{src}self_attention.linear_qkv.{kind}"]
+            for n, x in zip("qkv", _split_qkv(fused, groups, cfg.llm_heads), strict=True):
+                out[f"{dst}self_attn.{n}_proj.{kind}"] = x
         out[f"{dst}self_attn.o_proj.weight"] = state[f"{src}self_attention.linear_proj.weight"]
         out[f"{dst}input_layernorm.weight"] = state[f"{src}input_layernorm.weight"]
         out[f"{dst}post_attention_layernorm.weight"] = state[f"{src}pre_mlp_layernorm.weight"]
         gate, up = state[f"{src}mlp.linear_fc1.weight"].chunk(2)
         out[f"{dst}mlp.gate_proj.weight"], out[f"{dst}mlp.up_proj.weight"] = gate, up
         out[f"{dst}mlp.down_proj.weight"] = state[f"{src}mlp.linear_fc2.weight"]
-    return {k: x.contiguous() for k, x in out.items()}
+    return out

@@ -8,7 +8,13 @@ import torch
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import MLLMConfig
-from megatron_mllm.models.hf_llava import _fuse_qkv, _normalized, _split_qkv, decoder_to_canonical
+from megatron_mllm.models.hf_llava import (
+    _fuse_qkv,
+    _normalized,
+    _split_qkv,
+    canonical_to_decoder,
+    decoder_to_canonical,
+)
 
 # Ours <- theirs, per vision block (weights and biases alike; the fused QKV apart).
 _BLOCK = (
@@ -108,9 +114,6 @@ def canonical_to_qwen2vl(state: dict[str, torch.Tensor], cfg: MLLMConfig) -> dic
     patch = (cfg.vit_hidden, cfg.channels, cfg.vit_temporal_patch, cfg.patch_size, cfg.patch_size)
     out = {
         f"{v}patch_embed.proj.weight": state["encoder.patch_embed.weight"].reshape(patch),
-        f"{t}embed_tokens.weight": state["backbone.embedding.word_embeddings.weight"],
-        f"{t}norm.weight": state["backbone.decoder.final_layernorm.weight"],
-        "lm_head.weight": state["backbone.output_layer.weight"],
     }
     for ours, theirs in _MERGER:
         for kind in ("weight", "bias"):
@@ -124,20 +127,7 @@ def canonical_to_qwen2vl(state: dict[str, torch.Tensor], cfg: MLLMConfig) -> dic
             )
             for ours, theirs in _BLOCK:
                 out[f"{dst}{theirs}.{kind}"] = state[f"{src}{ours}.{kind}"]
-    groups = cfg.llm_query_groups or cfg.llm_heads
-    for i in range(cfg.llm_layers):
-        src, dst = f"backbone.decoder.layers.{i}.", f"{t}layers.{i}."
-        for kind in ("weight", "bias"):
-            fused = state[f"{src}self_attention.linear_qkv.{kind}"]
-            q, k, val = _split_qkv(fused, groups, cfg.llm_heads)
-            for name, x in zip("qkv", (q, k, val), strict=True):
-                out[f"{dst}self_attn.{name}_proj.{kind}"] = x
-        out[f"{dst}self_attn.o_proj.weight"] = state[f"{src}self_attention.linear_proj.weight"]
-        out[f"{dst}input_layernorm.weight"] = state[f"{src}input_layernorm.weight"]
-        out[f"{dst}post_attention_layernorm.weight"] = state[f"{src}pre_mlp_layernorm.weight"]
-        gate, up = state[f"{src}mlp.linear_fc1.weight"].chunk(2)
-        out[f"{dst}mlp.gate_proj.weight"], out[f"{dst}mlp.up_proj.weight"] = gate, up
-        out[f"{dst}mlp.down_proj.weight"] = state[f"{src}mlp.linear_fc2.weight"]
+    out.update(canonical_to_decoder(state, cfg, t))
     return out
 
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatron_mllm.models.units import UnitStage
+
 
 @dataclass(frozen=True)
 class Qwen2VisionSpec:
@@ -61,7 +63,7 @@ def block_diagonal_mask(grid_thw: torch.Tensor, device) -> torch.Tensor:
     return (owner[:, None] != owner[None, :])[None, None]
 
 
-class Qwen2VisionStage(nn.Module):
+class Qwen2VisionStage(UnitStage, nn.Module):
     """Stage `stage` of `num_stages` of the vision tower (layers split as megatron-core splits
     them over `pg.pp`) on TP group `pg.tp` of `tp` (the patch embedding and the merger are
     whole on every rank). Its work is a list of units, as `stages.EncoderStage`'s: [the patch
@@ -148,24 +150,6 @@ class Qwen2VisionStage(nn.Module):
         window = self.spec.hidden * self.spec.merge**2
         y = p["norm"](x.squeeze(1)).reshape(-1, window)
         return p["fc2"](nn.functional.gelu(p["fc1"](y))).unsqueeze(1)
-
-    @property
-    def num_units(self) -> int:
-        return len(self._unit_table())
-
-    def unit_names(self) -> list[str]:
-        return [name for name, _, _ in self._unit_table()]
-
-    def run_unit(self, u: int, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        return self._unit_table()[u][1](state)
-
-    def unit_trainable(self, u: int) -> bool:
-        return any(p.requires_grad for p in self._unit_table()[u][2])
-
-    def freeze(self) -> None:
-        """A frozen tower: only the merger (the projector) trains."""
-        for name, p in self.named_parameters():
-            p.requires_grad_(name.startswith("projector."))
 
     def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:
         """The whole stage on [patches, patch_dim] (first stage; else [patches, 1, hidden]) of

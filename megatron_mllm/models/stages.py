@@ -22,6 +22,7 @@ from torch import nn
 from megatron_mllm.data.batch import IGNORE_INDEX, MicroBatch
 from megatron_mllm.models.config import MLLMConfig, transformer_config
 from megatron_mllm.models.loss import vocab_parallel_cross_entropy
+from megatron_mllm.models.units import UnitStage
 from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 
 
@@ -87,7 +88,7 @@ def _layer_kernels(layer) -> list[Callable]:
     return [ln1, qkv, core, proj, ln2, fc1, act, fc2]
 
 
-class EncoderStage(nn.Module):
+class EncoderStage(UnitStage, nn.Module):
     """Encoder `index`'s stage `stage` of `num_stages` (layers split evenly) on TP group
     `pg.tp`; its work as units of layer or kernel size (`kernel_units`)."""
 
@@ -191,27 +192,6 @@ class EncoderStage(nn.Module):
                 units.append(("proj_fc2", lambda st: (self._projector_fc2(st[0]),), tail))
         self._units = units
         return units
-
-    @property
-    def num_units(self) -> int:
-        return len(self._unit_table())
-
-    def unit_names(self) -> list[str]:
-        """The schedule core's name of each unit (its measured-times key)."""
-        return [name for name, _, _ in self._unit_table()]
-
-    def run_unit(self, u: int, state: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        """Unit u on a state (see above); returns the next state."""
-        return self._unit_table()[u][1](state)
-
-    def unit_trainable(self, u: int) -> bool:
-        """Whether unit u has parameters that train (else it runs without an autograd graph)."""
-        return any(p.requires_grad for p in self._unit_table()[u][2])
-
-    def freeze(self) -> None:
-        """A frozen encoder: every parameter but the projector's stops training."""
-        for name, p in self.named_parameters():
-            p.requires_grad_(name.startswith("projector."))
 
     def _projector_fc1(self, x: torch.Tensor) -> torch.Tensor:
         if self.cfg.vit_class_token:
