@@ -74,8 +74,8 @@ class MicroBatch:
 
     def images_per_sample(self) -> list[int]:
         """Each sample's image count (from the mask; `image_tokens` set)."""
-        if self.native:
-            raise NotImplementedError("images per sample of native-resolution images")
+        if self.native:  # refused upfront where a feature would need it (optimus-adaptive)
+            raise ValueError("images per sample of native-resolution images are not counted")
         return (self.image_mask.sum(1) // self.image_tokens).tolist()
 
     def to(self, device: torch.device, dtype: torch.dtype) -> MicroBatch:
@@ -123,8 +123,8 @@ class MicroBatch:
 
     def select(self, rows: list[int], image_tokens: int) -> MicroBatch:
         """The samples `rows` (and their images) as a micro-batch (fixed-size images)."""
-        if self.native:
-            raise NotImplementedError("selecting samples of native-resolution images")
+        if self.native:  # refused upfront where a feature would need it (coreset, dealing)
+            raise ValueError("selecting samples of native-resolution images is not supported")
         per_sample = (self.image_mask.sum(1) // image_tokens).tolist()
         starts = [sum(per_sample[:r]) for r in range(len(per_sample))]
         picked = [i for r in rows for i in range(starts[r], starts[r] + per_sample[r])]
