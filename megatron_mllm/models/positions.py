@@ -9,6 +9,15 @@ from __future__ import annotations
 import torch
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: on a GPU from pinned memory without blocking the host (the copy
+    is ordered on the current stream before any use)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _before_in_sample(x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """Per token, the count of `x` (0/1, [b, s]) before it in its own sample (the sample
     starts where `positions` is 0)."""
@@ -42,7 +51,7 @@ def native_mrope_position_ids(
     """`mrope_position_ids` for images of their own sizes: `grids` [n, 2] each image's (rows,
     columns) of backbone tokens, the images in the micro-batch's order (row by row)."""
     device = image_mask.device
-    rows, cols = grids[:, 0].to(device), grids[:, 1].to(device)
+    rows, cols = to_device(grids[:, 0], device), to_device(grids[:, 1], device)
     ends = torch.cumsum(rows * cols, 0)
     image = image_mask.long()
     rank = (torch.cumsum(image.flatten(), 0) - 1).view_as(image)  # among the image tokens

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from megatron_mllm.models.positions import to_device
 from megatron_mllm.models.units import UnitStage
 
 
@@ -59,7 +60,7 @@ def block_diagonal_mask(grid_thw: torch.Tensor, device) -> torch.Tensor:
     """megatron-core's boolean mask [1, 1, n, n] (True: not allowed): each frame of each image
     attends only to itself."""
     lengths = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
-    owner = torch.repeat_interleave(torch.arange(len(lengths)), lengths).to(device)
+    owner = to_device(torch.repeat_interleave(torch.arange(len(lengths)), lengths), device)
     return (owner[:, None] != owner[None, :])[None, None]
 
 
@@ -119,7 +120,7 @@ class Qwen2VisionStage(UnitStage, nn.Module):
     def rotary(self, grid_thw: torch.Tensor) -> torch.Tensor:
         """megatron-core's rotary angles [patches, 1, 1, head dim]: rows on the first quarter,
         columns on the second, repeated for the rotate-half pairs."""
-        pos = vision_position_ids(grid_thw, self.spec.merge).to(self.inv_freq.device)
+        pos = to_device(vision_position_ids(grid_thw, self.spec.merge), self.inv_freq.device)
         angles = (pos[..., None].float() * self.inv_freq).flatten(1)  # [n, rows | columns]
         return torch.cat([angles, angles], dim=-1)[:, None, None, :]
 
