@@ -27,3 +27,14 @@ def bench_run(cfg, args, plan, num_microbatches: int, micro_batch: int, *flags: 
     if getattr(args, "precision", "fp32") == "bf16":
         argv += ["--bf16", "--use-distributed-optimizer", "--overlap-param-gather"]
     return parse_run([*argv, *flags], plan.world_size)
+
+
+def demo_data_or_exit(path: str) -> None:
+    """Exit with one line where `path` is not the prepared energon digits `make demo` makes."""
+    from megatron_mllm.data.energon_llava import check_energon_dataset
+    from megatron_mllm.errors import ConfigError
+
+    try:
+        check_energon_dataset(path)
+    except ConfigError as err:
+        raise SystemExit(f"error: {err} (or run `make demo` once)") from None

@@ -73,13 +73,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    from megatron_mllm.data.energon_llava import check_energon_dataset
-    from megatron_mllm.errors import ConfigError
+    from bench_common import demo_data_or_exit
 
-    try:
-        check_energon_dataset(args.data)
-    except ConfigError as err:
-        raise SystemExit(f"error: {err} (or run `make demo` once)") from None
+    demo_data_or_exit(args.data)
     rates = {}
     for workers in (0, 1, 2):
         rates[workers] = [
