@@ -132,19 +132,7 @@ def test_bad_sections_are_refused_in_one_line():
 def test_pp2_with_multimodal_positions_matches_the_reference(schedule):
     """The Qwen2-shaped backbone on PP=2 (our executor on Megatron's and on the Optimus
     schedule): the one-process reference's losses and gradients."""
-    from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob
-    from megatron_mllm.runtime.modes.runs import run_rank
-    from megatron_mllm.runtime.planning.schedules import runtime_schedule
-    from tests.test_runtime import TRAIN, N, check_against, reference_of
+    from tests.test_runtime import check_pp2_matches_the_reference
 
-    cfg = replace(CFG, image_size=32)  # the synthetic data's 32-pixel images: a 4 x 4 grid
-    reference = reference_of(cfg, **TRAIN)
-    plan = ParallelPlan(1, 1, 2)
-    job = RuntimeJob(
-        ModelParts(cfg, reference[0]),
-        PlanParts(plan, schedule=runtime_schedule(cfg, plan, 1, N, schedule)),
-        DataParts(1, N),
-        **TRAIN,
-    )
-    check_against(reference, spawn(run_rank, 2, job), {"encoder": 1, "projector": 1, "backbone": 1})
+    # the synthetic data's 32-pixel images: a 4 x 4 grid
+    check_pp2_matches_the_reference(replace(CFG, image_size=32), schedule)

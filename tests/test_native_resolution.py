@@ -83,21 +83,9 @@ def test_native_positions_are_hugging_faces(seed):
     "schedule", [pytest.param("megatron", marks=pytest.mark.slow), "optimus"]
 )  # make test runs the Optimus program; CI the Megatron one too
 def test_pp2_on_images_of_their_own_sizes_matches_the_reference(schedule):
-    from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob
-    from megatron_mllm.runtime.modes.runs import run_rank
-    from megatron_mllm.runtime.planning.schedules import runtime_schedule
-    from tests.test_runtime import TRAIN, N, check_against, reference_of
+    from tests.test_runtime import check_pp2_matches_the_reference
 
-    reference = reference_of(CFG, **TRAIN)
-    plan = ParallelPlan(1, 1, 2)
-    job = RuntimeJob(
-        ModelParts(CFG, reference[0]),
-        PlanParts(plan, schedule=runtime_schedule(CFG, plan, 1, N, schedule)),
-        DataParts(1, N),
-        **TRAIN,
-    )
-    check_against(reference, spawn(run_rank, 2, job), {"encoder": 1, "projector": 1, "backbone": 1})
+    check_pp2_matches_the_reference(CFG, schedule)
 
 
 QWEN_ARGS = ["--encoder-arch", "qwen2vl", "--patch-dim", "4", "--img-h", "16", "--mrope-section",

@@ -67,6 +67,20 @@ def check_against(reference, outs, tp_of: dict[str, int]):
     check_grads(reference, outs, tp_of)
 
 
+def check_pp2_matches_the_reference(cfg, schedule: str) -> None:
+    """Our executor on PP=2 (`schedule` planned for `cfg`) gives the one-process reference's
+    losses and step 0's gradients (TRAIN's two steps, N micro-batches of one)."""
+    reference = reference_of(cfg, **TRAIN)
+    plan = ParallelPlan(1, 1, 2)
+    job = RuntimeJob(
+        ModelParts(cfg, reference[0]),
+        PlanParts(plan, schedule=runtime_schedule(cfg, plan, 1, N, schedule)),
+        DataParts(1, N),
+        **TRAIN,
+    )
+    check_against(reference, spawn(run_rank, 2, job), {"encoder": 1, "projector": 1, "backbone": 1})
+
+
 def check_grads(reference, outs, tp_of: dict[str, int]):
     """Step 0's gradients, assembled from the ranks' shards, are the reference's."""
     state, ref = reference

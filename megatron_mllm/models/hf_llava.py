@@ -234,13 +234,7 @@ def llava_config(cfg: MLLMConfig, image_token_index: int):
         layer_norm_eps=cfg.vit_norm_eps,
     )
     text = LlamaConfig(
-        hidden_size=cfg.llm_hidden,
-        intermediate_size=cfg.llm_ffn or 4 * cfg.llm_hidden,
-        num_hidden_layers=cfg.llm_layers,
-        num_attention_heads=cfg.llm_heads,
-        num_key_value_heads=cfg.llm_query_groups or cfg.llm_heads,
-        vocab_size=cfg.vocab_size,
-        rms_norm_eps=cfg.llm_norm_eps,
+        **hf_text_fields(cfg),
         max_position_embeddings=max(cfg.seq_len, 2048),
         rope_theta=cfg.rope_base,
         tie_word_embeddings=False,
@@ -295,6 +289,19 @@ def canonical_to_llava(state: dict[str, torch.Tensor], cfg: MLLMConfig) -> dict:
                 out[f"{dst}{theirs}.{kind}"] = state[f"{src}{ours}.{kind}"]
     out.update(canonical_to_decoder(state, cfg, t))
     return {k: x.contiguous() for k, x in out.items()}
+
+
+def hf_text_fields(cfg: MLLMConfig) -> dict:
+    """Our backbone's shape in Hugging Face's Llama / Qwen2 text-config names."""
+    return dict(
+        hidden_size=cfg.llm_hidden,
+        intermediate_size=cfg.llm_ffn or 4 * cfg.llm_hidden,
+        num_hidden_layers=cfg.llm_layers,
+        num_attention_heads=cfg.llm_heads,
+        num_key_value_heads=cfg.llm_query_groups or cfg.llm_heads,
+        vocab_size=cfg.vocab_size,
+        rms_norm_eps=cfg.llm_norm_eps,
+    )
 
 
 def canonical_to_decoder(state: dict, cfg: MLLMConfig, prefix: str) -> dict[str, torch.Tensor]:

@@ -14,6 +14,7 @@ from megatron_mllm.models.hf_llava import (
     _split_qkv,
     canonical_to_decoder,
     decoder_to_canonical,
+    hf_text_fields,
 )
 
 # Ours <- theirs, per vision block (weights and biases alike; the fused QKV apart).
@@ -163,13 +164,7 @@ def qwen2vl_config(cfg: MLLMConfig, image_token_id: int):
         hidden_act="quick_gelu",
     )
     text = dict(
-        hidden_size=cfg.llm_hidden,
-        intermediate_size=cfg.llm_ffn or 4 * cfg.llm_hidden,
-        num_hidden_layers=cfg.llm_layers,
-        num_attention_heads=cfg.llm_heads,
-        num_key_value_heads=cfg.llm_query_groups or cfg.llm_heads,
-        vocab_size=cfg.vocab_size,
-        rms_norm_eps=cfg.llm_norm_eps,
+        **hf_text_fields(cfg),
         rope_parameters={
             "rope_type": "default",
             "mrope_section": list(cfg.llm_mrope_section),
