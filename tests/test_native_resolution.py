@@ -88,6 +88,24 @@ def test_pp2_on_images_of_their_own_sizes_matches_the_reference(schedule):
     check_pp2_matches_the_reference(CFG, schedule)
 
 
+# Qwen2.5-VL's tower: RMSNorm, gated SiLU MLP, windows of 1 x 1 merged tokens (8 px) but in
+# layer 1, so that the windows cut every image of more than one backbone token.
+CFG25 = replace(CFG, vit_normalization="RMSNorm", vit_swiglu=True, vit_activation="silu",
+                vit_window=8, vit_full_layers=(1,), vit_ffn=40)  # fmt: skip
+
+
+@pytest.mark.parametrize("layout, schedule", [("pp2", "optimus"), ("tp2", "megatron")])
+def test_the_windowed_tower_matches_the_reference(layout, schedule):
+    """Qwen2.5-VL's tower through the executor at PP 2 (Optimus) and at TP 2 (Megatron's
+    schedule: the tower on the backbone's TP 2, its heads and MLP split) equals the
+    one-process reference."""
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from tests.test_runtime import check_pp2_matches_the_reference
+
+    plan = ParallelPlan(1, 2, 1) if layout == "tp2" else ParallelPlan(1, 1, 2)
+    check_pp2_matches_the_reference(CFG25, schedule, plan)
+
+
 QWEN_ARGS = ["--encoder-arch", "qwen2vl", "--patch-dim", "4", "--img-h", "16", "--mrope-section",
              "2", "3", "3", "--add-qkv-bias", "--disable-bias-linear", "--normalization",
              "RMSNorm", "--swiglu"]  # fmt: skip
@@ -109,7 +127,11 @@ def test_pretrain_trains_the_native_tower_and_resumes_bit_exactly(tmp_path):
     "extra, msg",
     [(["--fill-granularity", "kernel"], "runs layer-sized units"),
      (["--recompute-vision"], "does not run with --recompute-vision"),
-     (["--tensor-model-parallel-size", "2"], "TP is not tested yet"),
+     (["--encoder-window-size", "16"], "--encoder-window-size sets Qwen2.5-VL's attention"),
+     (["--encoder-arch", "qwen2.5vl", "--encoder-full-attention-layers", "2"],
+      "full-attention layers [2] are not among the tower's 2 layers"),
+     (["--encoder-arch", "qwen2.5vl", "--encoder-window-size", "12"],
+      "window 12 px is not a multiple of patch x merge = 8"),
      (["--spatial-merge-size", "0"], "--spatial-merge-size 0: give 1 or more"),
      (["--img-h", "20"], "not a multiple of patch x merge = 8")],
 )  # fmt: skip

@@ -1,6 +1,6 @@
-"""Hugging Face Qwen2-VL <-> our checkpoints (tools/convert_hf.py, the architecture read from
-config.json): the converted model gives transformers' logits on a conversation with two images
-of different sizes, and converting back gives the same weights."""
+"""Hugging Face Qwen2-VL and Qwen2.5-VL <-> our checkpoints (tools/convert_hf.py, the
+architecture read from config.json): the converted model gives transformers' logits on a
+conversation with two images of different sizes, and converting back gives the same weights."""
 
 import pytest
 import torch
@@ -10,16 +10,42 @@ from tests.test_mrope import IMAGE_TOKEN, _hf_config
 START, END = 101, 102  # vision start and end tokens
 
 
-@pytest.fixture(scope="module")
-def qwen2vl_dir(tmp_path_factory):
-    from transformers import Qwen2VLForConditionalGeneration
+def _hf_class(family: str):
+    from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
+    return (
+        Qwen2_5_VLForConditionalGeneration
+        if family == "qwen2.5"
+        else Qwen2VLForConditionalGeneration
+    )
+
+
+def qwen25_config():
+    """test_mrope's model with Qwen2.5-VL's tower: RMSNorm, gated SiLU MLP (width 40), windows
+    of 2 x 2 merged tokens (16 px) in layer 0, full attention in layer 1."""
+    from transformers import Qwen2_5_VLConfig
+
+    qwen2 = _hf_config()
+    v = qwen2.vision_config
+    vision = dict(depth=2, hidden_size=v.embed_dim, out_hidden_size=v.hidden_size,
+                  intermediate_size=40, num_heads=v.num_heads, patch_size=v.patch_size,
+                  spatial_merge_size=v.spatial_merge_size, window_size=16,
+                  temporal_patch_size=v.temporal_patch_size, fullatt_block_indexes=[1])  # fmt: skip
+    text = qwen2.text_config.to_dict()
+    return Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN)
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen2.5"])
+def qwen2vl_dir(request, tmp_path_factory):
     torch.manual_seed(0)
-    config = _hf_config()
+    config = qwen25_config() if request.param == "qwen2.5" else _hf_config()
     config.vision_start_token_id, config.vision_end_token_id = START, END
-    root = tmp_path_factory.mktemp("qwen2vl")
-    Qwen2VLForConditionalGeneration(config).eval().save_pretrained(root / "hf")
-    return root
+    root = tmp_path_factory.mktemp(request.param)
+    model = _hf_class(request.param)(config).eval()
+    for p in model.model.visual.parameters():  # norm weights start at one: make them matter
+        p.data += 0.05 * torch.randn_like(p)
+    model.save_pretrained(root / "hf")
+    return root, request.param
 
 
 def _conversation(merge: int = 2):
@@ -76,16 +102,18 @@ def _export(rank: int, world: int, load_dir: str, save_dir: str) -> None:
 
 
 def test_converted_qwen2vl_gives_transformers_logits_and_converts_back(qwen2vl_dir):
-    from transformers import Qwen2VLForConditionalGeneration
-
     from megatron_mllm.runtime.assembly.launch import spawn
 
-    hf_dir, ckpt, back = qwen2vl_dir / "hf", qwen2vl_dir / "ckpt", qwen2vl_dir / "back"
+    root, family = qwen2vl_dir
+    hf_dir, ckpt, back = root / "hf", root / "ckpt", root / "back"
     # tools/convert_hf.py's functions (its command line: tests/test_llava_conversion.py)
     cfg = spawn(_import, 1, str(hf_dir), str(ckpt))[0]
     assert cfg.vit_native and cfg.llm_mrope_section == (2, 3, 3) and cfg.llm_qkv_bias
+    assert (cfg.vit_swiglu, cfg.vit_window, cfg.vit_full_layers) == (
+        (True, 16, (1,)) if family == "qwen2.5" else (False, 0, ())
+    )
     ours = spawn(_our_logits, 1, str(ckpt))[0]
-    hf = Qwen2VLForConditionalGeneration.from_pretrained(hf_dir).eval()
+    hf = _hf_class(family).from_pretrained(hf_dir).eval()
     tokens, patches, grids = _conversation()
     with torch.no_grad():
         theirs = hf(
@@ -96,7 +124,7 @@ def test_converted_qwen2vl_gives_transformers_logits_and_converts_back(qwen2vl_d
         ).logits
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     spawn(_export, 1, str(ckpt), str(back))  # tools/convert_hf.py mcore-to-hf's function
-    again = Qwen2VLForConditionalGeneration.from_pretrained(back).state_dict()
+    again = _hf_class(family).from_pretrained(back).state_dict()
     original = hf.state_dict()
     assert again.keys() == original.keys()
     assert all(torch.equal(again[k], original[k]) for k in original)

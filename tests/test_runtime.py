@@ -67,18 +67,19 @@ def check_against(reference, outs, tp_of: dict[str, int]):
     check_grads(reference, outs, tp_of)
 
 
-def check_pp2_matches_the_reference(cfg, schedule: str) -> None:
-    """Our executor on PP=2 (`schedule` planned for `cfg`) gives the one-process reference's
-    losses and step 0's gradients (TRAIN's two steps, N micro-batches of one)."""
+def check_pp2_matches_the_reference(cfg, schedule: str, plan: ParallelPlan | None = None) -> None:
+    """Our executor on PP=2, or `plan` (`schedule` planned for `cfg`), gives the one-process
+    reference's losses and step 0's gradients (TRAIN's two steps, N micro-batches of one)."""
+    plan = plan or ParallelPlan(1, 1, 2)
     reference = reference_of(cfg, **TRAIN)
-    plan = ParallelPlan(1, 1, 2)
+    planned = runtime_schedule(cfg, plan, 1, N, schedule)
     job = RuntimeJob(
-        ModelParts(cfg, reference[0]),
-        PlanParts(plan, schedule=runtime_schedule(cfg, plan, 1, N, schedule)),
-        DataParts(1, N),
-        **TRAIN,
+        ModelParts(cfg, reference[0]), PlanParts(plan, schedule=planned), DataParts(1, N), **TRAIN
     )
-    check_against(reference, spawn(run_rank, 2, job), {"encoder": 1, "projector": 1, "backbone": 1})
+    enc_plan, stage0 = encoder_plan_of(planned, plan)
+    etp = plan.tp if stage0 else enc_plan.tp
+    tp_of = {"encoder": etp, "projector": etp, "backbone": plan.tp}
+    check_against(reference, spawn(run_rank, plan.world_size, job), tp_of)
 
 
 def check_grads(reference, outs, tp_of: dict[str, int]):

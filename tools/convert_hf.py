@@ -7,9 +7,10 @@ architecture is read from config.json.
     torchrun ... pretrain_mllm.py --load CKPT --use-checkpoint-args ...   # any pair of plans
     python tools/convert_hf.py mcore-to-hf --load-dir CKPT --save-dir HF_OUT
 
-Mapped: LlavaForConditionalGeneration (a CLIP vision tower and a Llama language model) and
-Qwen2VLForConditionalGeneration (the native-resolution tower, a Qwen2 language model with
-multimodal rotary positions). Fields we do not map are refused in one line.
+Mapped: LlavaForConditionalGeneration (a CLIP vision tower and a Llama language model),
+Qwen2VLForConditionalGeneration and Qwen2_5_VLForConditionalGeneration (the native-resolution
+tower, Qwen2.5-VL's with window attention; a Qwen2 language model with multimodal rotary
+positions). Fields we do not map are refused in one line.
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def main(argv: list[str] | None = None, doc: str = __doc__) -> int:
         "--img-h",
         type=int,
         default=None,
-        help="hf-to-mcore, Qwen2-VL: the nominal image the planner costs (default 8 merged "
-        "windows a side)",
+        help="hf-to-mcore, Qwen2-VL and Qwen2.5-VL: the nominal image the planner costs "
+        "(default 8 merged windows a side)",
     )
     p.add_argument(
         "--image-token-index",
@@ -59,7 +60,8 @@ def main(argv: list[str] | None = None, doc: str = __doc__) -> int:
 
     if args.direction == "hf-to-mcore":
         cfg = hf_to_mcore(args.load_dir, args.save_dir, args.seq_length, args.img_h)
-        tower = "Qwen2-VL native-resolution" if cfg.vit_native else "CLIP"
+        qwen = "Qwen2.5-VL" if cfg.vit_swiglu else "Qwen2-VL"
+        tower = f"{qwen} native-resolution" if cfg.vit_native else "CLIP"
         backbone = "Qwen2" if cfg.llm_qkv_bias else "Llama"
         print(
             f"wrote {args.save_dir}/iter_0000000 (model only): {tower} {cfg.vit_layers}x"

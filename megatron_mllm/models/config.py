@@ -46,6 +46,12 @@ class MLLMConfig:
     vit_merge: int = 2
     vit_temporal_patch: int = 2
     vit_norm_eps: float = 1e-5
+    # Qwen2.5-VL's tower: RMSNorm, a gated MLP (with vit_activation "silu"), and attention
+    # within windows of vit_window pixels a side except in the vit_full_layers (0: no windows).
+    vit_normalization: str = "LayerNorm"
+    vit_swiglu: bool = False
+    vit_window: int = 0
+    vit_full_layers: tuple[int, ...] = ()
     projector_bias: bool = True
     # Backbone architecture (Megatron's --normalization, --swiglu, --disable-bias-linear,
     # --num-query-groups, --norm-epsilon, --rotary-base). Llama: RMSNorm + SwiGLU + no bias.
@@ -119,12 +125,17 @@ class MLLMConfig:
             layers=self.vit_layers,
             hidden=self.vit_hidden,
             heads=self.vit_heads,
-            mlp_ratio=(self.vit_ffn or 4 * self.vit_hidden) / self.vit_hidden,
+            ffn=self.vit_ffn,
             out_hidden=self.llm_hidden,
             patch_size=self.patch_size,
             temporal_patch_size=self.vit_temporal_patch,
             merge=self.vit_merge,
             channels=self.channels,
+            norm=self.vit_normalization,
+            gated=self.vit_swiglu,
+            activation=self.vit_activation,
+            window=self.vit_window,
+            full_layers=self.vit_full_layers,
         )
 
     @property
@@ -142,7 +153,7 @@ class MLLMConfig:
         """(every encoder + projector, backbone) parameter counts of the unsharded model."""
         extra = sum(self.encoder_config(e).num_params()[0] for e in range(1, self.num_encoders))
         h, f = self.vit_hidden, self.vit_ffn or 4 * self.vit_hidden
-        vit = self.vit_layers * (4 * h * h + 2 * h * f + 9 * h + f)
+        vit = self.vit_layers * (4 * h * h + (3 if self.vit_swiglu else 2) * h * f + 9 * h + f)
         vit += (self.patch_dim + self.encoder_seq_len + int(self.vit_patch_bias)) * h
         vit += (int(self.vit_class_token) + 2 * self.vit_pre_norm + 2 * self.vit_final_norm) * h
         out = self.llm_hidden
@@ -227,9 +238,9 @@ class MLLMConfig:
                 f"llm query groups {groups} must divide {self.llm_heads} heads and be "
                 f"divisible by TP {tp}"
             )
-        if self.vit_activation not in ("gelu", "quick_gelu"):
+        if self.vit_activation not in ("gelu", "quick_gelu", "silu"):
             raise ConfigError(
-                f"encoder activation '{self.vit_activation}' is not one of gelu, quick_gelu"
+                f"encoder activation '{self.vit_activation}' is not one of gelu, quick_gelu, silu"
             )
         if self.llm_normalization not in ("LayerNorm", "RMSNorm"):
             raise ConfigError(
@@ -239,6 +250,12 @@ class MLLMConfig:
         self._validate_native()
 
     def _validate_native(self) -> None:
+        qwen25 = (self.vit_normalization, self.vit_swiglu, self.vit_window, self.vit_full_layers)
+        if not self.vit_native and qwen25 != ("LayerNorm", False, 0, ()):
+            raise ConfigError(
+                "RMSNorm, a gated MLP and attention windows in the encoder are Qwen2.5-VL's "
+                "tower's; give --encoder-arch qwen2.5vl"
+            )
         if not self.vit_native:
             return
         factor = self.patch_size * self.vit_merge
@@ -249,6 +266,17 @@ class MLLMConfig:
             )
         if self.extra_encoders:
             raise ConfigError("a native-resolution tower runs alone; drop --extra-encoder")
+        if self.vit_window and self.vit_window % factor:
+            raise ConfigError(
+                f"the tower's attention window {self.vit_window} px is not a multiple of "
+                f"patch x merge = {factor}"
+            )
+        wrong = [i for i in self.vit_full_layers if not 0 <= i < self.vit_layers]
+        if wrong:
+            raise ConfigError(
+                f"full-attention layers {wrong} are not among the tower's {self.vit_layers} "
+                f"layers (0 to {self.vit_layers - 1})"
+            )
 
     def _validate_mrope(self) -> None:
         if not self.llm_mrope_section:
@@ -278,6 +306,10 @@ VIT_FIELDS = (
     "vit_patch_bias",
     "vit_activation",
     "vit_norm_eps",
+    "vit_normalization",
+    "vit_swiglu",
+    "vit_window",
+    "vit_full_layers",
     "projector_bias",
 )
 
@@ -318,7 +350,7 @@ def _architecture(cfg: MLLMConfig, part: str) -> dict:
     if part == "vit":
         from megatron.core.activations import quick_gelu
 
-        act = quick_gelu if cfg.vit_activation == "quick_gelu" else F.gelu
+        act = {"quick_gelu": quick_gelu, "silu": F.silu}.get(cfg.vit_activation, F.gelu)
         return dict(activation_func=act, layernorm_epsilon=cfg.vit_norm_eps)
     if part == "projector":
         return dict(activation_func=F.gelu, add_bias_linear=cfg.projector_bias)

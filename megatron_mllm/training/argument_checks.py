@@ -41,6 +41,8 @@ MODEL_ARGS = (
     "mrope_section",
     "spatial_merge_size",
     "temporal_patch_size",
+    "encoder_window_size",
+    "encoder_full_attention_layers",
 )
 
 

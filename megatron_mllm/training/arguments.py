@@ -151,30 +151,47 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--encoder-ffn-hidden-size", type=int, default=None)
     g.add_argument(
         "--encoder-arch",
-        choices=["vit", "clip", "qwen2vl"],
+        choices=["vit", "clip", "qwen2vl", "qwen2.5vl"],
         default="vit",
         help="vit: patches + final norm; clip: LLaVA's CLIP tower (class token, pre-norm, "
         "quick_gelu, no final norm); qwen2vl: Qwen2-VL's native-resolution tower (each image "
         "at its own size, 2-D rotary positions, attention within an image, the patch merger; "
-        "--img-h is then the nominal image the planner costs)",
+        "--img-h is then the nominal image the planner costs); qwen2.5vl: Qwen2.5-VL's (RMSNorm, "
+        "gated SiLU MLP, attention within windows but in the full-attention layers)",
+    )
+    g.add_argument(
+        "--encoder-window-size",
+        type=int,
+        default=None,
+        help="qwen2.5vl: the attention window's side in pixels (Qwen2.5-VL's window_size; "
+        "default 4 merged tokens: 112 at patch 14, merge 2; 0: no windows)",
+    )
+    g.add_argument(
+        "--encoder-full-attention-layers",
+        type=int,
+        nargs="*",
+        default=None,
+        metavar="I",
+        help="qwen2.5vl: the tower's layers (from 0) attending the whole image (Qwen2.5-VL's "
+        "fullatt_block_indexes; default the last of each quarter: 7 15 23 31 of 32)",
     )
     g.add_argument(
         "--spatial-merge-size",
         type=int,
         default=2,
-        help="qwen2vl: patches merged into one backbone token along each side",
+        help="qwen2vl, qwen2.5vl: patches merged into one backbone token along each side",
     )
     g.add_argument(
         "--temporal-patch-size",
         type=int,
         default=2,
-        help="qwen2vl: frames a patch spans (a still image is repeated over them)",
+        help="qwen2vl, qwen2.5vl: frames a patch spans (a still image is repeated over them)",
     )
     g.add_argument(
         "--encoder-activation",
-        choices=["gelu", "quick_gelu"],
+        choices=["gelu", "quick_gelu", "silu"],
         default=None,
-        help="default: gelu for vit, quick_gelu for clip",
+        help="default: gelu for vit, quick_gelu for clip and qwen2vl, silu for qwen2.5vl",
     )
     g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"], default="LayerNorm")
     g.add_argument("--norm-epsilon", type=float, default=1e-5)
@@ -230,14 +247,14 @@ def _add_data_args(p: argparse.ArgumentParser) -> None:
         "--min-pixels",
         type=int,
         default=None,
-        help="--encoder-arch qwen2vl: the fewest pixels an image is resized to (Qwen2-VL's "
-        "processor's min_pixels; default 56 x 56)",
+        help="--encoder-arch qwen2vl or qwen2.5vl: the fewest pixels an image is resized to "
+        "(Qwen2-VL's processor's min_pixels; default 56 x 56)",
     )
     g.add_argument(
         "--max-pixels",
         type=int,
         default=None,
-        help="--encoder-arch qwen2vl: the most pixels an image is resized to (default "
+        help="--encoder-arch qwen2vl or qwen2.5vl: the most pixels an image is resized to (default "
         "28 x 28 x 1280)",
     )
     g.add_argument(

@@ -1,6 +1,6 @@
 """Hugging Face directories <-> our torch_dist checkpoints (behind tools/convert_hf.py and
-tools/convert_llava.py): LLaVA (`models/hf_llava.py`) and Qwen2-VL (`models/hf_qwen2vl.py`),
-the architecture read from config.json.
+tools/convert_llava.py): LLaVA (`models/hf_llava.py`), Qwen2-VL and Qwen2.5-VL
+(`models/hf_qwen2vl.py`), the architecture read from config.json.
 
 Both directions go through the canonical weights and the training code's
 own checkpoint writer and reader on one gloo rank, so a converted checkpoint is exactly what
@@ -24,6 +24,7 @@ from megatron_mllm.models.hf_llava import (
     llava_config,
     llava_to_canonical,
 )
+from megatron_mllm.models.hf_qwen2vl import family
 from megatron_mllm.training.checkpointing import TRACKER
 
 
@@ -57,23 +58,23 @@ def _one_rank_model(cfg: MLLMConfig, seed: int = 1234):
 def _architecture(hf, seq_length: int, image_size: int | None):
     """(our model, the state-dict mapping, the source's name) of a transformers config."""
     kind = getattr(hf, "model_type", None)
-    if kind == "qwen2_vl":
+    if kind in ("qwen2_vl", "qwen2_5_vl"):
         from megatron_mllm.models.hf_qwen2vl import config_from_qwen2vl, qwen2vl_to_canonical
 
         return config_from_qwen2vl(hf, seq_length, image_size), qwen2vl_to_canonical, kind
     if kind == "llava":
         return config_from_llava(hf, seq_length), llava_to_canonical, kind
     raise ConfigError(
-        f"config.json's model_type {kind!r} is not one we convert; give a llava or qwen2_vl "
-        "save_pretrained directory"
+        f"config.json's model_type {kind!r} is not one we convert; give a llava, qwen2_vl or "
+        "qwen2_5_vl save_pretrained directory"
     )
 
 
 def hf_to_mcore(
     load_dir: str, save_dir: str, seq_length: int, image_size: int | None = None
 ) -> MLLMConfig:
-    """A LLaVA or Qwen2-VL save_pretrained directory -> <save_dir>/iter_0000000 (model only);
-    `image_size`: a native-resolution tower's nominal image (the planner's)."""
+    """A LLaVA, Qwen2-VL or Qwen2.5-VL save_pretrained directory -> <save_dir>/iter_0000000
+    (model only); `image_size`: a native-resolution tower's nominal image (the planner's)."""
     from transformers import AutoConfig
 
     src = Path(load_dir)
@@ -117,18 +118,19 @@ def hf_to_mcore(
 
 def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = None):
     """The latest checkpoint under `load_dir` -> a LlavaForConditionalGeneration or (a
-    native-resolution tower) a Qwen2VLForConditionalGeneration directory."""
+    native-resolution tower) a Qwen2VLForConditionalGeneration or (a gated one)
+    Qwen2_5_VLForConditionalGeneration directory."""
     from megatron_mllm.training import checkpointing
     from megatron_mllm.training.model_args import checkpoint_model_config
 
     common = checkpointing.read_common(load_dir, "--load-dir")
     cfg = checkpoint_model_config(common)
-    kind = "qwen2_vl" if cfg.vit_native else "llava"
+    kind = family(cfg) if cfg.vit_native else "llava"
     if kind == "llava":
         check_exportable(cfg)
     if image_token_index is None:  # the source model's, else the last vocabulary entry
         source = common.get("source", {}).get(f"{kind}_config", {})
-        key = "image_token_id" if kind == "qwen2_vl" else "image_token_index"
+        key = "image_token_index" if kind == "llava" else "image_token_id"
         image_token_index = source.get(key, cfg.vocab_size - 1)
     if not 0 <= image_token_index < cfg.vocab_size:
         raise ConfigError(
@@ -156,13 +158,18 @@ def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = No
 
 def _hf_model(cfg: MLLMConfig, kind: str, image_token_index: int):
     """An empty transformers model of our `cfg` and the mapping of our weights into it."""
-    if kind == "qwen2_vl":
-        from transformers import Qwen2VLForConditionalGeneration
+    if kind != "llava":
+        from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
-        from megatron_mllm.models.hf_qwen2vl import canonical_to_qwen2vl, qwen2vl_config
+        from megatron_mllm.models.hf_qwen2vl import QWEN25, canonical_to_qwen2vl, qwen2vl_config
 
         config = qwen2vl_config(cfg, image_token_index)
-        return Qwen2VLForConditionalGeneration(config), canonical_to_qwen2vl
+        model = (
+            Qwen2_5_VLForConditionalGeneration
+            if kind == QWEN25
+            else Qwen2VLForConditionalGeneration
+        )
+        return model(config), canonical_to_qwen2vl
     from transformers import LlavaForConditionalGeneration
 
     return LlavaForConditionalGeneration(llava_config(cfg, image_token_index)), canonical_to_llava

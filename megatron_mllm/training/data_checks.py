@@ -9,12 +9,15 @@ import sys
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.choice import ScheduleChoice
+from megatron_mllm.training.model_args import NATIVE_ARCHS
 
 
 def check_native(args: argparse.Namespace) -> None:
-    """--encoder-arch qwen2vl: what its tower runs with here (layer units of megatron-core's
-    local layers) and what it does not yet; --min-pixels / --max-pixels only with it."""
-    if args.encoder_arch != "qwen2vl":
+    """--encoder-arch qwen2vl or qwen2.5vl: what its tower runs with here (layer units of
+    megatron-core's local layers) and what it does not yet; --min-pixels / --max-pixels only
+    with it (the window flags only with qwen2.5vl)."""
+    _check_windows_need_qwen25(args)
+    if args.encoder_arch not in NATIVE_ARCHS:
         _check_pixels_need_native(args)
         return
     refused = {
@@ -25,13 +28,10 @@ def check_native(args: argparse.Namespace) -> None:
         "--transformer-impl transformer_engine": args.transformer_impl == "transformer_engine",
         "--coreset-pool-ratio": args.coreset is not None,
         "--bubble-schedule optimus-adaptive": ScheduleChoice(args.bubble_schedule).per_step,
-        "--tensor-model-parallel-size above 1 (the tower's TP is not tested yet)": (
-            args.tensor_model_parallel_size > 1
-        ),
     }
     for what, given in refused.items():
         if given:
-            raise ConfigError(f"--encoder-arch qwen2vl does not run with {what}")
+            raise ConfigError(f"--encoder-arch {args.encoder_arch} does not run with {what}")
     for name in ("spatial_merge_size", "temporal_patch_size"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)}: give 1 or more")
@@ -46,6 +46,16 @@ def _check_pixels_need_native(args: argparse.Namespace) -> None:
     if args.min_pixels or args.max_pixels:
         raise ConfigError(
             "--min-pixels and --max-pixels size native images: add --encoder-arch qwen2vl"
+        )
+
+
+def _check_windows_need_qwen25(args: argparse.Namespace) -> None:
+    window = ("encoder_window_size", "encoder_full_attention_layers")
+    given = [n for n in window if getattr(args, n, None) is not None]
+    if given and args.encoder_arch != "qwen2.5vl":
+        flag = "--" + given[0].replace("_", "-")
+        raise ConfigError(
+            f"{flag} sets Qwen2.5-VL's attention windows: add --encoder-arch qwen2.5vl"
         )
 
 

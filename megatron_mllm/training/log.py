@@ -97,9 +97,13 @@ def dry_run_summary(run: RunConfig) -> str:
 
 def _image_tokens(cfg) -> str:
     if cfg.vit_native:
+        windows = ""
+        if cfg.vit_window:
+            full = " ".join(map(str, cfg.vit_full_layers)) or "none"
+            windows = f"; attention in {cfg.vit_window}-pixel windows but layers {full}"
         return (
             f"native resolution: each image at its own size, up to {cfg.encoder_seq_len} patches "
-            f"and {cfg.image_tokens} backbone tokens at --img-h {cfg.image_size}"
+            f"and {cfg.image_tokens} backbone tokens at --img-h {cfg.image_size}{windows}"
         )
     return f"{cfg.encoder_seq_len} tokens per image"
 

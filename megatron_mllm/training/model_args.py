@@ -10,6 +10,18 @@ from dataclasses import replace
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import CLIP_VIT, MLLMConfig
 
+NATIVE_ARCHS = ("qwen2vl", "qwen2.5vl")  # --encoder-arch values of a native-resolution tower
+_NATIVE_FIELDS = {
+    "qwen2vl": dict(vit_native=True, vit_activation="quick_gelu", vit_norm_eps=1e-6),
+    "qwen2.5vl": dict(
+        vit_native=True,
+        vit_activation="silu",
+        vit_norm_eps=1e-6,
+        vit_normalization="RMSNorm",
+        vit_swiglu=True,
+    ),  # fmt: skip
+}
+
 
 def _encoder_fields(
     arch: str | None,
@@ -23,9 +35,7 @@ def _encoder_fields(
     ffn: int | None,
 ) -> dict:
     """MLLMConfig's encoder fields for one encoder (the first or an --extra-encoder)."""
-    fields = dict(CLIP_VIT) if arch == "clip" else {}
-    if arch == "qwen2vl":
-        fields = dict(vit_native=True, vit_activation="quick_gelu", vit_norm_eps=1e-6)
+    fields = dict(CLIP_VIT) if arch == "clip" else dict(_NATIVE_FIELDS.get(arch, {}))
     if activation:
         fields["vit_activation"] = activation
     return dict(
@@ -53,9 +63,11 @@ def model_config(args: argparse.Namespace) -> MLLMConfig:
         args.encoder_num_attention_heads,
         args.encoder_ffn_hidden_size,
     )
-    if args.encoder_arch == "qwen2vl":
+    if args.encoder_arch in NATIVE_ARCHS:
         encoder["vit_merge"] = getattr(args, "spatial_merge_size", 2)
         encoder["vit_temporal_patch"] = getattr(args, "temporal_patch_size", 2)
+    if args.encoder_arch == "qwen2.5vl":
+        encoder.update(_windows(args, encoder["vit_merge"]))
     cfg = MLLMConfig(
         **encoder,
         llm_layers=args.num_layers,
@@ -154,7 +166,7 @@ def model_args(cfg: MLLMConfig) -> dict:
         num_channels=cfg.channels,
         ffn_hidden_size=cfg.llm_ffn,
         encoder_ffn_hidden_size=cfg.vit_ffn,
-        encoder_arch="qwen2vl" if cfg.vit_native else "clip" if clip else "vit",
+        encoder_arch=_arch(cfg, clip),
         encoder_activation=cfg.vit_activation,
         normalization=cfg.llm_normalization,
         norm_epsilon=cfg.llm_norm_eps,
@@ -169,12 +181,35 @@ def model_args(cfg: MLLMConfig) -> dict:
         mrope_section=tuple(cfg.llm_mrope_section) or None,
         spatial_merge_size=cfg.vit_merge,
         temporal_patch_size=cfg.vit_temporal_patch,
+        encoder_window_size=cfg.vit_window if cfg.vit_swiglu else None,
+        encoder_full_attention_layers=list(cfg.vit_full_layers) if cfg.vit_swiglu else None,
     )
     rebuilt = model_config(argparse.Namespace(**args))
     if rebuilt != cfg:
         diff = [k for k, v in vars(cfg).items() if getattr(rebuilt, k) != v]
         raise ConfigError(f"model fields {', '.join(diff)} have no pretrain_mllm.py argument")
     return args
+
+
+def _arch(cfg: MLLMConfig, clip: bool) -> str:
+    if cfg.vit_native:
+        return "qwen2.5vl" if cfg.vit_swiglu else "qwen2vl"
+    return "clip" if clip else "vit"
+
+
+def _windows(args: argparse.Namespace, merge: int) -> dict:
+    """Qwen2.5-VL's attention windows: --encoder-window-size pixels a side (default 4 merged
+    tokens, Qwen2.5-VL's 112 px at patch 14), full attention in --encoder-full-attention-layers
+    (default the last layer of each quarter of the tower, Qwen2.5-VL's 7 15 23 31 of 32)."""
+    window = getattr(args, "encoder_window_size", None)
+    full = getattr(args, "encoder_full_attention_layers", None)
+    depth = args.encoder_num_layers
+    if full is None:
+        full = sorted({max(0, (k + 1) * depth // 4 - 1) for k in range(4)})
+    return dict(
+        vit_window=4 * args.patch_dim * merge if window is None else window,
+        vit_full_layers=tuple(full),
+    )
 
 
 def initial_weights(cfg: MLLMConfig, seed: int, groups):
