@@ -19,12 +19,14 @@ CPU_PATCHES = (
     "cpu_rng_tracker",
     "cuda_allocations_on_cpu",
     "distributed_optimizer_on_cpu",
+    "clip_vit_position_ids_on_cpu",
 )
 RUNTIME_PATCHES = (  # on every device
     "safe_checkpoint_loading",
     "async_tp_collectives",
     "sequence_parallel_torch_norm",
     "checkpoint_helpers_die_with_rank",
+    "clip_vit_torch_norm",
 )
 
 
