@@ -198,3 +198,7 @@ def test_a_folder_without_a_megatron_checkpoint_is_refused(tmp_path, capsys):
         main(["import", "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "o"), *FLAGS])
     assert stop.value.code == 2
     assert "says '12' but no torch_dist checkpoint" in capsys.readouterr().err
+    (tmp_path / "iter_0000012" / "mp_rank_00").mkdir(parents=True)
+    with pytest.raises(SystemExit):
+        main(["import", "--load-dir", str(tmp_path), "--save-dir", str(tmp_path / "o"), *FLAGS])
+    assert "is a --ckpt-format torch checkpoint" in capsys.readouterr().err

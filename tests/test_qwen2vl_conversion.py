@@ -142,3 +142,90 @@ def test_an_unmapped_qwen2vl_field_is_refused_before_anything_is_written(tmp_pat
     with pytest.raises(ConfigError, match="fields we do not map: vision_config.hidden_act"):
         hf_to_mcore(str(tmp_path / "hf"), str(tmp_path / "ckpt"), 32)
     assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.fixture(scope="module")
+def qwen_conversations(tmp_path_factory):
+    """The tiny digits conversations with a Qwen-template tokenizer, converted for energon:
+    (dataset folder, tokenizer folder, image folder)."""
+    from megatron_mllm.data.energon_llava import convert_llava
+    from megatron_mllm.data.llava_digits import conversation_texts, write_llava_digits
+    from megatron_mllm.data.tokenizer import train_tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("qwen_digits")
+    json_path = write_llava_digits(root / "src", 60)
+    train_tiny_tokenizer(conversation_texts(json_path), root / "tokenizer", 300, template="qwen")
+    convert_llava(json_path, root / "src" / "images", root / "energon", 16, 0.2, progress=False)
+    return root / "energon", root / "tokenizer", root / "src" / "images"
+
+
+@pytest.mark.slow  # two conversions, a fine-tuning run and generation
+def test_qwen2vl_fine_tunes_on_qwen_conversations_and_generates(tmp_path, qwen_conversations):
+    """A tiny random Qwen2-VL with the Qwen-template tokenizer's vocabulary and vision tokens:
+    converted, fine-tuned on the digits conversations (each image <|vision_start|>, its pads,
+    <|vision_end|>) under PP=2 Optimus with --use-checkpoint-args, converted back; the weights
+    moved and transformers' `generate` answers a conversation our task encoder built."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from transformers import Qwen2VLForConditionalGeneration
+
+    from megatron_mllm.data.llava import IMAGE, LlavaRecord
+    from megatron_mllm.data.native_images import NativeImageSpec
+    from megatron_mllm.data.task_encoder import EncodeSpec, encode_record
+    from megatron_mllm.data.tokenizer import QWEN_IMAGE_TOKEN, load_tokenizer
+
+    data, tokenizer, images = qwen_conversations
+    tok = load_tokenizer(tokenizer, QWEN_IMAGE_TOKEN)
+    config = _hf_config()
+    config.text_config.vocab_size = len(tok)
+    config.image_token_id = tok.image_token_id
+    config.vision_start_token_id, config.vision_end_token_id = tok.image_wrap
+    torch.manual_seed(0)
+    Qwen2VLForConditionalGeneration(config).eval().save_pretrained(tmp_path / "hf")
+    root = Path(__file__).resolve().parents[1]
+    tool = [sys.executable, str(root / "tools" / "convert_hf.py")]
+    run = lambda cmd: subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=root)  # noqa: E731
+    out = run([*tool, "hf-to-mcore", "--load-dir", str(tmp_path / "hf"), "--save-dir",
+               str(tmp_path / "mc"), "--seq-length", "96", "--img-h", "16"])  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    out = run([
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+        str(root / "pretrain_mllm.py"), "--pipeline-model-parallel-size", "2",
+        "--bubble-schedule", "optimus", "--load", str(tmp_path / "mc"), "--use-checkpoint-args",
+        "--data-path", str(data), "--tokenizer-type", "HuggingFaceTokenizer",
+        "--tokenizer-model", str(tokenizer), "--image-token", QWEN_IMAGE_TOKEN,
+        "--min-pixels", "64", "--max-pixels", "2304", "--micro-batch-size", "2",
+        "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-3", "--num-workers", "0",
+        "--save", str(tmp_path / "ft"),
+    ])  # fmt: skip
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "iteration        3/       3" in out.stdout
+    out = run([*tool, "mcore-to-hf", "--load-dir", str(tmp_path / "ft"), "--save-dir",
+               str(tmp_path / "back")])  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    back = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "back").eval()
+    assert (back.config.image_token_id, back.config.vision_start_token_id) == (
+        tok.image_token_id, tok.image_wrap[0]
+    )  # fmt: skip
+    before = Qwen2VLForConditionalGeneration.from_pretrained(tmp_path / "hf").state_dict()
+    after = back.state_dict()
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    record = LlavaRecord("q", ("x.png",), (("human", f"{IMAGE}\nWhat digit is shown?"),))
+    native = NativeImageSpec(patch_size=4, min_pixels=64, max_pixels=2304)
+    spec = EncodeSpec(tok, 96, 0, 16, native=native, packing=True)
+    batch = encode_record(record, [sorted(images.glob("*.png"))[0].read_bytes()], spec)
+    prompt = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    ids = torch.cat([batch.tokens, torch.tensor([prompt])], dim=1)
+    assert ids[0].tolist().count(tok.image_wrap[0]) == 1
+    with torch.no_grad():
+        generated = back.generate(
+            input_ids=ids,
+            pixel_values=batch.images,
+            image_grid_thw=batch.grids,
+            mm_token_type_ids=(ids == tok.image_token_id).int(),
+            max_new_tokens=4,
+            do_sample=False,
+        )
+    assert generated.shape[1] == ids.shape[1] + 4 or tok.eos_token_id in generated[0].tolist()

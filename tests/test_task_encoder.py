@@ -104,3 +104,37 @@ def test_image_preprocessing_matches_a_hand_computed_value():
     assert torch.allclose(
         preprocess_image(buf.getvalue(), 4, (0.5,) * 3, (0.5,) * 3), torch.ones(3, 4, 4)
     )
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(tmp_path_factory):
+    return train_tiny_tokenizer(TEXTS, tmp_path_factory.mktemp("qtok"), 300, template="qwen")
+
+
+def test_the_qwen_template_wraps_each_image_in_vision_tokens(qwen_tok):
+    from megatron_mllm.data.task_encoder import check_tokenizer
+
+    tok = qwen_tok
+    check_tokenizer(tok, "qwen")
+    start, end = tok.image_wrap
+    assert tok.image_token == "<|image_pad|>" and tok.convert_ids_to_tokens(start) == (
+        "<|vision_start|>"
+    )
+    rec = LlavaRecord(
+        "q", ("x.png", "y.png"), (("human", f"First {IMAGE} second {IMAGE}?"), ("gpt", "first"))
+    )
+    batch = encode_record(rec, [png(), png()], spec(tok))
+    ids = batch.tokens[0].tolist()
+    starts = [i for i, t in enumerate(ids) if t == start]
+    assert len(starts) == 2 and batch.num_images == 2
+    for s in starts:  # <|vision_start|>, T image pads, <|vision_end|>
+        assert ids[s + 1 : s + 1 + T] == [tok.image_token_id] * T and ids[s + 1 + T] == end
+        assert batch.image_mask[0, s + 1 : s + 1 + T].all() and not batch.image_mask[0, s]
+    assert tok.decode(ids[: starts[0]]) == "<|im_start|>user\nFirst "
+    assert decode_labels(tok, batch) == "first<|im_end|>\n"
+    # A cut inside the second image's wrapping moves before its <|vision_start|>.
+    for length in (starts[1] + 1, starts[1] + 1 + T):  # its start kept; its end cut
+        cut = encode_record(rec, [png(), png()], spec(tok, seq_length=length))
+        kept = cut.tokens[0, : starts[1]].tolist()
+        assert cut.num_images == 1 and kept == ids[: starts[1]]
+        assert (cut.tokens[0, starts[1] :] == tok.pad_token_id).all()

@@ -5,6 +5,8 @@ byte-level BPE trained on the conversations, with an image token and a chat temp
 
     python tools/make_llava_digits.py out/data/llava_digits [--records 400] [--seed 0]
         [--images-per-sample 0:0.2,1:0.3,4:0.3,8:0.2] [--image-sizes 16:0.4,64:0.3,160:0.3]
+        [--chat-template qwen]    # Qwen2-VL's ChatML and vision tokens: train with
+                                  # --image-token '<|image_pad|>'
 """
 
 import argparse
@@ -36,6 +38,13 @@ def main() -> int:
         help="draw each image's side in pixels from DIST, e.g. 16:0.4,64:0.3,160:0.3 (the share "
         "of images of that size; for native-resolution towers); default: 16, 24, 32 or 48",
     )
+    ap.add_argument(
+        "--chat-template",
+        choices=["plain", "qwen"],
+        default="plain",
+        help="the tokenizer's chat template: plain ('role: text</s>', image token <image>) or "
+        "qwen (Qwen2-VL's ChatML, each image <|vision_start|> <|image_pad|>... <|vision_end|>)",
+    )
     args = ap.parse_args()
     from megatron_mllm.schedule.loads import parse_distribution
 
@@ -44,10 +53,12 @@ def main() -> int:
     if sizes and min(sizes) < 8:
         raise SystemExit(f"error: --image-sizes {args.image_sizes}: sides of at least 8 pixels")
     path = write_llava_digits(args.out, args.records, args.seed, dist, sizes)
-    tok = train_tiny_tokenizer(conversation_texts(path), path.parent / "tokenizer", args.vocab)
+    texts = conversation_texts(path)
+    tok = train_tiny_tokenizer(texts, path.parent / "tokenizer", args.vocab, args.chat_template)
     print(
         f"wrote {args.records} records to {path} (images in {path.parent / 'images'}), "
-        f"tokenizer of {len(tok)} tokens in {path.parent / 'tokenizer'}"
+        f"tokenizer of {len(tok)} tokens in {path.parent / 'tokenizer'} (image token "
+        f"{tok.image_token})"
     )
     return 0
 

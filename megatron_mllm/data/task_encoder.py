@@ -5,7 +5,8 @@ them, labels on the assistant turns, images decoded and normalised, one sequence
   -> "assistant"), turn by turn, so each turn's piece is known; an assistant turn's piece is
   its header (the template's generation prompt, no loss) and its content (loss). Each piece is
   tokenised on its own; every `<image>` in it becomes the tokenizer's image token, repeated for
-  the image's token count (every encoder's patches).
+  the image's token count (every encoder's patches), between the tokenizer's vision start and
+  end tokens where it has them (`image_wrap`: Qwen2-VL's layout).
 * Labels: `labels[j]` is token j + 1 where that token is in an assistant content (or any text
   token with `loss_on_prompt`), else IGNORE_INDEX.
 * Length: padded to `seq_length` (left unpadded for packing: `EncodeSpec.packing`), or cut
@@ -111,13 +112,16 @@ def tokenize_record(
     """Token ids, per token whether it is a loss target, and where each image's tokens start
     (before the length is fixed); `lengths`: each image's token count (default: the spec's)."""
     tok, ids, target, starts = spec.tokenizer, [], [], []
+    start, end = getattr(tok, "image_wrap", ()) or (None, None)
     for text, answer in _pieces(record.turns, tok):
         for k, part in enumerate(text.split(IMAGE)):
             if k:
                 n = lengths[len(starts)] if lengths is not None else spec.image_tokens
+                wrapped = [start] * (start is not None)
+                ids += wrapped
                 starts.append(len(ids))
-                ids += [tok.image_token_id] * n
-                target += [False] * n
+                ids += [tok.image_token_id] * n + [end] * (end is not None)
+                target += [False] * (n + 2 * len(wrapped))
             piece = tok(part, add_special_tokens=False)["input_ids"] if part else []
             ids += piece
             target += [answer or spec.loss_on_prompt] * len(piece)
@@ -139,13 +143,14 @@ def encode_record(record: LlavaRecord, image_bytes: list[bytes], spec: EncodeSpe
     s = spec.seq_length
     truncated = len(ids) > s
     cut = s
+    wrap = len(getattr(spec.tokenizer, "image_wrap", ()) or ()) // 2  # start and end tokens
     for start, n_img in zip(starts, lengths, strict=True):
-        if start < cut < start + n_img:
-            cut = start  # never split an image: cut before it
+        if start - wrap < cut < start + n_img + wrap:
+            cut = start - wrap  # never split an image (or its wrapping): cut before it
     answered = any(target[1:])
     ids, target = ids[:cut], target[:cut]
     no_answer = int(truncated and answered and not any(target[1:]))
-    kept = sum(start + n <= cut for start, n in zip(starts, lengths, strict=True))
+    kept = sum(start + n + wrap <= cut for start, n in zip(starts, lengths, strict=True))
     is_image = [False] * len(ids)
     for start, n_img in zip(starts[:kept], lengths[:kept], strict=True):
         is_image[start : start + n_img] = [True] * n_img

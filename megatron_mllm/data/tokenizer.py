@@ -3,7 +3,11 @@ HuggingFaceTokenizer --tokenizer-model DIR`; nothing is downloaded), and the tin
 offline on the digits data set: byte-level BPE with an image token and a chat template.
 
 The plain template (for a tokenizer without one): each turn as "<role>: text</s>", the roles
-"system", "user" (LLaVA's human) and "assistant" (gpt).
+"system", "user" (LLaVA's human) and "assistant" (gpt). The Qwen template (`template="qwen"`):
+Qwen2-VL's ChatML turns ("<|im_start|>role\ntext<|im_end|>\n") and its vision tokens; an image is
+"<|vision_start|>", one "<|image_pad|>" per image token, "<|vision_end|>". Any tokenizer whose
+image token is "<|image_pad|>" and that has Qwen's vision start and end tokens (a real Qwen2-VL
+one) gets that image layout (`image_wrap`).
 """
 
 from __future__ import annotations
@@ -14,15 +18,29 @@ from megatron_mllm.errors import ConfigError
 
 IMAGE_TOKEN = "<image>"
 SPECIALS = ("<pad>", "<s>", "</s>", IMAGE_TOKEN)
+QWEN_IMAGE_TOKEN = "<|image_pad|>"
+VISION_START, VISION_END = "<|vision_start|>", "<|vision_end|>"
+QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", VISION_START, VISION_END,
+                 QWEN_IMAGE_TOKEN)  # fmt: skip
+QWEN_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 PLAIN_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
 
 
-def train_tiny_tokenizer(texts: list[str], out: str | Path, vocab_size: int = 512):
-    """Train byte-level BPE on `texts`, save it with the image token and the plain chat
-    template as a Hugging Face tokenizer directory; returns the loaded tokenizer."""
+def train_tiny_tokenizer(
+    texts: list[str], out: str | Path, vocab_size: int = 512, template: str = "plain"
+):
+    """Train byte-level BPE on `texts`, save it with the image token and the plain (or "qwen":
+    ChatML with vision tokens) chat template as a Hugging Face tokenizer directory; returns the
+    loaded tokenizer."""
+    if template not in ("plain", "qwen"):
+        raise ConfigError(f"chat template {template!r} is not one of plain, qwen")
+    qwen = template == "qwen"
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -31,21 +49,21 @@ def train_tiny_tokenizer(texts: list[str], out: str | Path, vocab_size: int = 51
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=list(SPECIALS),
+        special_tokens=list(QWEN_SPECIALS if qwen else SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     bpe.train_from_iterator(texts, trainer)
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=bpe,
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        additional_special_tokens=[IMAGE_TOKEN],
-    )
-    tok.chat_template = PLAIN_TEMPLATE
+    if qwen:  # as Qwen2-VL's: no begin token, the end of a turn ends generation
+        names = dict(pad_token="<|endoftext|>", eos_token="<|im_end|>")
+        names["additional_special_tokens"] = list(QWEN_SPECIALS[1:])
+    else:
+        names = dict(pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+        names["additional_special_tokens"] = [IMAGE_TOKEN]
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, **names)
+    tok.chat_template = QWEN_TEMPLATE if qwen else PLAIN_TEMPLATE
     tok.save_pretrained(str(out))
-    return load_tokenizer(out)
+    return load_tokenizer(out, QWEN_IMAGE_TOKEN if qwen else None)
 
 
 def load_tokenizer(path: str | Path, image_token: str | None = None):
@@ -71,6 +89,9 @@ def load_tokenizer(path: str | Path, image_token: str | None = None):
         tok.chat_template = PLAIN_TEMPLATE
     tok.image_token = token
     tok.image_token_id = tok.convert_tokens_to_ids(token)
+    vocab = tok.get_vocab()
+    qwen = token == QWEN_IMAGE_TOKEN and VISION_START in vocab and VISION_END in vocab
+    tok.image_wrap = (vocab[VISION_START], vocab[VISION_END]) if qwen else ()
     return tok
 
 

@@ -128,8 +128,8 @@ def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = No
     kind = family(cfg) if cfg.vit_native else "llava"
     if kind == "llava":
         check_exportable(cfg)
+    source = common.get("source", {}).get(f"{kind}_config", {})
     if image_token_index is None:  # the source model's, else the last vocabulary entry
-        source = common.get("source", {}).get(f"{kind}_config", {})
         key = "image_token_index" if kind == "llava" else "image_token_id"
         image_token_index = source.get(key, cfg.vocab_size - 1)
     if not 0 <= image_token_index < cfg.vocab_size:
@@ -140,7 +140,7 @@ def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = No
     out = Path(save_dir)
     if (out / "config.json").exists():
         raise ConfigError(f"--save-dir {save_dir} already holds a model; choose an empty directory")
-    model, to_hf = _hf_model(cfg, kind, image_token_index)
+    model, to_hf = _hf_model(cfg, kind, image_token_index, source)
 
     import torch.distributed as dist
 
@@ -156,14 +156,18 @@ def mcore_to_hf(load_dir: str, save_dir: str, image_token_index: int | None = No
     return model.config
 
 
-def _hf_model(cfg: MLLMConfig, kind: str, image_token_index: int):
-    """An empty transformers model of our `cfg` and the mapping of our weights into it."""
+def _hf_model(cfg: MLLMConfig, kind: str, image_token_index: int, source: dict):
+    """An empty transformers model of our `cfg` and the mapping of our weights into it; a Qwen
+    model keeps the `source` config's vision start, end and video token ids."""
     if kind != "llava":
         from transformers import Qwen2_5_VLForConditionalGeneration, Qwen2VLForConditionalGeneration
 
         from megatron_mllm.models.hf_qwen2vl import QWEN25, canonical_to_qwen2vl, qwen2vl_config
 
         config = qwen2vl_config(cfg, image_token_index)
+        for key in ("vision_start_token_id", "vision_end_token_id", "video_token_id"):
+            if source.get(key) is not None:
+                setattr(config, key, source[key])
         model = (
             Qwen2_5_VLForConditionalGeneration
             if kind == QWEN25

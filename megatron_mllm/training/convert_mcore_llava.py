@@ -35,6 +35,11 @@ def llava_checkpoint_path(root: str) -> Path:
     path = Path(root) / RELEASE if text == RELEASE else None
     if text.isdigit():
         path = checkpoint_dir(root, int(text))
+    if path is not None and any(path.glob("mp_rank_*")):
+        raise ConfigError(
+            f"--load-dir {root}: {path.name} is a --ckpt-format torch checkpoint (mp_rank_* "
+            "pickles); save it as torch_dist first (Megatron-LM's --ckpt-convert-format torch_dist)"
+        )
     if path is None or not (path / ".metadata").is_file():
         raise ConfigError(
             f"--load-dir {root}: {TRACKER} says '{text[:40]}' but no torch_dist checkpoint is "
