@@ -591,6 +591,19 @@ def test_gpu_recipes_pass_argument_checks(model, world):
     assert "sequence parallel" in out.stdout  # as Megatron users run TP
 
 
+def test_the_qwen25_vl_7b_recipe_passes_argument_checks():
+    """examples/pretrain_qwen2.5_vl_7b_gpu.sh with DRY_RUN=1 (synthetic data): the shapes and
+    plans are consistent."""
+    env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable}
+    script = ROOT / "examples" / "pretrain_qwen2.5_vl_7b_gpu.sh"
+    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "arguments checked for world size 32" in out.stdout
+    assert "backbone plan: DP8 TP2 PP2, sequence parallel" in out.stdout
+    assert "attention in 112-pixel windows but layers 7 15 23 31" in out.stdout
+    assert "28 layers x 3584 (7.62B params)" in out.stdout
+
+
 def test_damaged_shards_are_left_out_within_the_fraction(tmp_path, llava_dataset, monkeypatch):
     """A train shard cut short: refused at the default --max-skipped-samples-fraction (one
     line naming it); within a larger fraction the run starts, warns, and its loader leaves the
