@@ -16,7 +16,7 @@
 # Plans: the backbone at TP 2 (sequence parallel) x PP 2, so each node holds two model replicas
 # and the pipeline has bubbles for Optimus to fill; the tower's own plan is the planner's. Not
 # yet on this job: Transformer Engine (the native tower and packing run megatron-core's local
-# layers), the planner's costs per step's patches (it costs a nominal --img-h image). Needs GPUs
+# layers), per-step plans (the static plan costs the data set's mean patch load). Needs GPUs
 # with NCCL; on CPU only DRY_RUN=1 is useful.
 set -euo pipefail
 export CUDA_DEVICE_MAX_CONNECTIONS=1  # what megatron-core's overlapped communication assumes

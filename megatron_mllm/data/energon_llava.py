@@ -50,6 +50,7 @@ subflavors:
 SUBFLAVORS = {"format": "megatron_mllm.llava"}
 SPLITS = ("train", "val")
 STATS = ".nv-meta/megatron_mllm.json"  # ours beside energon's: encoder load, source counts
+SIZE_SAMPLE = 4096  # image sizes the stats keep (a native tower's planned load is their mean)
 TOOL = "tools/llava_to_energon.py"
 NO_SOURCE = ""  # the source count key of records without a "source" field
 
@@ -132,8 +133,9 @@ def convert_llava(
     if not raw:
         raise ConfigError(f"{json_path}: no records; give a LLaVA file with at least one")
     records = [parse_record(r, i) for i, r in enumerate(raw)]
+    sizes = SizeSample()
     for record in tqdm(records, desc="checking images", unit="rec", disable=not progress):
-        check_images(record, folder, max_image_pixels)
+        sizes.add(check_images(record, folder, max_image_pixels))
     sources = [raw_record.get("source") for raw_record in raw]
     train, val = _split(len(records), val_fraction, seed)
 
@@ -159,6 +161,7 @@ def convert_llava(
         stats = {
             "train_samples": len(train),
             "images_per_sample": load,
+            "image_sizes": sizes.kept,  # (height, width) of up to SIZE_SAMPLE images
             "sources": _count_sources(sources[i] for i in train),
         }
         (tmp / STATS).write_text(json.dumps(stats) + "\n")
@@ -247,6 +250,32 @@ def check_has_validation(path: str | Path) -> None:
     """Refuse, in one line, a dataset without a validation split."""
     if "val:" not in (Path(path) / ".nv-meta" / "split.yaml").read_text():
         raise ConfigError(f"{path}: has no validation split; convert again with --val-fraction > 0")
+
+
+class SizeSample:
+    """A uniform sample of up to SIZE_SAMPLE image sizes (reservoir sampling, seeded)."""
+
+    def __init__(self) -> None:
+        self.kept: list[tuple[int, int]] = []
+        self.seen = 0
+        self._rng = random.Random(0)
+
+    def add(self, sizes: list[tuple[int, int]]) -> None:
+        for size in sizes:
+            self.seen += 1
+            if len(self.kept) < SIZE_SAMPLE:
+                self.kept.append(size)
+            else:
+                slot = self._rng.randrange(self.seen)
+                if slot < SIZE_SAMPLE:
+                    self.kept[slot] = size
+
+
+def image_sizes(path: str | Path) -> list[tuple[int, int]] | None:
+    """The (height, width) sample `convert_llava` recorded (None: converted without it)."""
+    stats = Path(path) / STATS
+    sizes = json.loads(stats.read_text()).get("image_sizes") if stats.is_file() else None
+    return None if sizes is None else [(int(h), int(w)) for h, w in sizes]
 
 
 def images_per_sample(path: str | Path) -> float:

@@ -122,21 +122,24 @@ def image_path(record_id: str, folder: str | Path, name: str) -> Path:
 
 def check_images(
     record: LlavaRecord, folder: str | Path, max_pixels: int = DEFAULT_MAX_IMAGE_PIXELS
-) -> None:
+) -> list[tuple[int, int]]:
     """Every image of `record` is a file inside `folder` (`image_path`) that decodes (JPEG,
-    PNG, any size up to `max_pixels`)."""
+    PNG, any size up to `max_pixels`); returns each one's (height, width)."""
     from PIL import Image
 
     bound, Image.MAX_IMAGE_PIXELS = Image.MAX_IMAGE_PIXELS, None  # ours, from the header below
     try:
-        _check_record_images(record, folder, max_pixels)
+        return _check_record_images(record, folder, max_pixels)
     finally:
         Image.MAX_IMAGE_PIXELS = bound
 
 
-def _check_record_images(record: LlavaRecord, folder: str | Path, max_pixels: int) -> None:
+def _check_record_images(
+    record: LlavaRecord, folder: str | Path, max_pixels: int
+) -> list[tuple[int, int]]:
     from PIL import Image, UnidentifiedImageError
 
+    sizes = []
     for name in record.images:
         path = image_path(record.id, folder, name)
         if not path.is_file():
@@ -150,11 +153,13 @@ def _check_record_images(record: LlavaRecord, folder: str | Path, max_pixels: in
                         "bound"
                     )
                 img.load()
+                sizes.append((img.height, img.width))
         except (UnidentifiedImageError, OSError, Image.DecompressionBombError) as err:
             why = str(err).splitlines()[0] if str(err) else type(err).__name__
             raise ConfigError(
                 f"record {record.id}: image {name!r} does not decode ({why})"
             ) from None
+    return sizes
 
 
 def read_records(path: str | Path, folder: str | Path | None = None) -> list[LlavaRecord]:

@@ -68,6 +68,16 @@ def samples(
     return torch.cat(images), torch.cat(texts), torch.cat(classes)
 
 
+NATIVE_IMAGE_SHARE = 0.75  # of synthetic native samples, those with an image (every fourth: none)
+
+
+def native_grids(cfg) -> list[tuple[int, int]]:
+    """Every patch grid a synthetic native image may have, each as likely."""
+    factor = cfg.patch_size * cfg.vit_merge
+    sides = [k * factor // cfg.patch_size for k in range(1, cfg.image_size // factor + 1)]
+    return [(h, w) for h in sides for w in sides]
+
+
 def native_microbatch(cfg, index: int, micro_batch: int, seed: int = 0):
     """Global micro-batch `index` for a native-resolution tower (`cfg.vit_native`): each
     sample one image of its own size (sides drawn from the multiples of patch x merge up to
@@ -87,7 +97,7 @@ def native_microbatch(cfg, index: int, micro_batch: int, seed: int = 0):
     patches, grids = [], []
     for i in range(b):
         n = 0
-        if (index * b + i) % 4 != 3:
+        if (index * b + i) % 4 != 3:  # NATIVE_IMAGE_SHARE
             h, w = (int(torch.randint(1, sides + 1, (1,), generator=g)) * spec.factor for _ in "hw")
             cut, grid = patchify(images[i, :, :h, :w], spec)
             patches.append(cut)

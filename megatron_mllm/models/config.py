@@ -117,6 +117,22 @@ class MLLMConfig:
             self.patch_size, self.vit_merge, self.vit_temporal_patch, channels=self.channels
         )
 
+    def tower_shape(self):
+        """The native tower's shape as its cost depends on it (`schedule.patch_loads`)."""
+        from megatron_mllm.schedule.patch_loads import TowerShape
+
+        factor = self.patch_size * self.vit_merge
+        window = self.vit_window // factor if self.vit_window else 0
+        return TowerShape(
+            self.vit_hidden,
+            self.vit_ffn or 4 * self.vit_hidden,
+            self.vit_layers,
+            self.vit_swiglu,
+            self.vit_merge,
+            window,
+            len(self.vit_full_layers),
+        )
+
     def vision_spec(self):
         """The native-resolution tower's shape (`models.qwen2_vision.Qwen2VisionSpec`)."""
         from megatron_mllm.models.qwen2_vision import Qwen2VisionSpec

@@ -30,7 +30,7 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
             f" > encoder plan:  {enc_plan} ({where})",
             f" > schedule: {run.schedule}; {run.num_microbatches} micro-batches of "
             f"{run.micro_batch} per step and DP replica, planned for "
-            f"{run.images_per_sample:.2f} images per sample" + _adaptive_note(run),
+            f"{run.images_per_sample:.2f} {_load_unit(run)} per sample" + _adaptive_note(run),
             " > " + training_summary(args),
             *_packing_line(run),
             f" > optional libraries: {fallbacks()}",
@@ -39,6 +39,15 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
             f"{p.bubble_ratio:.1%}, zero-bubble limit {1000 * p.limit_s:.1f} ms",
         ]
     )
+
+
+def _load_unit(run: RunConfig) -> str:
+    """What the planned encoder load counts: images, or a native tower's nominal images (each
+    image weighed by its cost at its own size)."""
+    if not run.model.vit_native:
+        return "images"
+    side = run.model.image_size
+    return f"nominal {side}x{side} images (each image weighed by its patches)"
 
 
 def _packing_line(run: RunConfig) -> list[str]:
@@ -89,7 +98,8 @@ def dry_run_summary(run: RunConfig) -> str:
             + (f"; {cfg.num_encoders - 1} more encoder(s)" if cfg.num_encoders > 1 else ""),
             f" > backbone: {cfg.llm_layers} layers x {cfg.llm_hidden} ({llm / 1e9:.2f}B "
             f"params), {cfg.seq_len} tokens per sample",
-            f" > {run.num_microbatches} micro-batches of {run.micro_batch} per step and DP replica",
+            f" > {run.num_microbatches} micro-batches of {run.micro_batch} per step and DP "
+            f"replica, planned for {run.images_per_sample:.2f} {_load_unit(run)} per sample",
             " > " + training_summary(args),
         ]
     )

@@ -54,9 +54,10 @@ class RunConfig:
                 args.encoder_tensor_model_parallel_size,
                 args.encoder_pipeline_model_parallel_size,
             )
+        model = model_config(args)
         return cls(
             args,
-            model_config(args),
+            model,
             plan,
             forced,
             args.micro_batch_size,
@@ -68,7 +69,7 @@ class RunConfig:
                 args.recompute_num_layers,
                 args.recompute_vision,
             ),
-            _images_per_sample(args.data_path),
+            encoder_load(args, model),
         )
 
     @property
@@ -195,13 +196,41 @@ def parse_run(argv: list[str], world_size: int | None = None) -> RunConfig:
     return RunConfig.from_args(parse_args(argv, world_size))
 
 
-def _images_per_sample(data_path) -> float:
-    """Images per sample the plan is made for: the data set's mean (1.0 for synthetic data)."""
-    if not data_path:
+def encoder_load(args, cfg: MLLMConfig) -> float:
+    """The encoders' mean load per sample the plan is made for, in nominal images: the data
+    set's images per sample (1.0 for synthetic data); for a native-resolution tower each image
+    weighs its cost at its resized size (`schedule.patch_loads`: patches, attention per image
+    or window) over the nominal --img-h image's."""
+    if cfg.vit_native:
+        return _native_load(args, cfg)
+    if not args.data_path:
         return 1.0
     from megatron_mllm.data.energon_llava import images_per_sample
 
-    return images_per_sample(data_path)
+    return images_per_sample(args.data_path)
+
+
+def _native_load(args, cfg: MLLMConfig) -> float:
+    from dataclasses import replace
+
+    from megatron_mllm.schedule.patch_loads import mean_image_load
+
+    shape, side = cfg.tower_shape(), cfg.image_size // cfg.patch_size
+    if not args.data_path:
+        from megatron_mllm.data.synthetic import NATIVE_IMAGE_SHARE, native_grids
+
+        return NATIVE_IMAGE_SHARE * mean_image_load(shape, native_grids(cfg), (side, side))
+    from megatron_mllm.data.energon_llava import image_sizes, images_per_sample
+    from megatron_mllm.data.native_images import smart_resize
+
+    sizes, per_sample = image_sizes(args.data_path), images_per_sample(args.data_path)
+    if sizes is None:  # converted before the sizes were recorded: nominal images
+        return per_sample
+    bounds = {"min_pixels": args.min_pixels, "max_pixels": args.max_pixels}
+    spec = replace(cfg.native_image_spec(), **{k: v for k, v in bounds.items() if v})
+    p = cfg.patch_size
+    grids = [tuple(x // p for x in smart_resize(h, w, spec)) for h, w in sizes]
+    return per_sample * mean_image_load(shape, grids, (side, side))
 
 
 def llava_data(args):
