@@ -596,7 +596,9 @@ def test_the_qwen25_vl_7b_recipe_passes_argument_checks():
     plans are consistent."""
     env = {**os.environ, "DRY_RUN": "1", "PYTHON": sys.executable}
     script = ROOT / "examples" / "pretrain_qwen2.5_vl_7b_gpu.sh"
-    out = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "arguments checked for world size 32" in out.stdout
     assert "backbone plan: DP8 TP2 PP2, sequence parallel" in out.stdout
