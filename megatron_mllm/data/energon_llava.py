@@ -50,7 +50,7 @@ subflavors:
 SUBFLAVORS = {"format": "megatron_mllm.llava"}
 SPLITS = ("train", "val")
 STATS = ".nv-meta/megatron_mllm.json"  # ours beside energon's: encoder load, source counts
-SIZE_SAMPLE = 4096  # image sizes the stats keep (a native tower's planned load is their mean)
+SIZE_SAMPLE = 4096  # records whose image sizes the stats keep (a native tower's planned load)
 TOOL = "tools/llava_to_energon.py"
 NO_SOURCE = ""  # the source count key of records without a "source" field
 
@@ -161,7 +161,7 @@ def convert_llava(
         stats = {
             "train_samples": len(train),
             "images_per_sample": load,
-            "image_sizes": sizes.kept,  # (height, width) of up to SIZE_SAMPLE images
+            "record_image_sizes": sizes.kept,  # up to SIZE_SAMPLE records' (height, width)s
             "sources": _count_sources(sources[i] for i in train),
         }
         (tmp / STATS).write_text(json.dumps(stats) + "\n")
@@ -253,29 +253,29 @@ def check_has_validation(path: str | Path) -> None:
 
 
 class SizeSample:
-    """A uniform sample of up to SIZE_SAMPLE image sizes (reservoir sampling, seeded)."""
+    """A uniform sample of up to SIZE_SAMPLE records' image sizes (reservoir sampling, seeded):
+    each kept record is its images' (height, width) list (empty: text only)."""
 
     def __init__(self) -> None:
-        self.kept: list[tuple[int, int]] = []
+        self.kept: list[list[tuple[int, int]]] = []
         self.seen = 0
         self._rng = random.Random(0)
 
     def add(self, sizes: list[tuple[int, int]]) -> None:
-        for size in sizes:
-            self.seen += 1
-            if len(self.kept) < SIZE_SAMPLE:
-                self.kept.append(size)
-            else:
-                slot = self._rng.randrange(self.seen)
-                if slot < SIZE_SAMPLE:
-                    self.kept[slot] = size
+        self.seen += 1
+        if len(self.kept) < SIZE_SAMPLE:
+            self.kept.append(sizes)
+            return
+        slot = self._rng.randrange(self.seen)
+        if slot < SIZE_SAMPLE:
+            self.kept[slot] = sizes
 
 
-def image_sizes(path: str | Path) -> list[tuple[int, int]] | None:
-    """The (height, width) sample `convert_llava` recorded (None: converted without it)."""
+def record_image_sizes(path: str | Path) -> list[list[tuple[int, int]]] | None:
+    """The records' image sizes `convert_llava` sampled (None: converted without them)."""
     stats = Path(path) / STATS
-    sizes = json.loads(stats.read_text()).get("image_sizes") if stats.is_file() else None
-    return None if sizes is None else [(int(h), int(w)) for h, w in sizes]
+    kept = json.loads(stats.read_text()).get("record_image_sizes") if stats.is_file() else None
+    return None if kept is None else [[(int(h), int(w)) for h, w in r] for r in kept]
 
 
 def images_per_sample(path: str | Path) -> float:

@@ -68,14 +68,13 @@ def samples(
     return torch.cat(images), torch.cat(texts), torch.cat(classes)
 
 
-NATIVE_IMAGE_SHARE = 0.75  # of synthetic native samples, those with an image (every fourth: none)
-
-
-def native_grids(cfg) -> list[tuple[int, int]]:
-    """Every patch grid a synthetic native image may have, each as likely."""
+def native_records(cfg) -> list[list[tuple[int, int]]]:
+    """The synthetic native samples' image grids, each record as likely as the samples are:
+    every grid the sides allow, three samples of four with one image, the fourth none."""
     factor = cfg.patch_size * cfg.vit_merge
     sides = [k * factor // cfg.patch_size for k in range(1, cfg.image_size // factor + 1)]
-    return [(h, w) for h in sides for w in sides]
+    grids = [(h, w) for h in sides for w in sides]
+    return [[g] for g in grids for _ in range(3)] + [[] for _ in grids]
 
 
 def native_microbatch(cfg, index: int, micro_batch: int, seed: int = 0):
@@ -97,7 +96,7 @@ def native_microbatch(cfg, index: int, micro_batch: int, seed: int = 0):
     patches, grids = [], []
     for i in range(b):
         n = 0
-        if (index * b + i) % 4 != 3:  # NATIVE_IMAGE_SHARE
+        if (index * b + i) % 4 != 3:  # see native_records
             h, w = (int(torch.randint(1, sides + 1, (1,), generator=g)) * spec.factor for _ in "hw")
             cut, grid = patchify(images[i, :, :h, :w], spec)
             patches.append(cut)

@@ -1,18 +1,23 @@
-"""What an image costs a native-resolution tower, relative to the nominal image the cost model's
-encoder blocks are made for (an encoder load, see `loads.py`).
+"""What a micro-batch costs a native-resolution tower, relative to the nominal images the cost
+model's encoder blocks are made for (an encoder load per sample, see `loads.py`).
 
-A layer's work on an image of n patches: its GEMMs, linear in n (QKV and output projections
-4 h^2 multiply-adds a patch, the MLP 2 h f, or 3 h f gated), and attention, quadratic in the
-length it attends over (scores and values: 2 h l^2 multiply-adds): the whole image in a
-full-attention layer, each window's patches in a windowed one (Qwen2.5-VL's windows tile the
-merged grid, the last ones cut short). The patch embedding and the merger are linear in n and
-small beside the layers; they follow the same factor.
+A layer's work: its GEMMs, linear in the patches (QKV and output projections 4 h^2
+multiply-adds a patch, the MLP 2 h f, or 3 h f gated), and attention, quadratic in the length
+it is computed over (scores and values: 2 h l^2). Which length depends on the attention kernel:
+megatron-core's local attention, which our tower runs, computes the micro-batch's whole patch
+sequence (every image concatenated) and masks what may not attend (`masked`); a
+variable-length kernel computes each image, or each window in Qwen2.5-VL's windowed layers (the
+windows tile the merged grid, the last ones cut short). The nominal micro-batch is one nominal
+image a sample, each computed apart, as the cost model's encoder blocks cost it. The patch
+embedding and the merger are linear and small beside the layers; they follow the same factor.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+
+Grid = tuple[int, int]  # an image's patch rows and columns
 
 
 @dataclass(frozen=True)
@@ -26,17 +31,27 @@ class TowerShape:
     merge: int = 2
     window: int = 0  # a window's side in merged tokens (0: every layer attends whole images)
     full_layers: int = 0  # of the layers, those attending whole images where there are windows
+    masked: bool = True  # attention over the micro-batch's whole sequence under a mask
 
-    def image_cost(self, grid_h: int, grid_w: int) -> float:
-        """Multiply-adds of the tower's layers on one image of grid_h x grid_w patches."""
-        h, n = self.hidden, grid_h * grid_w
-        linear = n * (4 * h * h + (3 if self.gated else 2) * h * self.ffn)
-        whole = 2 * h * n * n
+    @property
+    def per_patch(self) -> float:
+        """Multiply-adds of every layer's GEMMs on one patch."""
+        h = self.hidden
+        return self.layers * (4 * h * h + (3 if self.gated else 2) * h * self.ffn)
+
+    def attention(self, length: int) -> float:
+        """Multiply-adds of every layer's attention computed over `length` patches."""
+        return self.layers * 2 * self.hidden * length * length
+
+    def image_attention(self, grid: Grid) -> float:
+        """Every layer's attention on one image computed apart (a variable-length kernel)."""
+        n = grid[0] * grid[1]
         if not self.window:
-            return self.layers * (linear + whole)
-        windowed = 2 * h * sum(length**2 for length in self.window_lengths(grid_h, grid_w))
+            return self.attention(n)
+        windows = sum(length**2 for length in self.window_lengths(*grid))
         full = min(self.full_layers, self.layers)
-        return self.layers * linear + full * whole + (self.layers - full) * windowed
+        per_layer = self.attention(1) / self.layers
+        return per_layer * (full * n * n + (self.layers - full) * windows)
 
     def window_lengths(self, grid_h: int, grid_w: int) -> list[int]:
         """Patches in each attention window of a grid_h x grid_w image."""
@@ -48,16 +63,41 @@ class TowerShape:
             for c in range(0, cols, ws)
         ]
 
+    def nominal_cost(self, nominal: Grid) -> float:
+        """One nominal image, computed apart: a sample's cost at load 1."""
+        n = nominal[0] * nominal[1]
+        return self.per_patch * n + self.attention(n)
 
-def image_load(shape: TowerShape, grid: tuple[int, int], nominal: tuple[int, int]) -> float:
-    """One image's encoder load: its cost over the nominal image's."""
-    return shape.image_cost(*grid) / shape.image_cost(*nominal)
+    def microbatch_cost(self, samples: list[list[Grid]]) -> float:
+        """Multiply-adds of the tower on a micro-batch (each sample: its images' grids)."""
+        grids = [g for sample in samples for g in sample]
+        patches = sum(h * w for h, w in grids)
+        if self.masked:
+            return self.per_patch * patches + self.attention(patches)
+        return self.per_patch * patches + math.fsum(self.image_attention(g) for g in grids)
 
 
-def mean_image_load(
-    shape: TowerShape, grids: list[tuple[int, int]], nominal: tuple[int, int]
+def microbatch_load(shape: TowerShape, samples: list[list[Grid]], nominal: Grid) -> float:
+    """A micro-batch's load per sample: its cost over as many nominal samples'."""
+    return shape.microbatch_cost(samples) / (len(samples) * shape.nominal_cost(nominal))
+
+
+def expected_load(
+    shape: TowerShape, records: list[list[Grid]], micro_batch: int, nominal: Grid
 ) -> float:
-    """The mean load of the images with patch grids `grids` (1.0 for none)."""
-    if not grids:
+    """The expected load per sample of a micro-batch of `micro_batch` samples drawn at random
+    from `records` (each: its images' grids; 1.0 for none): under the mask the attention is
+    quadratic in the micro-batch's patches, E[(sum S)^2] = b E[S^2] + b (b - 1) E[S]^2."""
+    if not records:
         return 1.0
-    return math.fsum(image_load(shape, g, nominal) for g in grids) / len(grids)
+    b, count = micro_batch, len(records)
+    patches = [sum(h * w for h, w in r) for r in records]
+    mean = math.fsum(patches) / count
+    if shape.masked:
+        square = math.fsum(p * p for p in patches) / count
+        pairs = b * square + b * (b - 1) * mean**2  # E[(patches of the micro-batch)^2]
+        total = shape.per_patch * b * mean + shape.attention(1) * pairs
+    else:
+        per_sample = [shape.microbatch_cost([r]) for r in records]
+        total = b * math.fsum(per_sample) / count
+    return total / (b * shape.nominal_cost(nominal))

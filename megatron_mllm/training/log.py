@@ -47,7 +47,7 @@ def _load_unit(run: RunConfig) -> str:
     if not run.model.vit_native:
         return "images"
     side = run.model.image_size
-    return f"nominal {side}x{side} images (each image weighed by its patches)"
+    return f"nominal {side}x{side} images (by patches)"
 
 
 def _packing_line(run: RunConfig) -> list[str]:

@@ -198,9 +198,9 @@ def parse_run(argv: list[str], world_size: int | None = None) -> RunConfig:
 
 def encoder_load(args, cfg: MLLMConfig) -> float:
     """The encoders' mean load per sample the plan is made for, in nominal images: the data
-    set's images per sample (1.0 for synthetic data); for a native-resolution tower each image
-    weighs its cost at its resized size (`schedule.patch_loads`: patches, attention per image
-    or window) over the nominal --img-h image's."""
+    set's images per sample (1.0 for synthetic data); for a native-resolution tower a
+    micro-batch's expected cost at its images' resized sizes (`schedule.patch_loads`) over as
+    many nominal --img-h images', from the records' sizes the conversion sampled."""
     if cfg.vit_native:
         return _native_load(args, cfg)
     if not args.data_path:
@@ -213,24 +213,24 @@ def encoder_load(args, cfg: MLLMConfig) -> float:
 def _native_load(args, cfg: MLLMConfig) -> float:
     from dataclasses import replace
 
-    from megatron_mllm.schedule.patch_loads import mean_image_load
+    from megatron_mllm.schedule.patch_loads import expected_load
 
-    shape, side = cfg.tower_shape(), cfg.image_size // cfg.patch_size
+    shape, side, b = cfg.tower_shape(), cfg.image_size // cfg.patch_size, args.micro_batch_size
     if not args.data_path:
-        from megatron_mllm.data.synthetic import NATIVE_IMAGE_SHARE, native_grids
+        from megatron_mllm.data.synthetic import native_records
 
-        return NATIVE_IMAGE_SHARE * mean_image_load(shape, native_grids(cfg), (side, side))
-    from megatron_mllm.data.energon_llava import image_sizes, images_per_sample
+        return expected_load(shape, native_records(cfg), b, (side, side))
+    from megatron_mllm.data.energon_llava import images_per_sample, record_image_sizes
     from megatron_mllm.data.native_images import smart_resize
 
-    sizes, per_sample = image_sizes(args.data_path), images_per_sample(args.data_path)
-    if sizes is None:  # converted before the sizes were recorded: nominal images
-        return per_sample
+    records = record_image_sizes(args.data_path)
+    if records is None:  # converted before the sizes were recorded: nominal images
+        return images_per_sample(args.data_path)
     bounds = {"min_pixels": args.min_pixels, "max_pixels": args.max_pixels}
     spec = replace(cfg.native_image_spec(), **{k: v for k, v in bounds.items() if v})
     p = cfg.patch_size
-    grids = [tuple(x // p for x in smart_resize(h, w, spec)) for h, w in sizes]
-    return per_sample * mean_image_load(shape, grids, (side, side))
+    grids = [[tuple(x // p for x in smart_resize(h, w, spec)) for h, w in r] for r in records]
+    return expected_load(shape, grids, b, (side, side))
 
 
 def llava_data(args):
