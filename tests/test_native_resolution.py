@@ -106,6 +106,21 @@ def test_the_windowed_tower_matches_the_reference(layout, schedule):
     check_pp2_matches_the_reference(CFG25, schedule, plan)
 
 
+def test_kernel_sized_units_of_the_windowed_tower_fill_tp_bubbles_and_match_the_reference():
+    """Qwen2.5-VL's tower cut into the schedule core's kernels (eight a layer, the merger in
+    two), placed by Optimus into the TP bubbles of a TP 2 backbone: the reference's losses and
+    gradients."""
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
+    from tests.test_runtime import N, check_pp2_matches_the_reference
+
+    plan = ParallelPlan(1, 2, 1)
+    planned = runtime_schedule(CFG25, plan, 1, N, "optimus", unit="kernel")
+    assert sum(planned.meta.encoders[0].fwd_kernels) == 1 + 8 * CFG25.vit_layers + 2
+    assert any("@tp" in str(a) for rank in planned.ranks for a in rank)
+    check_pp2_matches_the_reference(CFG25, "optimus", plan, unit="kernel")
+
+
 QWEN_ARGS = ["--encoder-arch", "qwen2vl", "--patch-dim", "4", "--img-h", "16", "--mrope-section",
              "2", "3", "3", "--add-qkv-bias", "--disable-bias-linear", "--normalization",
              "RMSNorm", "--swiglu"]  # fmt: skip
@@ -125,8 +140,7 @@ def test_pretrain_trains_the_native_tower_and_resumes_bit_exactly(tmp_path):
 
 @pytest.mark.parametrize(
     "extra, msg",
-    [(["--fill-granularity", "kernel"], "runs layer-sized units"),
-     (["--recompute-vision"], "does not run with --recompute-vision"),
+    [(["--recompute-vision"], "does not run with --recompute-vision"),
      (["--encoder-window-size", "16"], "--encoder-window-size sets Qwen2.5-VL's attention"),
      (["--encoder-arch", "qwen2.5vl", "--encoder-full-attention-layers", "2"],
       "full-attention layers [2] are not among the tower's 2 layers"),

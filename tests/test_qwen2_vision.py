@@ -59,7 +59,8 @@ def _both(rank: int, world: int, spec: Qwen2VisionSpec) -> dict:
     cfg = config_from_qwen2vl(hf.config, text_len=8)
     assert cfg.vision_spec() == spec
     one = ParallelPlan(1, 1, 1)
-    ours = Qwen2VisionTower(spec, build_colocated_groups(one, one, 1, 0).backbone).eval()
+    pg = build_colocated_groups(one, one, 1, 0).backbone
+    ours = Qwen2VisionTower(spec, pg).eval()
     load_full_state(ours, qwen2vl_to_canonical(hf.state_dict(), cfg), 0, 1)  # canonical names
     n = int((GRIDS[:, 1] * GRIDS[:, 2]).sum())
     patches = torch.randn(n, spec.patch_dim)
@@ -71,7 +72,25 @@ def _both(rank: int, world: int, spec: Qwen2VisionSpec) -> dict:
         other[first:] = torch.randn(n - first, spec.patch_dim)  # the other images changed
         changed = ours(other, GRIDS).squeeze(1)
         windowed = _windowed_only(ours, spec, patches, GRIDS)
-    return {"ours": mine, "theirs": theirs, "changed": changed, **windowed}
+    return {"ours": mine, "theirs": theirs, "changed": changed, **windowed,
+            "units": _layer_and_kernel_units(ours, spec, pg, patches)}  # fmt: skip
+
+
+def _layer_and_kernel_units(ours, spec, pg, patches) -> dict:
+    """(output, input gradient, parameter gradients) of the tower as layer units and, on the
+    same weights, as kernel units (eight a layer, the merger in two)."""
+    from megatron_mllm.models.qwen2_vision import Qwen2VisionStage
+
+    kernels = Qwen2VisionStage(spec, pg, kernel_units=True).eval()
+    kernels.load_state_dict(ours.state_dict())
+    weight = torch.randn(int((GRIDS[:, 1] * GRIDS[:, 2]).sum()) // spec.merge**2, spec.out_hidden)
+    out = {"num_units": (ours.num_units, kernels.num_units)}
+    for name, tower in (("layer", ours), ("kernel", kernels)):
+        x = patches.clone().requires_grad_(True)
+        y = tower(x, GRIDS).squeeze(1)
+        (y * weight).sum().backward()
+        out[name] = (y.detach(), x.grad, {k: p.grad for k, p in tower.named_parameters()})
+    return out
 
 
 def _windowed_only(ours, spec, patches, grids) -> dict:
@@ -108,6 +127,14 @@ def test_the_tower_gives_transformers_output_for_images_of_different_sizes(spec)
         before, after = out["window_same"]
         assert torch.equal(before, after)
         assert not torch.equal(*out["window_other"])
+    units = out["units"]
+    assert units["num_units"] == (1 + spec.layers + 1, 1 + 8 * spec.layers + 2)
+    (y, dx, grads), (yk, dxk, grads_k) = units["layer"], units["kernel"]
+    torch.testing.assert_close(yk, y, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(dxk, dx, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == grads_k.keys()
+    for name, g in grads.items():
+        torch.testing.assert_close(grads_k[name], g, rtol=1e-6, atol=1e-6, msg=name)
 
 
 def test_patches_are_in_merge_window_order():

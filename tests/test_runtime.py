@@ -67,15 +67,17 @@ def check_against(reference, outs, tp_of: dict[str, int]):
     check_grads(reference, outs, tp_of)
 
 
-def check_pp2_matches_the_reference(cfg, schedule: str, plan: ParallelPlan | None = None) -> None:
-    """Our executor on PP=2, or `plan` (`schedule` planned for `cfg`), gives the one-process
-    reference's losses and step 0's gradients (TRAIN's two steps, N micro-batches of one)."""
+def check_pp2_matches_the_reference(
+    cfg, schedule: str, plan: ParallelPlan | None = None, unit: str = "layer"
+) -> None:
+    """Our executor on PP=2, or `plan` (`schedule` planned for `cfg` with encoder units of
+    `unit` size), gives the one-process reference's losses and step 0's gradients (TRAIN's two
+    steps, N micro-batches of one)."""
     plan = plan or ParallelPlan(1, 1, 2)
     reference = reference_of(cfg, **TRAIN)
-    planned = runtime_schedule(cfg, plan, 1, N, schedule)
-    job = RuntimeJob(
-        ModelParts(cfg, reference[0]), PlanParts(plan, schedule=planned), DataParts(1, N), **TRAIN
-    )
+    planned = runtime_schedule(cfg, plan, 1, N, schedule, unit=unit)
+    parts = PlanParts(plan, schedule=planned, encoder_units=unit)
+    job = RuntimeJob(ModelParts(cfg, reference[0]), parts, DataParts(1, N), **TRAIN)
     enc_plan, stage0 = encoder_plan_of(planned, plan)
     etp = plan.tp if stage0 else enc_plan.tp
     tp_of = {"encoder": etp, "projector": etp, "backbone": plan.tp}

@@ -23,7 +23,8 @@ import torch
 from torch import nn
 
 from megatron_mllm.models.positions import to_device
-from megatron_mllm.models.units import UnitStage
+from megatron_mllm.models.units import UnitStage, layer_kernels
+from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,6 @@ class Qwen2VisionStage(UnitStage, nn.Module):
     embedding], each layer, [the merger]; `prepare(grids)` sets the micro-batch's attention
     mask and rotary angles first (the images' patch grids decide both)."""
 
-    kernel_units = False  # layer-sized units only
     recompute_layers = False
 
     def __init__(
@@ -117,12 +117,14 @@ class Qwen2VisionStage(UnitStage, nn.Module):
         stage: int = 0,
         num_stages: int = 1,
         index: int = 0,
+        kernel_units: bool = False,
         **config_overrides,
     ) -> None:
         super().__init__()
         from megatron.core.transformer.transformer_block import TransformerBlock
 
         self.spec, self.index, self.stage, self.num_stages = spec, index, stage, num_stages
+        self.kernel_units = kernel_units  # each layer as its eight kernels, the merger as two
         self.first, self.last = stage == 0, stage == num_stages - 1
         if self.first:
             self.patch_embed = nn.Linear(spec.patch_dim, spec.hidden, bias=False)
@@ -179,12 +181,22 @@ class Qwen2VisionStage(UnitStage, nn.Module):
             embed = lambda st: (self._embed(st[0]),)  # noqa: E731
             units.append(("embed", embed, [*self.patch_embed.parameters()]))
         for layer in self.block.layers:
-            run = lambda st, lay=layer: (self._layer(lay, st[0]),)  # noqa: E731
-            units.append(("layer", run, [*layer.parameters()]))
+            params = [*layer.parameters()]
+            if not self.kernel_units:
+                run = lambda st, lay=layer: (self._layer(lay, st[0]),)  # noqa: E731
+                units.append(("layer", run, params))
+                continue
+            mask = lambda lay=layer: self._layer_mask(lay)  # noqa: E731
+            kernels = layer_kernels(layer, mask, lambda: self._rotary)
+            units += [(n, fn, params) for n, fn in zip(FORWARD_KERNELS, kernels, strict=True)]
         if self.last:
-            units.append(
-                ("projector", lambda st: (self._merge(st[0]),), [*self.projector.parameters()])
-            )
+            params = [*self.projector.parameters()]
+            if self.kernel_units:
+                units.append(("proj_fc1", lambda st: (self._merge_fc1(st[0]),), params))
+                units.append(("proj_fc2", lambda st: (self._merge_fc2(st[0]),), params))
+            else:
+                merge = lambda st: (self._merge_fc2(self._merge_fc1(st[0])),)  # noqa: E731
+                units.append(("projector", merge, params))
         self._units = units
         return units
 
@@ -193,19 +205,26 @@ class Qwen2VisionStage(UnitStage, nn.Module):
         x = self.patch_embed(patches if self._order is None else patches[self._order])
         return x.unsqueeze(1)
 
-    def _layer(self, layer, x: torch.Tensor) -> torch.Tensor:
+    def _layer_mask(self, layer) -> torch.Tensor:
         windowed = self.spec.window and layer.layer_number - 1 not in self.spec.full_layers
-        mask = self._window_mask if windowed else self._mask
+        return self._window_mask if windowed else self._mask
+
+    def _layer(self, layer, x: torch.Tensor) -> torch.Tensor:
+        mask = self._layer_mask(layer)
         out = layer(hidden_states=x, attention_mask=mask, rotary_pos_emb=self._rotary)
         return out[0] if isinstance(out, tuple) else out
 
-    def _merge(self, x: torch.Tensor) -> torch.Tensor:
-        """[patches, 1, hidden] -> [windows, 1, out_hidden]: each window's patches side by side
-        (back in image order if windowed)."""
+    def _merge_fc1(self, x: torch.Tensor) -> torch.Tensor:
+        """[patches, 1, hidden] -> [windows, window]: each merge window's patches side by side,
+        normed, through fc1 and its activation."""
         p = self.projector
         window = self.spec.hidden * self.spec.merge**2
         y = p["norm"](x.squeeze(1)).reshape(-1, window)
-        y = p["fc2"](nn.functional.gelu(p["fc1"](y)))
+        return nn.functional.gelu(p["fc1"](y))
+
+    def _merge_fc2(self, y: torch.Tensor) -> torch.Tensor:
+        """-> [windows, 1, out_hidden], back in image order if windowed."""
+        y = self.projector["fc2"](y)
         return (y if self._restore is None else y[self._restore]).unsqueeze(1)
 
     def forward(self, patches: torch.Tensor, grids: torch.Tensor) -> torch.Tensor:

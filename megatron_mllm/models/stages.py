@@ -22,7 +22,7 @@ from torch import nn
 from megatron_mllm.data.batch import IGNORE_INDEX, MicroBatch
 from megatron_mllm.models.config import MLLMConfig, transformer_config
 from megatron_mllm.models.loss import vocab_parallel_cross_entropy
-from megatron_mllm.models.units import UnitStage
+from megatron_mllm.models.units import UnitStage, layer_kernels
 from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 
 
@@ -50,42 +50,6 @@ def _recomputed(layer, x: torch.Tensor) -> torch.Tensor:
     from megatron.core.tensor_parallel import checkpoint
 
     return checkpoint(lambda h: _layer(layer, h), False, x)
-
-
-def _layer_kernels(layer) -> list[Callable]:
-    """One megatron-core TransformerLayer (local spec, no mask, no rope) as its eight kernels,
-    each a function of a state tuple."""
-    attn, mlp, cfg = layer.self_attention, layer.mlp, layer.config
-
-    def bda(kind):
-        return getattr(layer, kind)(layer.training, cfg.bias_dropout_fusion)
-
-    def ln1(st):
-        return st[0], layer.input_layernorm(st[0])
-
-    def qkv(st):
-        return (st[0], *attn.get_query_key_value_tensors(st[1], None))
-
-    def core(st):
-        return st[0], attn.core_attention(st[1], st[2], st[3], None, attn.attn_mask_type)
-
-    def proj(st):
-        return (bda("self_attn_bda")(attn.linear_proj(st[1]), st[0], layer.hidden_dropout),)
-
-    def ln2(st):
-        return st[0], layer.pre_mlp_layernorm(st[0])
-
-    def fc1(st):
-        y, bias = mlp.linear_fc1(st[1])
-        return st[0], (y + bias if bias is not None else y)
-
-    def act(st):
-        return st[0], mlp.activation_func(st[1])
-
-    def fc2(st):
-        return (bda("mlp_bda")(mlp.linear_fc2(st[1]), st[0], layer.hidden_dropout),)
-
-    return [ln1, qkv, core, proj, ln2, fc1, act, fc2]
 
 
 class EncoderStage(UnitStage, nn.Module):
@@ -178,7 +142,7 @@ class EncoderStage(UnitStage, nn.Module):
             elif not self.kernel_units:
                 units.append(("layer", lambda st, layer=layer: (_layer(layer, st[0]),), params))
             else:
-                kernels = _layer_kernels(layer)
+                kernels = layer_kernels(layer)
                 units += [(n, fn, params) for n, fn in zip(FORWARD_KERNELS, kernels, strict=True)]
         if self.last:
             tail = [*self.projector.parameters()]

@@ -21,9 +21,6 @@ def check_native(args: argparse.Namespace) -> None:
         _check_pixels_need_native(args)
         return
     refused = {
-        "--fill-granularity kernel (the tower runs layer-sized units)": (
-            args.fill_granularity == "kernel"
-        ),
         "--recompute-vision": args.recompute_vision,
         "--transformer-impl transformer_engine": args.transformer_impl == "transformer_engine",
         "--coreset-pool-ratio": args.coreset is not None,

@@ -69,16 +69,18 @@ class RankModel:
 
 
 def _native_stage(cfg: MLLMConfig, e, recompute: Recompute, impl: str, precision: dict):
-    """The native-resolution tower's stage this rank holds (layer units, local layers)."""
+    """The native-resolution tower's stage this rank holds (layer or kernel units, local
+    layers)."""
     from megatron_mllm.models.qwen2_vision import Qwen2VisionStage
 
-    if e.kernel_units or recompute.vision or impl != "local":
+    if recompute.vision or impl != "local":
         raise ConfigError(
-            "the native-resolution tower runs layer-sized units of megatron-core's local layers "
-            "without recomputation; drop --fill-granularity kernel, --recompute-vision and "
-            "--transformer-impl transformer_engine"
+            "the native-resolution tower runs megatron-core's local layers without "
+            "recomputation; drop --recompute-vision and --transformer-impl transformer_engine"
         )
-    return Qwen2VisionStage(cfg.vision_spec(), e.pg, e.tp, e.stage, e.stages, **precision)
+    return Qwen2VisionStage(
+        cfg.vision_spec(), e.pg, e.tp, e.stage, e.stages, kernel_units=e.kernel_units, **precision
+    )
 
 
 def build_rank_model(

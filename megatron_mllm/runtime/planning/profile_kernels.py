@@ -55,11 +55,11 @@ def kernel_times(
 ) -> dict[str, dict[str, float]]:
     """{"forward": {kernel: s}, "backward": {kernel_b: s}} for one layer of `spec` on one GPU
     of a TP-`tp` group (micro-batch `micro_batch`, `seq_len` tokens)."""
-    from megatron_mllm.models.stages import _layer_kernels
+    from megatron_mllm.models.units import layer_kernels
     from megatron_mllm.runtime.assembly.model_builder import solo_groups
 
     layer = shard_layer(spec, tp, dtype, device, pg if pg is not None else solo_groups())
-    kernels = _layer_kernels(layer)
+    kernels = layer_kernels(layer)
     state = (torch.randn(seq_len, micro_batch, spec.hidden_size, device=device, dtype=dtype),)
     out = {"forward": {}, "backward": {}}
     for name, kernel in zip(FORWARD_KERNELS, kernels, strict=True):
