@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -19,6 +20,14 @@ def flag(dest: str) -> str:
 
 class ConfigError(ValueError):
     """Bad user input. The message is one line: what is wrong and what would be right."""
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (and exit code 2), like every bad input."""
+
+    def error(self, message: str):
+        print(f"error: {message}; see --help", file=sys.stderr)
+        sys.exit(2)
 
 
 class RunStopped(RuntimeError):

@@ -24,18 +24,12 @@ import warnings
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megatron_mllm.errors import exit_on_config_error  # noqa: E402
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"error: {message}; see --help", file=sys.stderr)
-        sys.exit(2)
+from megatron_mllm.errors import OneLineParser, exit_on_config_error  # noqa: E402
 
 
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("direction", choices=["import", "export"])
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir", required=True)

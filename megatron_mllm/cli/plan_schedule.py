@@ -5,10 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import replace
 
-from megatron_mllm.errors import ConfigError, exit_on_config_error
+from megatron_mllm.errors import ConfigError, OneLineParser, exit_on_config_error
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
 from megatron_mllm.schedule.adaptive import AdaptivePlanner, timed_step
 from megatron_mllm.schedule.blocks import JobCosts
@@ -30,14 +29,8 @@ from megatron_mllm.schedule.specs import load_model
 from megatron_mllm.schedule.validator import validate
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line and exit 2, like every other bad input
-        print(f"error: {message}; see --help", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description=__doc__)
+    p = OneLineParser(description=__doc__)
     p.add_argument(
         "--encoder",
         action="append",
@@ -390,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 @exit_on_config_error
 def check_schedule_main(argv: list[str] | None = None) -> int:
     """`tools/check_schedule.py FILE.csv`: load and validate a schedule CSV."""
-    p = _Parser(description="Validate a schedule CSV written by --save-schedule.")
+    p = OneLineParser(description="Validate a schedule CSV written by --save-schedule.")
     p.add_argument("csv")
     args = p.parse_args(argv)
     schedule = Schedule.from_csv(args.csv)

@@ -5,20 +5,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
-from megatron_mllm.errors import ConfigError
+from megatron_mllm.errors import ConfigError, OneLineParser
 from megatron_mllm.training.argument_checks import ENCODER_SPEC_KEYS, MODEL_ARGS, validate_args
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):
-        print(f"error: {message}; see --help", file=sys.stderr)
-        sys.exit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(description="Train a multimodal LLM (ViT + projector + GPT) on megatron-core.")
+    p = OneLineParser(
+        description="Train a multimodal LLM (ViT + projector + GPT) on megatron-core."
+    )
     _add_parallel_args(p)
     _add_schedule_args(p)
     _add_model_args(p)
