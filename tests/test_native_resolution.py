@@ -88,6 +88,23 @@ def test_pp2_on_images_of_their_own_sizes_matches_the_reference(schedule):
     check_pp2_matches_the_reference(CFG, schedule)
 
 
+@pytest.mark.slow  # the executor's programs run in make test above
+def test_megatron_cores_own_1f1b_on_images_of_their_own_sizes_matches_the_reference():
+    """The baseline users have today, megatron-core's 1F1B with the native tower in stage 0's
+    forward step, on micro-batches whose images have their own sizes (text-only included)."""
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob
+    from megatron_mllm.runtime.modes.runs import run_rank
+    from tests.test_runtime import TRAIN, N, check_against, reference_of
+
+    reference = reference_of(CFG, **TRAIN)
+    plan = ParallelPlan(1, 1, 2)
+    job = RuntimeJob(ModelParts(CFG, reference[0]), PlanParts(plan), DataParts(1, N),
+                     mode="megatron_core", **TRAIN)  # fmt: skip
+    outs = spawn(run_rank, 2, job)
+    check_against(reference, outs, {"encoder": 1, "projector": 1, "backbone": 1})
+
+
 # Qwen2.5-VL's tower: RMSNorm, gated SiLU MLP, windows of 1 x 1 merged tokens (8 px) but in
 # layer 1, so that the windows cut every image of more than one backbone token.
 CFG25 = replace(CFG, vit_normalization="RMSNorm", vit_swiglu=True, vit_activation="silu",

@@ -95,6 +95,72 @@ def test_a_packed_row_trains_as_its_samples_one_by_one():
     assert not torch.equal(out["perturbed"][0][0, 26:50], logits[0, 26:50])
 
 
+NATIVE = replace(TINY, text_len=48, vit_native=True, patch_size=4, image_size=16,
+                 llm_mrope_section=(2, 3, 3), llm_qkv_bias=True, llm_bias=False)  # fmt: skip
+
+
+def _native_sample(index: int):
+    """One sample of the synthetic native-resolution data, unpadded: an image of its own
+    size (its merged tokens first), then the first 16 tokens of its caption."""
+    from megatron_mllm.data.synthetic import native_microbatch
+
+    batch = native_microbatch(NATIVE, index, 1)
+    length = int(batch.image_mask.sum()) + 16
+    cut = dict(tokens=batch.tokens[:, :length], labels=batch.labels[:, :length])
+    return replace(batch, image_mask=batch.image_mask[:, :length], **cut)
+
+
+def _native_packed_and_alone(rank: int, world: int, state: dict) -> dict:
+    from megatron_mllm.models.stages import encode
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.assembly.model_builder import build_full_model
+
+    init_rank(rank, world, 0, 60.0)
+    model = build_full_model(NATIVE, "cpu", state)
+    encoder, backbone = model.encoders[0], model.backbone
+    params = [p for m in model.modules for p in m.parameters() if p.requires_grad]
+
+    def run(batch):
+        for p in params:
+            p.grad = None
+        logits = backbone(None, backbone.decoder_input([encode(encoder, batch)], batch), batch)
+        loss = backbone.loss(logits, batch, summed=True)
+        loss.backward()
+        return logits.detach(), loss.detach(), [p.grad.clone() for p in params]
+
+    a, b, other_b = _native_sample(0), _native_sample(1), _native_sample(2)
+    seq = NATIVE.seq_len
+    alone = [run(replace(pack([x], seq, 0), positions=None, segments=None)) for x in (a, b)]
+    lengths = [x.tokens.shape[1] for x in (a, b, other_b)]
+    return {
+        "alone": alone,
+        "packed": run(pack([a, b], seq, 0)),
+        "perturbed": run(pack([a, other_b], seq, 0)),
+        "lengths": lengths,
+    }
+
+
+def test_a_packed_row_of_native_images_trains_as_its_samples_one_by_one():
+    """The same with images of their own sizes through the native tower (attention within
+    each image) and multimodal rotary positions restarting per sample: the packed row's loss
+    and gradients are its samples' sum, each sample's logits are its own."""
+    from megatron_mllm.runtime.modes.reference import make_full_state
+
+    state = spawn(make_full_state, 1, NATIVE, 0)[0]
+    out = spawn(_native_packed_and_alone, 1, state)[0]
+    (la, loss_a, ga), (lb, loss_b, gb) = out["alone"]
+    logits, loss, grads = out["packed"]
+    n_a, n_b, n_other = out["lengths"]
+    assert n_a + max(n_b, n_other) <= NATIVE.seq_len and n_b != n_other  # two sizes
+    assert loss == pytest.approx(float(loss_a + loss_b), rel=1e-5)
+    for g, x, y in zip(grads, ga, gb, strict=True):
+        torch.testing.assert_close(g, x + y, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(logits[0, :n_a], la[0, :n_a], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(logits[0, n_a : n_a + n_b], lb[0, :n_b], rtol=1e-4, atol=1e-5)
+    assert torch.equal(out["perturbed"][0][0, :n_a], logits[0, :n_a])
+    assert not torch.equal(out["perturbed"][0][0, n_a : n_a + n_b], logits[0, n_a : n_a + n_b])
+
+
 @pytest.fixture(scope="module")
 def packing_data(llava_dataset):
     from megatron_mllm.data.llava_source import LlavaData
