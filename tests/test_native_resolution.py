@@ -105,6 +105,45 @@ def test_megatron_cores_own_1f1b_on_images_of_their_own_sizes_matches_the_refere
     check_against(reference, outs, {"encoder": 1, "projector": 1, "backbone": 1})
 
 
+def test_per_step_plans_on_images_of_their_own_sizes_keep_the_references_losses():
+    """optimus-adaptive on native-resolution micro-batches: each step is planned for its
+    micro-batches' loads in nominal images by patches (`inputs.batches.encoder_load`, which
+    differ from micro-batch to micro-batch), the heaviest moved to other 1F1B slots; step 0's
+    losses and gradients and the later steps' losses stay the reference's."""
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.inputs.batches import batches, encoder_load
+    from megatron_mllm.runtime.job import (
+        DataParts,
+        ExecutorSettings,
+        ModelParts,
+        PlanParts,
+        RuntimeJob,
+    )
+    from megatron_mllm.runtime.modes.runs import run_rank
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
+    from tests.test_runtime import TRAIN, N, check_against, reference_of
+
+    steps = {**TRAIN, "steps": 3}
+    reference = reference_of(CFG, **steps)
+    plan = ParallelPlan(1, 1, 2)
+    schedule = runtime_schedule(CFG, plan, 1, N, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
+    adaptive = ExecutorSettings(adaptive=True)
+    job = RuntimeJob(ModelParts(CFG, reference[0]), PlanParts(plan, schedule=schedule),
+                     DataParts(1, N), executor=adaptive, **steps)  # fmt: skip
+    loads = [encoder_load(batches(job, s)(m), CFG) for s in range(3) for m in range(N)]
+    assert len(set(loads)) > 3 and 0.0 in loads  # several sizes and text-only micro-batches
+    outs = spawn(run_rank, 2, job)
+    check_against(reference, outs, {"encoder": 1, "projector": 1, "backbone": 1})
+    for step in (1, 2):
+        after = {k: v for o in outs for k, v in o["history"][step].items()}
+        for k, v in reference[1]["history"][step].items():
+            assert after[k] == pytest.approx(v, abs=1e-4)
+    stats = outs[0]["step_plans"]
+    assert stats.planned == 3 and not stats.failures
+    orders = outs[0]["step_orders"]
+    assert any(o is not None and o != sorted(o) for o in orders), orders  # slots really moved
+
+
 # Qwen2.5-VL's tower: RMSNorm, gated SiLU MLP, windows of 1 x 1 merged tokens (8 px) but in
 # layer 1, so that the windows cut every image of more than one backbone token.
 CFG25 = replace(CFG, vit_normalization="RMSNorm", vit_swiglu=True, vit_activation="silu",

@@ -229,18 +229,27 @@ def test_packing_reads_the_samples_the_padded_loader_reads(packing_data):
 
 
 @pytest.mark.slow  # two pretrain runs; make test resumes the packing loader itself above
-def test_packed_training_resumes_bit_exactly(tmp_path, llava_dataset):
-    """pretrain_mllm.py on packed LLaVA digits (PP=2 Optimus, bf16 with the distributed
-    optimizer, per-token loss): a run resumed at iteration 2 (its loader's packing buffer in
-    the checkpoint) continues with the uninterrupted run's losses and tensors."""
+@pytest.mark.parametrize("schedule", ["optimus", "optimus-adaptive"])
+def test_packed_training_resumes_bit_exactly(tmp_path, llava_dataset, schedule):
+    """pretrain_mllm.py on packed LLaVA digits (PP=2 Optimus, or each step planned for its
+    packed rows' images; bf16 with the distributed optimizer, per-token loss): a run resumed
+    at iteration 2 (its loader's packing buffer in the checkpoint) continues with the
+    uninterrupted run's losses and tensors."""
     from tests.test_training import LLAVA, resumed_at_2_is_bit_exact
 
     data, tokenizer = llava_dataset
     args = [*LLAVA, "--data-path", str(data), "--tokenizer-model", str(tokenizer),
             "--train-iters", "4", "--seq-length", "128", "--packing-buffer-size", "8",
-            "--calculate-per-token-loss", "--bf16", "--use-distributed-optimizer"]  # fmt: skip
+            "--calculate-per-token-loss", "--bf16", "--use-distributed-optimizer",
+            "--bubble-schedule", schedule]  # fmt: skip
+    if schedule == "optimus-adaptive":  # the encoder colocated, so that there is a plan to make
+        args += ["--encoder-tensor-model-parallel-size", "1",
+                 "--encoder-pipeline-model-parallel-size", "1"]  # fmt: skip
     straight, _, _ = resumed_at_2_is_bit_exact(tmp_path, args)
     assert "packed: " in straight.stdout
+    if schedule == "optimus-adaptive":  # rows are not dealt: the micro-batches keep them
+        assert "its micro-batches keep their samples" in straight.stdout
+        assert re.search(r"step plans: [1-4] planned, \d+ static fallback", straight.stdout)
     # 16 rows in four iterations of 4: more samples than rows.
     packed = [int(n) for n in re.findall(r"packed samples: (\d+) \|", straight.stdout)]
     assert len(packed) == 4 and packed == sorted(packed) and packed[-1] > 16

@@ -62,6 +62,22 @@ class MicroBatch:
         """Native-resolution images: each one's backbone tokens (its merged windows), host."""
         return self.grids[:, 0] * self.grids[:, 1] * self.grids[:, 2] // self.merge**2
 
+    def row_grids(self) -> list[list[tuple[int, int]]]:
+        """Native-resolution images: each row's images as (rows, columns) of patches over their
+        frames (a packed row's samples together), host."""
+        per_row = self.image_mask.sum(1).tolist()
+        sizes = self.tokens_per_image().tolist()
+        cells = (self.grids[:, 1] * self.grids[:, 0]).tolist()
+        out, k = [], 0
+        for marked in per_row:
+            row: list[tuple[int, int]] = []
+            while marked > 0:
+                row.append((int(cells[k]), int(self.grids[k, 2])))
+                marked -= sizes[k]
+                k += 1
+            out.append(row)
+        return out
+
     @property
     def num_samples(self) -> int:
         return self.tokens.shape[0]

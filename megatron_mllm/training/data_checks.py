@@ -8,7 +8,6 @@ import argparse
 import sys
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.schedule.choice import ScheduleChoice
 from megatron_mllm.training.model_args import NATIVE_ARCHS
 
 
@@ -24,7 +23,6 @@ def check_native(args: argparse.Namespace) -> None:
         "--recompute-vision": args.recompute_vision,
         "--transformer-impl transformer_engine": args.transformer_impl == "transformer_engine",
         "--coreset-pool-ratio": args.coreset is not None,
-        "--bubble-schedule optimus-adaptive": ScheduleChoice(args.bubble_schedule).per_step,
     }
     for what, given in refused.items():
         if given:
@@ -76,9 +74,6 @@ def check_packing(args: argparse.Namespace) -> None:
     others = {
         "--coreset-pool-ratio (selection picks samples, a packed row holds several)": (
             args.coreset is not None
-        ),
-        "--bubble-schedule optimus-adaptive (it deals samples between rows)": (
-            ScheduleChoice(args.bubble_schedule).per_step
         ),
         "--transformer-impl transformer_engine (packed rows use the local attention path's "
         "mask; THD packing with Transformer Engine is not here)": (

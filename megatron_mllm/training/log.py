@@ -64,7 +64,7 @@ def _packing_line(run: RunConfig) -> list[str]:
 def _adaptive_note(run: RunConfig) -> str:
     if not run.schedule.per_step:
         return ""
-    if run.args.calculate_per_token_loss:
+    if run.deals_samples:
         return "; each step re-planned for its own, its samples dealt by images"
     return "; each step re-planned for its own (its micro-batches keep their samples)"
 

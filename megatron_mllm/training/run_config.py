@@ -77,6 +77,15 @@ class RunConfig:
         return "bf16" if self.args.bf16 else "fp16" if self.args.fp16 else "fp32"
 
     @property
+    def deals_samples(self) -> bool:
+        """Whether optimus-adaptive also deals each step's samples into micro-batches of equal
+        loads (with a per-token loss, for fixed-size images one sample a row); otherwise its
+        micro-batches keep their samples and only their slots and encoder work are planned."""
+        a = self.args
+        whole = self.model.vit_native or a.packing_buffer_size is not None
+        return self.schedule.per_step and a.calculate_per_token_loss and not whole
+
+    @property
     def fill_unit(self) -> str:
         """The encoder's unit in the static plan: --fill-granularity for Optimus, else layers."""
         return self.args.fill_granularity if self.schedule.is_optimus else "layer"
@@ -167,7 +176,7 @@ class RunConfig:
             lookahead_schedule=pools[1],
             llava=llava_data(a),
             per_token_loss=a.calculate_per_token_loss,
-            balance_samples=self.schedule.per_step and a.calculate_per_token_loss,
+            balance_samples=self.deals_samples,
         )
 
     def _optimizer(self):

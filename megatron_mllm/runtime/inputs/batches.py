@@ -26,6 +26,19 @@ def batches(job, step: int) -> Callable[..., MicroBatch]:
     return synthetic
 
 
+def encoder_load(batch: MicroBatch, cfg) -> float:
+    """A micro-batch's encoder work in the plan's units, what optimus-adaptive plans a step
+    from: its image count, or for a native-resolution tower its nominal images (each row's
+    images weighed by their cost at their own sizes, `schedule.patch_loads`)."""
+    if not batch.native:
+        return batch.num_images
+    from megatron_mllm.schedule.patch_loads import microbatch_load
+
+    side = cfg.image_size // cfg.patch_size
+    rows = batch.row_grids()
+    return microbatch_load(cfg.tower_shape(), rows, (side, side)) * len(rows)
+
+
 def pool_batches(job, step: int) -> Callable[..., MicroBatch]:
     """Synthetic coreset pools: `get(mb, dp=0)`, micro-batch `mb` of replica `dp`'s pool of
     r x B individually indexed samples at step `step`, each with its class as source id."""
@@ -129,12 +142,12 @@ class StepData:
         """Coreset look-ahead: `step`'s pool, read one step ahead."""
         return self._read_ahead(step, self.pool)
 
-    def prefetch(self, step: int) -> list[list[int]]:
-        """Read `step`'s micro-batches now, one step ahead; each replica's image count per
-        micro-batch."""
+    def prefetch(self, step: int) -> list[list[float]]:
+        """Read `step`'s micro-batches now, one step ahead; each replica's encoder load per
+        micro-batch (`encoder_load`)."""
         get = self._read_ahead(step, self.step)
-        n = self.job.num_microbatches
-        return [[get(m, dp).num_images for m in range(n)] for dp in self.replicas]
+        n, cfg = self.job.num_microbatches, self.job.cfg
+        return [[encoder_load(get(m, dp), cfg) for m in range(n)] for dp in self.replicas]
 
     def cut(self) -> tuple[int, int, int, int]:
         """Samples cut to the sequence length so far, those of them left without an answer

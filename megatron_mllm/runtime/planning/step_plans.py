@@ -1,8 +1,9 @@
 """optimus-adaptive at run time: each step's schedule planned one step ahead, off the step's
 path, for the encoder load the step really has.
 
-While step t runs, a background thread plans step t+1 from its micro-batches' image counts
-(read one step ahead; `StepData.prefetch`); the process's first step (0, or the first after a
+While step t runs, a background thread plans step t+1 from its micro-batches' encoder loads
+(image counts, or a native tower's nominal images by patches; read one step ahead,
+`StepData.prefetch`); the process's first step (0, or the first after a
 resume) is planned before it runs, so a resumed run plans as the uninterrupted one did. At
 step t+1 every rank asks whether its plan is ready; one tiny all-reduce on a CPU (gloo) group
 makes the answer the same everywhere, so all ranks run the planned schedule or all fall back
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from megatron_mllm.runtime.inputs.batches import encoder_load
 from megatron_mllm.schedule.adaptive import AdaptivePlanner, StepPlan
 
 
@@ -47,8 +49,9 @@ class StepPlanner:
         self._pending: dict[int, concurrent.futures.Future] = {}
         self.stats = PlanStats()
 
-    def request(self, step: int, counts: list[int]) -> None:
-        """Start planning `step` for its micro-batches' image counts (slot order as loaded)."""
+    def request(self, step: int, counts: list[float]) -> None:
+        """Start planning `step` for its micro-batches' encoder loads (`inputs.batches.
+        encoder_load`, slot order as loaded)."""
         self._pending[step] = self._pool.submit(self.planner.plan, counts)
 
     def requested(self, step: int) -> bool:
@@ -152,7 +155,8 @@ class AdaptiveSteps:
         planner, run, n = self.planner, self.run, self.run.job.num_microbatches
         if not planner.requested(step):  # the first step: nothing planned it ahead
             dp = run.groups.coords.dp
-            planner.request(step, [data(m, dp).num_images for m in range(n)])
+            cfg = run.job.cfg
+            planner.request(step, [encoder_load(data(m, dp), cfg) for m in range(n)])
             planner.wait(step)
         plan = planner.take(step)
         planner.request(step + 1, run.data.prefetch(step + 1)[0])
