@@ -93,10 +93,10 @@ def test_the_balanced_baseline_charges_its_folded_encoder_layers():
     "text, message",
     [
         ("0:0.5,1:0.4", "sum to 0.9, not 1"),
-        ("-1:0.5,1:0.5", "is not IMAGES:SHARE"),
-        ("1:0.5,1:0.5", "1 images given twice"),
-        ("one:1", "is not IMAGES:SHARE"),
-        ("1:nan", "is not IMAGES:SHARE"),
+        ("-1:0.5,1:0.5", "is not VALUE:SHARE"),
+        ("1:0.5,1:0.5", "1 given twice"),
+        ("one:1", "is not VALUE:SHARE"),
+        ("1:nan", "is not VALUE:SHARE"),
     ],
 )
 def test_bad_distributions_fail_in_one_line(text, message):
@@ -148,3 +148,54 @@ def test_plan_schedule_times_every_schedule_on_drawn_loads(run_tool):
         bad = run_tool("plan_schedule.py", *args, *bad_args)
         assert bad.returncode == 2 and message in bad.stderr
         assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_the_qwen25_vl_72b_preset_draws_native_loads_and_states_its_bound(run_tool):
+    """--preset qwen2.5-vl-72b --image-pixels DIST: each sample's load is its images' cost at
+    their sizes in nominal images; every schedule is timed on the drawn steps, and none is
+    faster than the backbone alone (the bound the table prints)."""
+    import json
+
+    out = run_tool(
+        "plan_schedule.py", "--preset", "qwen2.5-vl-72b", "--image-pixels",
+        "50176:0.5,1806336:0.5", "--sample-steps", "2", "--seed", "1", "--json",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["sample_steps"] == 2 and got["images_per_sample"] > 2  # nominal images by cost
+    alone = got["backbone_alone_step_s"]
+    for name in ("megatron", "balanced", "optimus", "optimus_adaptive"):
+        assert got["schedules"][name]["step_time_min_s"] >= alone * (1 - 1e-9)
+    assert 0 < got["replan_seconds_per_step"]
+    for bad_args, message in (
+        (["--preset", "qwen2.5-vl-72b", "--image-pixels", "0:1"], "of 1 or more pixels"),
+        (["--preset", "qwen2.5-vl-72b", "--image-pixels", "5:x"], "--image-pixels '5:x'"),
+        (["--encoder", "vit-3b", "--image-pixels", "50176:1"], "give --backbone, --gpus"),
+        (["--encoder", "vit-3b", "--backbone", "gpt-11b", "--gpus", "8", "--global-batch", "8",
+          "--seq-len", "64", "--image-pixels", "50176:1"], "give a preset with one"),
+    ):  # fmt: skip
+        bad = run_tool("plan_schedule.py", *bad_args)
+        assert bad.returncode == 2 and message in bad.stderr, bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_native_samples_load_is_its_images_cost_over_a_nominal_images():
+    from megatron_mllm.cli.presets import PRESETS
+    from megatron_mllm.schedule.patch_loads import draw_native_loads, square_grid
+
+    preset = PRESETS["qwen2.5-vl-72b"]
+    tower = preset.tower
+    assert square_grid(200704, 14, 2) == preset.nominal == (32, 32)  # 448 px
+    assert square_grid(10, 14, 2) == (2, 2)  # at least one merged token
+    one = draw_native_loads({1: 1.0}, {200704: 1.0}, 1, 3, tower, 14, preset.nominal)
+    base = one[0][0]
+    # The nominal image itself, but windowed: cheaper than the cost model's nominal block,
+    # whose layers all attend the whole image.
+    assert one == [[base] * 3] and 0.85 < base < 1.0
+    none = draw_native_loads({0: 1.0}, {200704: 1.0}, 1, 2, tower, 14, preset.nominal)
+    assert none == [[0.0, 0.0]]
+    big = draw_native_loads({1: 1.0}, {802816: 1.0}, 1, 1, tower, 14, preset.nominal)[0][0]
+    assert 4.0 < big / base < 4.6  # 4x the patches; windows keep most attention linear
+    # A row's images stop where their tokens would pass the cap: 2 of 4 at 256 tokens each.
+    capped = draw_native_loads({4: 1.0}, {200704: 1.0}, 1, 1, tower, 14, preset.nominal, 0, 600)
+    assert capped == [[pytest.approx(2 * base)]]

@@ -49,7 +49,9 @@ def main() -> int:
     from megatron_mllm.schedule.loads import parse_distribution
 
     dist = parse_distribution(args.images_per_sample) if args.images_per_sample else None
-    sizes = parse_distribution(args.image_sizes) if args.image_sizes else None
+    sizes = None
+    if args.image_sizes:
+        sizes = parse_distribution(args.image_sizes, "--image-sizes", "16:0.5,48:0.5")
     if sizes and min(sizes) < 8:
         raise SystemExit(f"error: --image-sizes {args.image_sizes}: sides of at least 8 pixels")
     path = write_llava_digits(args.out, args.records, args.seed, dist, sizes)

@@ -7,6 +7,7 @@ import json
 import statistics
 from dataclasses import replace
 
+from megatron_mllm.cli.presets import PRESETS, apply_preset, native_steps
 from megatron_mllm.errors import ConfigError, OneLineParser, exit_on_config_error
 from megatron_mllm.parallel.plans import ParallelPlan, colocated_encoder_plan
 from megatron_mllm.schedule.adaptive import AdaptivePlanner, timed_step
@@ -32,19 +33,26 @@ from megatron_mllm.schedule.validator import validate
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(description=__doc__)
     p.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default=None,
+        help="a whole job by name (cli/presets.py says what it sets and why); any flag given "
+        "overrides its setting",
+    )
+    p.add_argument(
         "--encoder",
         action="append",
-        required=True,
+        default=None,
         help="encoder model name or YAML (repeat for several encoders)",
     )
-    p.add_argument("--backbone", required=True, help="backbone model name or YAML")
-    p.add_argument("--gpus", type=int, required=True)
-    p.add_argument("--tp", type=int, default=1, help="backbone tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="backbone pipeline-parallel size")
+    p.add_argument("--backbone", default=None, help="backbone model name or YAML")
+    p.add_argument("--gpus", type=int, default=None)
+    p.add_argument("--tp", type=int, default=None, help="backbone tensor-parallel size (1)")
+    p.add_argument("--pp", type=int, default=None, help="backbone pipeline-parallel size (1)")
     p.add_argument("--vpp", type=int, default=1, help="backbone virtual pipeline size")
-    p.add_argument("--global-batch", type=int, required=True)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--seq-len", type=int, required=True, help="backbone sequence length")
+    p.add_argument("--global-batch", type=int, default=None)
+    p.add_argument("--micro-batch", type=int, default=None, help="(1)")
+    p.add_argument("--seq-len", type=int, default=None, help="backbone sequence length")
     p.add_argument(
         "--encoder-seq-len",
         type=int,
@@ -105,12 +113,24 @@ def build_parser() -> argparse.ArgumentParser:
         help="also predict the coreset's look-ahead: the next step's pool of R x the global "
         "batch going forward in the Optimus step's bubbles, against its own pass then the step",
     )
+    p.add_argument(
+        "--image-pixels",
+        default=None,
+        metavar="DIST",
+        help="with a native-resolution preset: each image's pixels as PIXELS:SHARE,... "
+        "(squares, e.g. 50176:0.5,802816:0.5 for 224 and 896 px); each sample's load is its "
+        "images' cost at their sizes in nominal images, its image count from "
+        "--images-per-sample",
+    )
     p.add_argument("--sample-steps", type=int, default=20)
     p.add_argument("--seed", type=int, default=0, help="for drawing the loads")
     return p
 
 
 def job_from_args(args: argparse.Namespace) -> tuple[MLLMJob, dict | None]:
+    for name in ("tp", "pp", "micro_batch"):
+        if getattr(args, name) is None:
+            setattr(args, name, 1)
     hw = get_profile(args.gpu)
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:
@@ -228,6 +248,7 @@ def report_dict(report: PlanReport) -> dict:
     return {
         "schedules": out,
         "limit_step_time_s": report.optimus.result.limit_s,
+        "backbone_alone_step_s": report.backbone_alone_s,
         "planner_seconds": report.planner_seconds,
         "candidates": len(report.candidates),
     }
@@ -252,6 +273,11 @@ def format_table(report: PlanReport, memory_gb: float) -> str:
             + "".join(f"{r.bubbles_s[c]:>12.3f}" for c in BUBBLE_CAUSES)
             + f"{r.peak_memory_gb:>8.1f}{over}  {plan}"
         )
+    alone = report.backbone_alone_s
+    lines.append(
+        f"backbone alone {alone:.3f} s (no encoder work: no schedule keeping this backbone is "
+        f"faster, at most {base / alone:.2f}x Megatron)"
+    )
     lines.append(
         f"zero-bubble limit {report.optimus.result.limit_s:.3f} s; bubble columns are "
         f"idle seconds per GPU; '!' marks a peak over {memory_gb:.0f} GB; planner "
@@ -260,11 +286,16 @@ def format_table(report: PlanReport, memory_gb: float) -> str:
     return "\n".join(lines)
 
 
-def drawn_steps(args: argparse.Namespace, job: MLLMJob) -> tuple[list[list[int]] | None, float]:
-    """Each step's image count per sample (loader order), drawn or read (None for neither),
-    and the mean images per sample the schedules are planned for."""
+def drawn_steps(
+    args: argparse.Namespace, job: MLLMJob, preset=None
+) -> tuple[list[list[float]] | None, float]:
+    """Each step's encoder load per sample (loader order): image counts drawn or read, or a
+    native tower's nominal images by patches (`--image-pixels`); None for neither; and the
+    mean the schedules are planned for."""
     if args.images_per_sample is not None and args.encoder_loads is not None:
         raise ConfigError("give --images-per-sample or --encoder-loads, not both")
+    if args.image_pixels is not None:
+        return native_steps(args, preset, job.global_batch)
     if args.encoder_loads is not None:
         steps = load_samples(args.encoder_loads, job.global_batch)
         return steps, statistics.fmean(x for s in steps for x in s)
@@ -332,10 +363,11 @@ def format_sampled(times: dict, mean: float, adaptive: AdaptivePlanner) -> str:
 @exit_on_config_error
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    preset = apply_preset(args)
     job, measured = job_from_args(args)
     if args.coreset_pool_ratio is not None:
         pool_global_batch(args.coreset_pool_ratio, job)  # bad input before any planning
-    steps, mean = drawn_steps(args, job)
+    steps, mean = drawn_steps(args, job, preset)
     if steps is not None:
         job = replace(job, images_per_sample=mean)
     costs = JobCosts(job, measured)

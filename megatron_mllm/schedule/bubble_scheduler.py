@@ -77,6 +77,19 @@ def encoder_dp_seconds(costs: JobCosts, enc_plan: ParallelPlan) -> float:
     )
 
 
+def backbone_alone_seconds(costs: JobCosts) -> float:
+    """The simulated step of the backbone alone under the job's plan and Optimus's layer split,
+    no encoder work anywhere: no schedule that keeps that backbone is faster."""
+    plan = costs.job.plan
+    enc_plan = ParallelPlan(plan.dp * plan.tp * plan.pp, 1, 1)  # any; its work is left out
+    backbone, layers = megatron_backbone(costs, 0.0)
+    meta, workload = assemble(
+        "backbone", costs, backbone, encoder_layouts(costs, enc_plan)[0], 1, backbone_layers=layers
+    )
+    steps = [backbone_actions(r, o) for r, o in enumerate(backbone_orders(meta))]
+    return _BackboneTimeline(meta, workload, steps, fine=False).step_time_s
+
+
 def backbone_step_seconds(cache: dict) -> float:
     """The backbone-alone step time of any timeline in `cache` (they share the backbone)."""
     return min(t.step_time_s for t in cache.values() if isinstance(t, _BackboneTimeline))

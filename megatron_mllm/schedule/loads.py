@@ -20,8 +20,11 @@ from megatron_mllm.errors import ConfigError
 Distribution = dict[int, float]  # images in a sample -> share of samples
 
 
-def parse_distribution(text: str) -> Distribution:
-    """`"0:0.1,1:0.6,2:0.2,4:0.1"` -> {0: 0.1, 1: 0.6, 2: 0.2, 4: 0.1}; one line for bad input."""
+def parse_distribution(
+    text: str, flag: str = "--images-per-sample", example: str = "0:0.1,1:0.6,2:0.2,4:0.1"
+) -> Distribution:
+    """`"0:0.1,1:0.6,2:0.2,4:0.1"` -> {0: 0.1, 1: 0.6, 2: 0.2, 4: 0.1} (a whole number -> its
+    share); one line naming `flag` for bad input."""
     out: Distribution = {}
     for part in text.split(","):
         count, sep, share = part.partition(":")
@@ -31,16 +34,14 @@ def parse_distribution(text: str) -> Distribution:
             n, p = -1, math.nan
         if not sep or not math.isfinite(p) or n < 0 or p < 0:
             raise ConfigError(
-                f"--images-per-sample {text!r}: {part!r} is not IMAGES:SHARE with a whole "
-                "number of images >= 0 and a share >= 0 (e.g. 0:0.1,1:0.6,2:0.2,4:0.1)"
+                f"{flag} {text!r}: {part!r} is not VALUE:SHARE with a whole number >= 0 and a "
+                f"share >= 0 (e.g. {example})"
             )
         if n in out:
-            raise ConfigError(f"--images-per-sample {text!r}: {n} images given twice")
+            raise ConfigError(f"{flag} {text!r}: {n} given twice")
         out[n] = p
     if abs(sum(out.values()) - 1.0) > 1e-6:
-        raise ConfigError(
-            f"--images-per-sample {text!r}: the shares sum to {sum(out.values()):g}, not 1"
-        )
+        raise ConfigError(f"{flag} {text!r}: the shares sum to {sum(out.values()):g}, not 1")
     return out
 
 

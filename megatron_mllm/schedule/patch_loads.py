@@ -15,6 +15,7 @@ embedding and the merger are linear and small beside the layers; they follow the
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass
 
 Grid = tuple[int, int]  # an image's patch rows and columns
@@ -101,3 +102,47 @@ def expected_load(
         per_sample = [shape.microbatch_cost([r]) for r in records]
         total = b * math.fsum(per_sample) / count
     return total / (b * shape.nominal_cost(nominal))
+
+
+def square_grid(pixels: int, patch: int, merge: int) -> Grid:
+    """The patch grid of a square image of about `pixels` pixels, its side rounded to a
+    multiple of patch x merge (at least one), as Qwen2-VL's processor resizes it."""
+    factor = patch * merge
+    side = max(factor, round(math.sqrt(pixels) / factor) * factor)
+    return side // patch, side // patch
+
+
+def draw_native_loads(
+    images: dict[int, float],
+    pixels: dict[int, float],
+    steps: int,
+    global_batch: int,
+    shape: TowerShape,
+    patch: int,
+    nominal: Grid,
+    seed: int = 0,
+    max_tokens: int | None = None,
+) -> list[list[float]]:
+    """`steps` global batches, each sample's load in nominal images: its image count drawn from
+    `images`, each image's pixels from `pixels` (squares, see `square_grid`), its cost at that
+    size over a nominal image's (`TowerShape.microbatch_cost` of the sample alone). With
+    `max_tokens`, a drawn image whose merged tokens would take the sample's images past it is
+    left out (its conversation would go to another row)."""
+    rng = random.Random(seed)
+    counts, count_shares = zip(*sorted(images.items()), strict=True)
+    sizes, size_shares = zip(*sorted(pixels.items()), strict=True)
+    unit = shape.nominal_cost(nominal)
+    out = []
+    for _ in range(steps):
+        step = []
+        for n in rng.choices(counts, weights=count_shares, k=global_batch):
+            grids, tokens = [], 0
+            for p in rng.choices(sizes, weights=size_shares, k=n):
+                grid = square_grid(p, patch, shape.merge)
+                more = grid[0] * grid[1] // shape.merge**2
+                if max_tokens is None or tokens + more <= max_tokens:
+                    grids.append(grid)
+                    tokens += more
+            step.append(shape.microbatch_cost([grids]) / unit if grids else 0.0)
+        out.append(step)
+    return out

@@ -12,6 +12,7 @@ from megatron_mllm.schedule.baselines import balanced_schedule, megatron_schedul
 from megatron_mllm.schedule.blocks import JobCosts, state_bytes
 from megatron_mllm.schedule.bubble_scheduler import (
     OptimusOptions,
+    backbone_alone_seconds,
     backbone_step_seconds,
     encoder_dp_seconds,
     encoder_layouts,
@@ -42,6 +43,7 @@ class PlanReport:
     candidates: list[tuple[OptimusOptions, float, float]] = field(default_factory=list)
     dropped: list[tuple[ParallelPlan, float]] = field(default_factory=list)  # plan, GB needed
     planner_seconds: float = 0.0
+    backbone_alone_s: float = float("nan")  # the backbone with no encoder work: a lower bound
 
     @property
     def schedules(self) -> dict[str, Planned]:
@@ -180,4 +182,5 @@ def plan_all(
         candidates=candidates,
         dropped=dropped,
         planner_seconds=planner_seconds,
+        backbone_alone_s=backbone_alone_seconds(job_costs),
     )

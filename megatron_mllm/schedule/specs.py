@@ -52,6 +52,10 @@ BUILTIN_MODELS: dict[str, TransformerSpec] = {
         _gpt("gpt-11b", 3072, 80, 24, 51200),
         _gpt("llama-70b", 8192, 80, 64, 32000),
         _gpt("gpt-175b", 12288, 96, 96, 51200),
+        # Qwen2.5-VL-72B's parts. Gated MLPs (three matrices of width f) as two of width 1.5 f;
+        # the tower costed on its nominal 448 x 448 image (32 x 32 patches of 14).
+        TransformerSpec("qwen2.5-vl-vit", 32, 1280, 5130, 16, False, seq_len=1024, patch_dim=1176),
+        TransformerSpec("qwen2-72b", 80, 8192, 44352, 64, True, vocab_size=152064),
     )
 }
 
