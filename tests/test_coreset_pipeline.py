@@ -213,7 +213,7 @@ def _chunked_and_whole(rank, world):
         return captured.pop().transpose(0, 1)
 
     whole = hidden(batch)
-    chunks = [batch.select(list(range(i, i + 4)), cfg.image_tokens) for i in range(0, 16, 4)]
+    chunks = [batch.select(list(range(i, i + 4))) for i in range(0, 16, 4)]
     chunked = torch.cat([hidden(c) for c in chunks])
     labels = collate(chunks).labels
     weight = bb.gpt.output_layer.weight.detach()

@@ -267,6 +267,71 @@ def test_conversations_with_native_images_agree_with_the_reference(llava_dataset
     check_against((state, ref), outs, {"encoder": 1, "projector": 1, "backbone": 1})
 
 
+def _native_conversations(llava_dataset, seq: int):
+    from megatron_mllm.data.llava_source import LlavaData
+
+    path, tokenizer = llava_dataset
+    data = LlavaData(str(path), str(tokenizer), seq, num_workers=1, min_pixels=64, max_pixels=2304)
+    return replace(CFG, text_len=seq - CFG.image_tokens, vocab_size=384), data
+
+
+def test_native_samples_dealt_across_replicas_keep_the_references_gradient(llava_dataset):
+    """DP 2, per-token loss, conversations with images of their own sizes: both replicas'
+    samples dealt by encoder load (patches, `encoder_load`), each process sending the samples
+    that change replica (patches and grids). Every micro-batch's loss is the one of the
+    one-process reference dealing both streams the same way, step 0's gradient the per-token
+    reference's on the loader's own micro-batches, and the dealt micro-batches' loads are
+    closer than the loader's."""
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.inputs.batches import StepData, encoder_load
+    from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob
+    from megatron_mllm.runtime.modes.reference import make_full_state
+    from megatron_mllm.runtime.modes.runs import run_rank
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
+    from tests.test_runtime import TRAIN, check_against, check_grads
+
+    seq, mb, n = 96, 2, 2
+    cfg, data = _native_conversations(llava_dataset, seq)
+    train = dict(TRAIN, steps=2)
+    state = spawn(make_full_state, 1, cfg, 0)[0]
+    plan = ParallelPlan(2, 1, 1)
+
+    def parts(dealt: bool) -> DataParts:
+        return DataParts(mb, n, llava=data, per_token_loss=True, balance_samples=dealt)
+
+    refs = [
+        spawn(
+            run_rank,
+            1,
+            RuntimeJob(
+                ModelParts(cfg, state), PlanParts(plan), parts(dealt), mode="reference", **train
+            ),
+        )[0]  # fmt: skip
+        for dealt in (False, True)
+    ]
+    spread = []
+    for dealt in (False, True):
+        stream = StepData(RuntimeJob(ModelParts(cfg, {}), PlanParts(plan), parts(dealt)), [0, 1])
+        get = stream.step(0)
+        loads = [encoder_load(get(m, dp), cfg) for dp in (0, 1) for m in range(n)]
+        assert all(get(m, dp).native for dp in (0, 1) for m in range(n))
+        spread.append(max(loads) - min(loads))
+        stream.close()
+    assert spread[1] < spread[0], spread
+    job = RuntimeJob(
+        ModelParts(cfg, state),
+        PlanParts(plan, schedule=runtime_schedule(cfg, plan, mb, n, "megatron")),
+        parts(True),
+        **train,
+    )
+    outs = spawn(run_rank, 2, job)
+    one = {"encoder": 1, "projector": 1, "backbone": 1}
+    check_against((state, refs[1]), outs, one)
+    check_grads((state, refs[0]), outs, one)
+    after = {k: v for o in outs for k, v in o["history"][1].items()}
+    assert after == pytest.approx(refs[1]["history"][1], abs=1e-4)
+
+
 @pytest.mark.slow  # the example's own data set is made on first use
 def test_the_tiny_qwen_vl_example_trains(tmp_path):
     import os

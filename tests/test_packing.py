@@ -247,8 +247,8 @@ def test_packed_training_resumes_bit_exactly(tmp_path, llava_dataset, schedule):
                  "--encoder-pipeline-model-parallel-size", "1"]  # fmt: skip
     straight, _, _ = resumed_at_2_is_bit_exact(tmp_path, args)
     assert "packed: " in straight.stdout
-    if schedule == "optimus-adaptive":  # rows are not dealt: the micro-batches keep them
-        assert "its micro-batches keep their samples" in straight.stdout
+    if schedule == "optimus-adaptive":  # whole packed rows dealt by their images
+        assert "its samples dealt by encoder load" in straight.stdout
         assert re.search(r"step plans: [1-4] planned, \d+ static fallback", straight.stdout)
     # 16 rows in four iterations of 4: more samples than rows.
     packed = [int(n) for n in re.findall(r"packed samples: (\d+) \|", straight.stdout)]

@@ -83,7 +83,7 @@ def test_truncation_never_splits_an_image_and_is_counted(tok):
     both = collate([full, text, full])
     assert both.num_images == 4 and both.tokens.shape == (3, 64) and both.ids == ("c", "d", "c")
     assert collate([cut, cut]).no_answer == 2
-    assert torch.equal(both.select([1, 2], T).images, full.images)
+    assert torch.equal(both.select([1, 2]).images, full.images)
 
 
 def test_sequence_shorter_than_an_image_is_refused(tok):

@@ -544,7 +544,7 @@ def test_optimus_adaptive_resumes_with_the_uninterrupted_runs_losses(
     straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "2")
     assert straight.returncode == 0, straight.stderr[-2000:]
     assert "schedule: optimus-adaptive" in straight.stdout
-    assert ("its samples dealt by images" in straight.stdout) == per_token
+    assert ("its samples dealt by encoder load" in straight.stdout) == per_token
     assert re.search(r"step plans: [1-4] planned, \d+ static fallback", straight.stdout)
     (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("2")
     resumed = torchrun(*args, "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))

@@ -62,21 +62,28 @@ class MicroBatch:
         """Native-resolution images: each one's backbone tokens (its merged windows), host."""
         return self.grids[:, 0] * self.grids[:, 1] * self.grids[:, 2] // self.merge**2
 
+    def row_images(self) -> list[range]:
+        """Each row's images, as indices into the micro-batch's images (host)."""
+        if not self.native:
+            if self.num_images and not self.image_tokens:
+                raise ValueError("a micro-batch with images but no image_tokens per image")
+            counts = (self.image_mask.sum(1) // max(self.image_tokens, 1)).tolist()
+        else:
+            sizes, counts, k = self.tokens_per_image().tolist(), [], 0
+            for marked in self.image_mask.sum(1).tolist():
+                start = k
+                while marked > 0:
+                    marked -= sizes[k]
+                    k += 1
+                counts.append(k - start)
+        starts = [sum(counts[:r]) for r in range(len(counts))]
+        return [range(a, a + n) for a, n in zip(starts, counts, strict=True)]
+
     def row_grids(self) -> list[list[tuple[int, int]]]:
         """Native-resolution images: each row's images as (rows, columns) of patches over their
         frames (a packed row's samples together), host."""
-        per_row = self.image_mask.sum(1).tolist()
-        sizes = self.tokens_per_image().tolist()
-        cells = (self.grids[:, 1] * self.grids[:, 0]).tolist()
-        out, k = [], 0
-        for marked in per_row:
-            row: list[tuple[int, int]] = []
-            while marked > 0:
-                row.append((int(cells[k]), int(self.grids[k, 2])))
-                marked -= sizes[k]
-                k += 1
-            out.append(row)
-        return out
+        g = self.grids.tolist()
+        return [[(g[i][0] * g[i][1], g[i][2]) for i in row] for row in self.row_images()]
 
     @property
     def num_samples(self) -> int:
@@ -89,10 +96,8 @@ class MicroBatch:
         return int((self.labels != IGNORE_INDEX).sum())
 
     def images_per_sample(self) -> list[int]:
-        """Each sample's image count (from the mask; `image_tokens` set)."""
-        if self.native:  # refused upfront where a feature would need it (optimus-adaptive)
-            raise ValueError("images per sample of native-resolution images are not counted")
-        return (self.image_mask.sum(1) // self.image_tokens).tolist()
+        """Each sample's (row's) image count."""
+        return [len(r) for r in self.row_images()]
 
     def to(self, device: torch.device, dtype: torch.dtype) -> MicroBatch:
         """On `device`, images in the pipeline dtype; to a GPU from pinned host memory without
@@ -137,17 +142,21 @@ class MicroBatch:
         other = self.segments[:, :, None] != self.segments[:, None, :]
         return (causal[None] | other).unsqueeze(1)
 
-    def select(self, rows: list[int], image_tokens: int) -> MicroBatch:
-        """The samples `rows` (and their images) as a micro-batch (fixed-size images)."""
-        if self.native:  # refused upfront where a feature would need it (coreset, dealing)
-            raise ValueError("selecting samples of native-resolution images is not supported")
-        per_sample = (self.image_mask.sum(1) // image_tokens).tolist()
-        starts = [sum(per_sample[:r]) for r in range(len(per_sample))]
-        picked = [i for r in rows for i in range(starts[r], starts[r] + per_sample[r])]
+    def select(self, rows: list[int]) -> MicroBatch:
+        """The samples (rows) `rows` and their images as a micro-batch."""
+        images = self.row_images()
+        picked = [i for r in rows for i in images[r]]
+        grids = {}
+        if self.native:  # each image's run of patches
+            cells = self.grids.prod(1).tolist()
+            starts = [sum(cells[:i]) for i in range(len(cells))]
+            grids = {"grids": self.grids[picked] if picked else self.grids[:0]}
+            picked = [p for i in picked for p in range(starts[i], starts[i] + cells[i])]
         index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
         return replace(
             self,
             images=self.images[torch.tensor(picked, dtype=torch.long, device=self.images.device)],
+            **grids,
             tokens=self.tokens[index],
             labels=self.labels[index],
             image_mask=self.image_mask[index],

@@ -65,7 +65,7 @@ def _adaptive_note(run: RunConfig) -> str:
     if not run.schedule.per_step:
         return ""
     if run.deals_samples:
-        return "; each step re-planned for its own, its samples dealt by images"
+        return "; each step re-planned for its own, its samples dealt by encoder load"
     return "; each step re-planned for its own (its micro-batches keep their samples)"
 
 

@@ -78,12 +78,11 @@ class RunConfig:
 
     @property
     def deals_samples(self) -> bool:
-        """Whether optimus-adaptive also deals each step's samples into micro-batches of equal
-        loads (with a per-token loss, for fixed-size images one sample a row); otherwise its
-        micro-batches keep their samples and only their slots and encoder work are planned."""
-        a = self.args
-        whole = self.model.vit_native or a.packing_buffer_size is not None
-        return self.schedule.per_step and a.calculate_per_token_loss and not whole
+        """Whether optimus-adaptive also deals each step's samples (rows: a packed row moves
+        whole) into micro-batches of equal encoder loads (with a per-token loss, which keeps
+        the gradient); otherwise its micro-batches keep their samples and only their slots and
+        encoder work are planned."""
+        return self.schedule.per_step and self.args.calculate_per_token_loss
 
     @property
     def fill_unit(self) -> str:

@@ -61,7 +61,7 @@ class StepData:
     """The micro-batches of DP replicas `replicas`, step after step (`step(i)` once per step, in
     order). Every rank of a replica reads the same stream, so all of them know each
     micro-batch's image count. With `DataParts.balance_samples` a training step's samples are
-    dealt into micro-batches of equal image counts across every DP replica (not a coreset
+    dealt into micro-batches of equal encoder loads across every DP replica (not a coreset
     pool; runtime/inputs/sample_exchange.py): over the replicas held here when they are all of them,
     else exchanging samples over `exchange`, set by the caller."""
 
@@ -111,16 +111,24 @@ class StepData:
 
         return get
 
+    def _load(self, sample: MicroBatch) -> float:
+        """A one-row micro-batch's encoder load (what dealing balances)."""
+        return encoder_load(sample, self.job.cfg)
+
     def _dealt(self, taken: dict[int, list[MicroBatch]]) -> dict[int, list[MicroBatch]]:
-        """The step's samples dealt by images over every replica (see the class docstring)."""
+        """The step's samples dealt by encoder load over every replica (see the class
+        docstring)."""
         from megatron_mllm.runtime.inputs import sample_exchange
 
         if self.exchange is not None:
-            return {dp: sample_exchange.deal_across(b, self.exchange) for dp, b in taken.items()}
+            return {
+                dp: sample_exchange.deal_across(b, self.exchange, self._load)
+                for dp, b in taken.items()
+            }
         if len(taken) != self.job.backbone.dp:
             raise RuntimeError("dealing samples needs every replica here, or an exchange group")
         order = sorted(taken)
-        dealt = sample_exchange.deal_locally([taken[dp] for dp in order])
+        dealt = sample_exchange.deal_locally([taken[dp] for dp in order], self._load)
         return dict(zip(order, dealt, strict=True))
 
     def pool(self, step: int) -> Callable[..., MicroBatch]:

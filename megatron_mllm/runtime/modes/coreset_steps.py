@@ -134,8 +134,8 @@ class CoresetSteps:
         """`get(mb, dp)` over the pool's `rows`, in micro-batches of the job's size."""
         from megatron_mllm.data.batch import collate
 
-        whole, mb, tokens = collate(batches), self.job.micro_batch, self.job.cfg.image_tokens
-        chosen = [whole.select(rows[m : m + mb], tokens) for m in range(0, len(rows), mb)]
+        whole, mb = collate(batches), self.job.micro_batch
+        chosen = [whole.select(rows[m : m + mb]) for m in range(0, len(rows), mb)]
         return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
 
     def _picker(self, pool: list[MicroBatch], n: int) -> Callable | None:
