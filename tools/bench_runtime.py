@@ -94,6 +94,22 @@ def main() -> int:
     )
     ap.add_argument("--records", type=int, default=400, help="with --images-per-sample")
     ap.add_argument(
+        "--native-resolution",
+        action="store_true",
+        help="the varying-load benchmark on LLaVA digits of drawn sizes (16 to 96 px: 16 to 576 "
+        "patches of 4) for a native-resolution tower, packed rows, per-token loss, made in a "
+        "temporary folder: static Optimus against optimus-adaptive (each step planned for its "
+        "patches, samples dealt by them)",
+    )
+    ap.add_argument(
+        "--dp",
+        type=int,
+        choices=[1, 2],
+        default=1,
+        help="with the varying-load benchmark: 2 for DP 2 x PP 1 (two replicas, the straggler "
+        "layout) instead of PP 2",
+    )
+    ap.add_argument(
         "--calculate-per-token-loss",
         action="store_true",
         help="with --data-path: every run with a per-token loss; optimus-adaptive then also "
@@ -122,7 +138,7 @@ def main() -> int:
     if args.data_path is not None and args.images_per_sample is not None:
         print("error: give --data-path or --images-per-sample, not both", file=sys.stderr)
         return 2
-    if args.data_path is not None or args.images_per_sample is not None:
+    if args.data_path is not None or args.images_per_sample is not None or args.native_resolution:
         from bench_varying_load import varying_load
 
         return varying_load(args)

@@ -25,25 +25,36 @@ import json
 import statistics
 from dataclasses import replace
 
+# --native-resolution: images per conversation, and each image's side in pixels (patches of 4:
+# 16 to 576 an image, 36x), conversations packed into rows of NATIVE_SEQ tokens.
+NATIVE_IMAGES = "0:0.2,1:0.5,2:0.3"
+NATIVE_SIDES = "16:0.35,32:0.3,64:0.2,96:0.15"
+NATIVE_SEQ = 384
+
 
 def varying_load(args) -> int:
     """The benchmark on `args.data_path`, or on data drawn from `args.images_per_sample` (made
-    in a temporary folder and removed after)."""
-    if args.images_per_sample is None:
+    in a temporary folder and removed after); with `args.native_resolution` on digits of drawn
+    sizes for a native tower, packed."""
+    if args.images_per_sample is None and not args.native_resolution:
         return _varying_load(args, max_images=2)  # the demo's digits: 0-2 images a sample
     import tempfile
 
     from megatron_mllm.schedule.loads import parse_distribution
 
-    dist = parse_distribution(args.images_per_sample)  # bad input before any file is written
+    native = args.native_resolution
+    dist = parse_distribution(args.images_per_sample or NATIVE_IMAGES)  # bad input first
+    sides = parse_distribution(NATIVE_SIDES, "--image-sizes") if native else None
     with tempfile.TemporaryDirectory(prefix="bench_varying_load_") as tmp:
-        args.data_path, args.tokenizer_model = drawn_data(tmp, dist, args.records)
+        args.data_path, args.tokenizer_model = drawn_data(tmp, dist, args.records, sides)
         return _varying_load(args, max_images=max(dist))
 
 
-def drawn_data(folder: str, dist: dict[int, float], records: int) -> tuple[str, str]:
-    """A LLaVA digits data set whose image counts are drawn from `dist`, as energon shards in
-    `folder`: (its path, its tokenizer's)."""
+def drawn_data(
+    folder: str, dist: dict[int, float], records: int, sides: dict[int, float] | None = None
+) -> tuple[str, str]:
+    """A LLaVA digits data set whose image counts are drawn from `dist` (and image sides from
+    `sides`), as energon shards in `folder`: (its path, its tokenizer's)."""
     from pathlib import Path
 
     from megatron_mllm.data.energon_llava import convert_llava
@@ -51,51 +62,87 @@ def drawn_data(folder: str, dist: dict[int, float], records: int) -> tuple[str, 
     from megatron_mllm.data.tokenizer import train_tiny_tokenizer
 
     raw, out = Path(folder) / "llava", Path(folder) / "energon"
-    path = write_llava_digits(raw, records, 0, dist)
+    path = write_llava_digits(raw, records, 0, dist, sides)
     train_tiny_tokenizer(conversation_texts(path), raw / "tokenizer", 384)
     convert_llava(path, raw / "images", out, progress=False)
     return str(out), str(raw / "tokenizer")
 
 
 def _varying_load(args, max_images: int) -> int:
-    import torch
+    from megatron_mllm.runtime.planning.schedules import adaptive_planner
 
-    from megatron_mllm.data.energon_llava import images_per_sample
+    setup = _setup(args, max_images)
+    repeats = [_one_repeat(setup, args) for _ in range(args.repeats)]
+    result = _summary(setup, repeats, args)
+    planner = adaptive_planner(setup["jobs"]["optimus_adaptive"])
+    if planner is not None:
+        steps, n, cfg = range(1, args.steps + 1), setup["n"], setup["cfg"]
+        result.update(predicted(planner, setup["jobs"], steps, n, setup["per_token"], cfg))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    _print(result, setup, args)
+    return 0
+
+
+def _model(args, max_images: int, vocab: int):
+    """The benchmark's model: BENCH, or with --native-resolution a native tower (4 layers of
+    256, patches of 4 merged 2 x 2) and a Qwen2-style backbone on packed rows; its data."""
     from megatron_mllm.data.llava_source import LlavaData
-    from megatron_mllm.data.tokenizer import load_tokenizer
     from megatron_mllm.models.config import BENCH
+
+    if not args.native_resolution:
+        # The most images a sample has, 64 tokens each, and its conversation (128 positions).
+        seq = max_images * BENCH.image_tokens + 128
+        cfg = replace(BENCH, vocab_size=vocab, text_len=seq - BENCH.image_tokens)
+        return cfg, LlavaData(args.data_path, args.tokenizer_model, seq, num_workers=1)
+    native = dict(vit_native=True, vit_activation="quick_gelu", vit_norm_eps=1e-6, patch_size=4,
+                  image_size=32, vit_layers=4, vit_hidden=256, vit_heads=4,
+                  llm_mrope_section=(8, 12, 12), llm_qkv_bias=True)  # fmt: skip
+    cfg = replace(BENCH, vocab_size=vocab, **native)
+    cfg = replace(cfg, text_len=NATIVE_SEQ - cfg.image_tokens)
+    data = LlavaData(args.data_path, args.tokenizer_model, NATIVE_SEQ, num_workers=1,
+                     min_pixels=64, max_pixels=96 * 96, packing_buffer_size=16)  # fmt: skip
+    return cfg, data
+
+
+def _setup(args, max_images: int) -> dict:
+    """Profile the units (both ranks at once), plan the static schedules, build every run."""
+    import argparse
+
+    import torch
+    from bench_common import bench_run
+
+    from megatron_mllm.data.tokenizer import load_tokenizer
     from megatron_mllm.parallel.plans import ParallelPlan
     from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.runtime.job import ExecutorSettings, PlanParts
     from megatron_mllm.runtime.modes.reference import make_full_state
-    from megatron_mllm.runtime.modes.runs import run_interleaved
     from megatron_mllm.runtime.planning.profile_units import profile_units
     from megatron_mllm.schedule.baselines import megatron_schedule
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.planner import plan_optimus
+    from megatron_mllm.training.run_config import encoder_load
 
     if args.tokenizer_model is None:
         raise SystemExit("error: --data-path needs --tokenizer-model DIR (its tokenizer)")
     vocab = -(-len(load_tokenizer(args.tokenizer_model)) // 128) * 128
-    # The most images a sample has, 64 tokens each, and its conversation (128 positions).
-    seq = max_images * BENCH.image_tokens + 128
-    cfg = replace(BENCH, vocab_size=vocab, text_len=seq - BENCH.image_tokens)
-    plan, n, mb = ParallelPlan(1, 1, 2), args.microbatches, max(args.micro_batch, 2)
-    load = images_per_sample(args.data_path)
-    data = LlavaData(args.data_path, args.tokenizer_model, cfg.seq_len, num_workers=1)
+    cfg, data = _model(args, max_images, vocab)
+    plan = ParallelPlan(2, 1, 1) if args.dp == 2 else ParallelPlan(1, 1, 2)
+    n, mb = args.microbatches, max(args.micro_batch, 2)
+    loaded = argparse.Namespace(data_path=args.data_path, micro_batch_size=mb,
+                                min_pixels=64, max_pixels=96 * 96)  # fmt: skip
+    load = encoder_load(loaded, cfg)
     state = spawn(make_full_state, 1, cfg, 0)[0]
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype)[0]
-    from bench_common import bench_run
-
-    per_token = args.calculate_per_token_loss
+    per_token = args.calculate_per_token_loss or args.native_resolution  # packed rows need it
     run = bench_run(cfg, args, plan, n, mb, *(["--calculate-per-token-loss"] * per_token))
     costs = JobCosts(replace(run.planning_job(), images_per_sample=load), measured, unit="layer")
     balanced = megatron_schedule(costs)
     best, _, _ = plan_optimus(costs)
     bf16 = args.precision == "bf16"
-    steps = args.steps + 1
-    base = replace(run.runtime_job(None, state), steps=steps)
+    base = replace(run.runtime_job(None, state), steps=args.steps + 1)
     base = replace(base, data=replace(base.data, llava=data))
 
     def job(parts, mode="executor", executor=None, balance=False):
@@ -123,75 +170,113 @@ def _varying_load(args, max_images: int) -> int:
     }
     if per_token:
         jobs["optimus_balanced"] = job(PlanParts(plan, schedule=best.schedule), balance=True)
-    per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps)
-    from megatron_mllm.runtime.planning.schedules import adaptive_planner
+    return dict(cfg=cfg, plan=plan, n=n, mb=mb, load=load, jobs=jobs, best=best,
+                per_token=per_token)  # fmt: skip
 
-    planner = adaptive_planner(jobs["optimus_adaptive"])
-    result = {"microbatches": n, "micro_batch": mb, "measured_steps": args.steps}
-    result["seq_length"] = cfg.seq_len
-    result["images_per_sample"] = load
-    result["per_token_loss"] = per_token
-    result["encoder_plan"] = str(best.options.encoder_plan)
-    times, losses = {}, {}
+
+def _one_repeat(setup: dict, args) -> dict:
+    """Every run in one 2-process job, steps taken in turn: each run's per-step times (the
+    slowest rank's), losses and adaptive's planning facts."""
+    from megatron_mllm.runtime.assembly.launch import spawn
+    from megatron_mllm.runtime.modes.runs import run_interleaved
+
+    jobs, steps = setup["jobs"], args.steps + 1
+    per_rank = spawn(run_interleaved, setup["plan"].world_size, list(jobs.values()), steps)
+    out: dict = {"times": {}, "losses": {}}
     for i, name in enumerate(jobs):
-        out = [rank_results[i] for rank_results in per_rank]
-        per_step = [max(o["seconds"][s] for o in out) for s in range(1, steps)]
-        times[name] = per_step
-        losses[name] = [
-            {k: v for o in out for k, v in o["history"][s].items()} for s in range(steps)
-        ]
-        if per_token:  # samples change micro-batches: the step's per-token mean is compared
-            losses[name] = [{"step": v} for v in out[0]["mean_losses"]]
-        result[f"{name}_s"] = statistics.median(per_step)
-        result[f"{name}_range_s"] = (min(per_step), max(per_step))
+        ranks = [rank_results[i] for rank_results in per_rank]
+        out["times"][name] = [max(o["seconds"][s] for o in ranks) for s in range(1, steps)]
+        if setup["per_token"]:  # samples change micro-batches: the step's per-token mean
+            out["losses"][name] = [{"step": v} for v in ranks[0]["mean_losses"]]
+        else:
+            out["losses"][name] = [
+                {k: v for o in ranks for k, v in o["history"][s].items()} for s in range(steps)
+            ]
         if name == "optimus_adaptive":
-            stats = out[0]["step_plans"]
-            result["planned_steps"], result["fallbacks"] = stats.planned, stats.fallbacks
-            orders = out[0]["step_orders"]
-            result["reordered_steps"] = sum(o is not None and o != sorted(o) for o in orders)
-            secs = out[0]["step_plan_seconds"]
-            result["plan_seconds_mean"] = statistics.mean(secs) if secs else 0.0
-            result["plan_seconds_max"] = max(secs) if secs else 0.0
-    # Paired per step: the same data in the same step for both.
-    ratios = [a / b for a, b in zip(times["optimus"], times["optimus_adaptive"], strict=True)]
-    result["adaptive_vs_static"] = statistics.median(ratios)
-    result["adaptive_vs_static_range"] = (min(ratios), max(ratios))
-    if planner is not None:
-        result.update(predicted(planner, jobs, range(1, steps), n, per_token))
+            stats, orders = ranks[0]["step_plans"], ranks[0]["step_orders"]
+            out["planned_steps"], out["fallbacks"] = stats.planned, stats.fallbacks
+            out["reordered_steps"] = sum(o is not None and o != sorted(o) for o in orders)
+            out["plan_seconds"] = list(ranks[0]["step_plan_seconds"])
+    return out
+
+
+def _paired(times: dict, a: str, b: str) -> float:
+    """The median over steps of run a's step time over run b's (the same step's data)."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+
+def _summary(setup: dict, repeats: list[dict], args) -> dict:
+    """Medians (and min-max) over repeats of each run's median step and of the paired ratios;
+    planning facts summed over repeats."""
+    jobs, per_token = setup["jobs"], setup["per_token"]
+
+    def over(values: list[float]) -> tuple[float, float, float]:
+        return statistics.median(values), min(values), max(values)
+
+    result = {
+        "microbatches": setup["n"],
+        "micro_batch": setup["mb"],
+        "repeats": args.repeats,
+        "measured_steps": args.steps,
+        "seq_length": setup["cfg"].seq_len,
+        "images_per_sample": setup["load"],
+        "per_token_loss": per_token,
+        "native_resolution": bool(args.native_resolution),
+        "dp": setup["plan"].dp,
+        "pp": setup["plan"].pp,
+        "encoder_plan": str(setup["best"].options.encoder_plan),
+    }
+    for name in jobs:
+        med, lo, hi = over([statistics.median(r["times"][name]) for r in repeats])
+        result[f"{name}_s"], result[f"{name}_range_s"] = med, (lo, hi)
+    pairs = [("adaptive_vs_static", "optimus", "optimus_adaptive")]
     if per_token:
-        ratios = [a / b for a, b in zip(times["optimus"], times["optimus_balanced"], strict=True)]
-        result["balanced_samples_vs_static"] = statistics.median(ratios)
-        result["balanced_samples_vs_static_range"] = (min(ratios), max(ratios))
+        pairs.append(("balanced_samples_vs_static", "optimus", "optimus_balanced"))
+    for key, a, b in pairs:
+        med, lo, hi = over([_paired(r["times"], a, b) for r in repeats])
+        result[key], result[f"{key}_min"], result[f"{key}_max"] = med, lo, hi
+        result[f"{key}_range"] = (lo, hi)
+    for key in ("planned_steps", "fallbacks", "reordered_steps"):
+        result[key] = sum(r[key] for r in repeats)
+    secs = [x for r in repeats for x in r["plan_seconds"]]
+    result["plan_seconds_mean"] = statistics.mean(secs) if secs else 0.0
+    result["plan_seconds_max"] = max(secs) if secs else 0.0
     result["adaptive_vs_megatron_core"] = (
         result["megatron_core_1f1b_s"] / result["optimus_adaptive_s"]
     )
     result["max_abs_loss_diff_adaptive_vs_static"] = max(
         abs(a[k] - b[k])
-        for a, b in zip(losses["optimus"], losses["optimus_adaptive"], strict=True)
+        for r in repeats
+        for a, b in zip(r["losses"]["optimus"], r["losses"]["optimus_adaptive"], strict=True)
         for k in a
     )
-    if args.json:
-        print(json.dumps(result))
-        return 0
+    return result
+
+
+def _print(result: dict, setup: dict, args) -> None:
+    what = "native-resolution packed digits" if args.native_resolution else "BENCH MLLM"
+    unit = "nominal images (by patches)" if args.native_resolution else "images"
     print(
-        f"BENCH MLLM on {args.images_per_sample or args.data_path} ({load:.2f} images per "
-        f"sample on average), sequence {cfg.seq_len}, PP=2 on 2 ranks x 1 thread, {n} "
-        f"micro-batches of {mb}; Optimus encoder {result['encoder_plan']}"
+        f"{what} on {args.images_per_sample or NATIVE_IMAGES if args.native_resolution else ''}"
+        f"{args.data_path if not args.native_resolution else ''} ({result['images_per_sample']:.2f}"
+        f" {unit} per sample planned), sequence {result['seq_length']}, DP {result['dp']} x PP "
+        f"{result['pp']} on 2 ranks x 1 thread, {setup['n']} micro-batches of {setup['mb']}, "
+        f"{args.repeats} repeats of {args.steps} steps; Optimus encoder {result['encoder_plan']}"
     )
-    print(f"{'run':<20}{'step s':>9}{'min-max':>16}{'vs mcore':>10}")
+    print(f"{'run':<20}{'step s':>9}{'min-max over repeats':>22}{'vs mcore':>10}")
     base = result["megatron_core_1f1b_s"]
-    for name in jobs:
+    for name in setup["jobs"]:
         (lo, hi), step = result[f"{name}_range_s"], result[f"{name}_s"]
-        print(f"{name:<20}{step:>9.3f}{lo:>8.3f}-{hi:<7.3f}{base / step:>9.2f}x")
-    lo, hi = result["adaptive_vs_static_range"]
+        print(f"{name:<20}{step:>9.3f}{lo:>13.3f}-{hi:<8.3f}{base / step:>9.2f}x")
     print(
-        f"optimus_adaptive vs optimus, paired per step: {result['adaptive_vs_static']:.3f}x "
-        f"(min-max {lo:.3f}-{hi:.3f}); {result['planned_steps']} steps planned "
+        f"optimus_adaptive vs optimus, paired per step, median over repeats: "
+        f"{result['adaptive_vs_static']:.3f}x (min-max {result['adaptive_vs_static_min']:.3f}-"
+        f"{result['adaptive_vs_static_max']:.3f}); {result['planned_steps']} steps planned "
         f"({result['reordered_steps']} with micro-batches in other slots), "
         f"{result['fallbacks']} fallback(s), planning {1000 * result['plan_seconds_mean']:.1f} ms "
         f"CPU a step (max {1000 * result['plan_seconds_max']:.1f}); max |loss diff| "
         f"{result['max_abs_loss_diff_adaptive_vs_static']:.2e}"
-        + (" (the steps' per-token means)" if per_token else "")
+        + (" (the steps' per-token means)" if setup["per_token"] else "")
     )
     if "predicted_adaptive_vs_static" in result:
         print(
@@ -199,53 +284,61 @@ def _varying_load(args, max_images: int) -> int:
             f"adaptive vs static {result['predicted_adaptive_vs_static']:.3f}x"
             + (
                 f", dealing alone {result['predicted_balanced_samples_vs_static']:.3f}x"
-                if per_token
+                if setup["per_token"]
                 else ""
             )
         )
-    if per_token:
-        lo, hi = result["balanced_samples_vs_static_range"]
+    if setup["per_token"]:
         print(
             f"optimus_balanced vs optimus, paired per step: "
-            f"{result['balanced_samples_vs_static']:.3f}x (min-max {lo:.3f}-{hi:.3f})"
+            f"{result['balanced_samples_vs_static']:.3f}x (min-max "
+            f"{result['balanced_samples_vs_static_min']:.3f}-"
+            f"{result['balanced_samples_vs_static_max']:.3f})"
         )
-    return 0
 
 
-def predicted(planner, jobs: dict, steps, n: int, per_token: bool) -> dict:
+def predicted(planner, jobs: dict, steps, n: int, per_token: bool, cfg) -> dict:
     """The simulator's step-time ratios on the measured steps' real micro-batch loads (medians
-    over the steps): static Optimus on the loader's micro-batches against the per-step plan
-    (on the dealt ones with a per-token loss) and, with a per-token loss, against the static
-    plan on the dealt ones."""
-    from megatron_mllm.runtime.inputs.batches import StepData
+    over the steps; a step is its slowest replica): static Optimus on the loader's
+    micro-batches against the per-step plan (on the dealt ones with a per-token loss) and,
+    with a per-token loss, against the static plan on the dealt ones."""
+    from megatron_mllm.runtime.inputs.batches import StepData, encoder_load
     from megatron_mllm.schedule.adaptive import timed_step
     from megatron_mllm.schedule.loads import loader_assignment
 
     static, one = planner.static, loader_assignment(n, 1, 1)
+    replicas = list(range(jobs["optimus"].backbone.dp))
 
-    def static_s(counts: list[int]) -> float:
-        return timed_step(static.schedule, static.workload, counts, one, planner.costed)[
+    def static_s(loads: list[float]) -> float:
+        return timed_step(static.schedule, static.workload, loads, one, planner.costed)[
             1
         ].step_time_s
 
-    readers = {"loader": StepData(jobs["optimus"], [0])}
+    readers = {"loader": StepData(jobs["optimus"], replicas)}
     if per_token:
-        readers["dealt"] = StepData(jobs["optimus_adaptive"], [0])
-    counts = {k: [] for k in readers}
+        readers["dealt"] = StepData(jobs["optimus_adaptive"], replicas)
+    loads = {k: [] for k in readers}  # [step][replica] -> micro-batch loads
     for step in range(max(steps) + 1):
         for k, reader in readers.items():
             get = reader.step(step)
-            counts[k].append([get(m).num_images for m in range(n)])
+            loads[k].append([[encoder_load(get(m, dp), cfg) for m in range(n)] for dp in replicas])
     for reader in readers.values():
         reader.close()
-    mine = counts["dealt" if per_token else "loader"]
+    mine = loads["dealt" if per_token else "loader"]
+
+    def step_s(time, per_replica) -> float:
+        return max(time(x) for x in per_replica)
+
+    def adaptive_s(x: list[float]) -> float:
+        return planner.plan(x).step_time_s
+
     out = {
         "predicted_adaptive_vs_static": statistics.median(
-            static_s(counts["loader"][s]) / planner.plan(mine[s]).step_time_s for s in steps
+            step_s(static_s, loads["loader"][s]) / step_s(adaptive_s, mine[s]) for s in steps
         )
     }
     if per_token:
         out["predicted_balanced_samples_vs_static"] = statistics.median(
-            static_s(counts["loader"][s]) / static_s(mine[s]) for s in steps
+            step_s(static_s, loads["loader"][s]) / step_s(static_s, mine[s]) for s in steps
         )
     return out

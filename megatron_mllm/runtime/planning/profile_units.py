@@ -78,10 +78,13 @@ def profile_units(
     enc, bb = model.encoders[0], model.backbone
     mask = causal_mask(cfg.seq_len).to(device)
     batch = image_then_text(*microbatch(cfg, 0, micro_batch)[:2], cfg.image_tokens)
-    batch = batch.to(device, dtype)
-    images = batch.images
     b = micro_batch
     vit_h = torch.randn(cfg.encoder_seq_len, b, cfg.vit_hidden, device=device, dtype=dtype)
+    if cfg.vit_native:  # one nominal image a sample, its patches one sequence
+        batch, vit_h = _nominal_native(cfg, b, device, dtype)
+        enc.prepare(batch.grids)
+    batch = batch.to(device, dtype)
+    images = batch.images
     llm_h = torch.randn(cfg.seq_len, b, cfg.llm_hidden, device=device, dtype=dtype)
 
     def leaf(t):
@@ -108,3 +111,20 @@ def profile_units(
         out[model]["forward"][name] = fwd
         out[model]["backward"][name + "_b"] = bwd
     return out
+
+
+def _nominal_native(cfg: MLLMConfig, b: int, device, dtype):
+    """A native tower's nominal micro-batch: `b` samples of one `image_size` image each (its
+    merged tokens first, then text), and a hidden state of its patches."""
+    from megatron_mllm.data.batch import IGNORE_INDEX, MicroBatch
+
+    side = cfg.image_size // cfg.patch_size
+    grids = torch.tensor([[1, side, side]] * b)
+    tokens = torch.randint(1, cfg.vocab_size, (b, cfg.seq_len))
+    mask = torch.zeros(b, cfg.seq_len, dtype=torch.bool)
+    mask[:, : side * side // cfg.vit_merge**2] = True
+    labels = torch.where(mask, IGNORE_INDEX, tokens)
+    patches = torch.randn(b * side * side, cfg.patch_dim)
+    batch = MicroBatch(patches, tokens, labels, mask, grids=grids, merge=cfg.vit_merge)
+    hidden = torch.randn(b * side * side, 1, cfg.vit_hidden, device=device, dtype=dtype)
+    return batch, hidden
