@@ -24,8 +24,9 @@ demo: $(STAMP)
 		--tp 8 --pp 8 --global-batch 1536 --micro-batch 2 --seq-len 2048 --gpu h100 \
 		--trace out/optimus_trace.json --png out/optimus_timeline.png
 
+# Two test processes: most of a test's time is its rank processes starting and waiting.
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" --durations=15 tests
+	$(PY) -m pytest -q -n 2 -m "not slow" --durations=15 tests
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q tests

@@ -29,6 +29,13 @@ setup(
     extras_require={
         "plot": ["matplotlib"],
         "convert": ["transformers==5.24.0"],  # tools/convert_llava.py
-        "test": ["pytest", "hypothesis", "matplotlib", "ruff", "transformers==5.24.0"],
+        "test": [
+            "pytest",
+            "pytest-xdist",  # make test runs on both cores
+            "hypothesis",
+            "matplotlib",
+            "ruff",
+            "transformers==5.24.0",
+        ],
     },
 )
