@@ -52,49 +52,6 @@ def test_a_packed_row_has_its_samples_positions_and_segments():
         pack([a, b, _sample(2, 20)], CFG.seq_len, pad=0)
 
 
-def _packed_and_alone(rank: int, world: int, state: dict) -> dict:
-    from megatron_mllm.runtime.assembly.bootstrap import init_rank
-    from megatron_mllm.runtime.assembly.model_builder import build_full_model
-
-    init_rank(rank, world, 0, 60.0)
-    model = build_full_model(CFG, "cpu", state)
-    encoder, backbone = model.encoders[0], model.backbone
-    params = [p for m in model.modules for p in m.parameters() if p.requires_grad]
-
-    def run(batch):
-        for p in params:
-            p.grad = None
-        logits = backbone(None, backbone.decoder_input([encoder(batch.images)], batch), batch)
-        loss = backbone.loss(logits, batch, summed=True)
-        loss.backward()
-        return logits.detach(), loss.detach(), [p.grad.clone() for p in params]
-
-    a, b, other_b = _sample(0, 10), _sample(1, 8), _sample(5, 8)
-    alone = [run(replace(pack([x], CFG.seq_len, 0), positions=None, segments=None)) for x in (a, b)]
-    packed = run(pack([a, b], CFG.seq_len, 0))
-    perturbed = run(pack([a, other_b], CFG.seq_len, 0))
-    return {"alone": alone, "packed": packed, "perturbed": perturbed}
-
-
-def test_a_packed_row_trains_as_its_samples_one_by_one():
-    """Per-token loss: the packed row's loss and gradients are the sum of its samples' run
-    each in its own padded row; no attention crosses a sample (another second sample leaves
-    the first one's logits as they were)."""
-    from megatron_mllm.runtime.modes.reference import make_full_state
-
-    state = spawn(make_full_state, 1, CFG, 0)[0]
-    out = spawn(_packed_and_alone, 1, state)[0]
-    (la, loss_a, ga), (lb, loss_b, gb) = out["alone"]
-    logits, loss, grads = out["packed"]
-    assert loss == pytest.approx(float(loss_a + loss_b), rel=1e-5)
-    for g, x, y in zip(grads, ga, gb, strict=True):
-        torch.testing.assert_close(g, x + y, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(logits[0, :26], la[0, :26], rtol=1e-4, atol=1e-5)
-    torch.testing.assert_close(logits[0, 26:50], lb[0, :24], rtol=1e-4, atol=1e-5)
-    assert torch.equal(out["perturbed"][0][0, :26], logits[0, :26])
-    assert not torch.equal(out["perturbed"][0][0, 26:50], logits[0, 26:50])
-
-
 NATIVE = replace(TINY, text_len=48, vit_native=True, patch_size=4, image_size=16,
                  llm_mrope_section=(2, 3, 3), llm_qkv_bias=True, llm_bias=False)  # fmt: skip
 
@@ -110,13 +67,21 @@ def _native_sample(index: int):
     return replace(batch, image_mask=batch.image_mask[:, :length], **cut)
 
 
-def _native_packed_and_alone(rank: int, world: int, state: dict) -> dict:
+def _samples(kind: str) -> tuple:
+    """Two samples and another second one: fixed-size images (CFG) or native ones (NATIVE)."""
+    if kind == "native":
+        return _native_sample(0), _native_sample(1), _native_sample(2)
+    return _sample(0, 10), _sample(1, 8), _sample(5, 8)
+
+
+def _packed_and_alone(rank: int, world: int, kind: str, state: dict) -> dict:
     from megatron_mllm.models.stages import encode
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
     from megatron_mllm.runtime.assembly.model_builder import build_full_model
 
+    cfg = NATIVE if kind == "native" else CFG
     init_rank(rank, world, 0, 60.0)
-    model = build_full_model(NATIVE, "cpu", state)
+    model = build_full_model(cfg, "cpu", state)
     encoder, backbone = model.encoders[0], model.backbone
     params = [p for m in model.modules for p in m.parameters() if p.requires_grad]
 
@@ -128,30 +93,31 @@ def _native_packed_and_alone(rank: int, world: int, state: dict) -> dict:
         loss.backward()
         return logits.detach(), loss.detach(), [p.grad.clone() for p in params]
 
-    a, b, other_b = _native_sample(0), _native_sample(1), _native_sample(2)
-    seq = NATIVE.seq_len
+    a, b, other_b = _samples(kind)
+    seq = cfg.seq_len
     alone = [run(replace(pack([x], seq, 0), positions=None, segments=None)) for x in (a, b)]
-    lengths = [x.tokens.shape[1] for x in (a, b, other_b)]
     return {
         "alone": alone,
         "packed": run(pack([a, b], seq, 0)),
         "perturbed": run(pack([a, other_b], seq, 0)),
-        "lengths": lengths,
+        "lengths": [x.tokens.shape[1] for x in (a, b, other_b)],
     }
 
 
-def test_a_packed_row_of_native_images_trains_as_its_samples_one_by_one():
-    """The same with images of their own sizes through the native tower (attention within
-    each image) and multimodal rotary positions restarting per sample: the packed row's loss
-    and gradients are its samples' sum, each sample's logits are its own."""
+@pytest.mark.parametrize("kind", ["fixed", "native"])
+def test_a_packed_row_trains_as_its_samples_one_by_one(kind):
+    """Per-token loss: the packed row's loss and gradients are the sum of its samples' run
+    each in its own padded row; each sample's logits are its own, and no attention crosses a
+    sample (another second sample leaves the first one's logits as they were). Also with
+    images of their own sizes through the native tower (attention within each image) and
+    multimodal rotary positions restarting per sample."""
     from megatron_mllm.runtime.modes.reference import make_full_state
 
-    state = spawn(make_full_state, 1, NATIVE, 0)[0]
-    out = spawn(_native_packed_and_alone, 1, state)[0]
+    state = spawn(make_full_state, 1, NATIVE if kind == "native" else CFG, 0)[0]
+    out = spawn(_packed_and_alone, 1, kind, state)[0]
     (la, loss_a, ga), (lb, loss_b, gb) = out["alone"]
     logits, loss, grads = out["packed"]
     n_a, n_b, n_other = out["lengths"]
-    assert n_a + max(n_b, n_other) <= NATIVE.seq_len and n_b != n_other  # two sizes
     assert loss == pytest.approx(float(loss_a + loss_b), rel=1e-5)
     for g, x, y in zip(grads, ga, gb, strict=True):
         torch.testing.assert_close(g, x + y, rtol=1e-4, atol=1e-6)
@@ -159,6 +125,8 @@ def test_a_packed_row_of_native_images_trains_as_its_samples_one_by_one():
     torch.testing.assert_close(logits[0, n_a : n_a + n_b], lb[0, :n_b], rtol=1e-4, atol=1e-5)
     assert torch.equal(out["perturbed"][0][0, :n_a], logits[0, :n_a])
     assert not torch.equal(out["perturbed"][0][0, n_a : n_a + n_b], logits[0, n_a : n_a + n_b])
+    if kind == "native":
+        assert n_b != n_other  # images of two sizes in the second place
 
 
 @pytest.fixture(scope="module")
