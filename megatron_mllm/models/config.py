@@ -339,6 +339,18 @@ CLIP_VIT = dict(
     vit_activation="quick_gelu",
 )
 LLAMA = dict(llm_normalization="RMSNorm", llm_swiglu=True, llm_bias=False, llm_norm_eps=1e-6)
+# Qwen2-VL's and Qwen2.5-VL's native-resolution towers, by their --encoder-arch names.
+NATIVE_VITS = {
+    "qwen2vl": dict(vit_native=True, vit_activation="quick_gelu", vit_norm_eps=1e-6),
+    "qwen2.5vl": dict(
+        vit_native=True,
+        vit_activation="silu",
+        vit_norm_eps=1e-6,
+        vit_normalization="RMSNorm",
+        vit_swiglu=True,
+    ),
+}
+NATIVE_ARCHS = tuple(NATIVE_VITS)  # --encoder-arch values of a native-resolution tower
 # The benchmark's model: encoder about 30% of the compute (measured), still fast on 2 cores.
 BENCH = MLLMConfig(
     image_size=64,

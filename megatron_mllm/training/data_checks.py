@@ -8,7 +8,7 @@ import argparse
 import sys
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.training.model_args import NATIVE_ARCHS
+from megatron_mllm.models.config import NATIVE_ARCHS
 
 
 def check_native(args: argparse.Namespace) -> None:

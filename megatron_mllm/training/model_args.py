@@ -8,19 +8,7 @@ import argparse
 from dataclasses import replace
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.models.config import CLIP_VIT, MLLMConfig
-
-NATIVE_ARCHS = ("qwen2vl", "qwen2.5vl")  # --encoder-arch values of a native-resolution tower
-_NATIVE_FIELDS = {
-    "qwen2vl": dict(vit_native=True, vit_activation="quick_gelu", vit_norm_eps=1e-6),
-    "qwen2.5vl": dict(
-        vit_native=True,
-        vit_activation="silu",
-        vit_norm_eps=1e-6,
-        vit_normalization="RMSNorm",
-        vit_swiglu=True,
-    ),  # fmt: skip
-}
+from megatron_mllm.models.config import CLIP_VIT, NATIVE_ARCHS, NATIVE_VITS, MLLMConfig
 
 
 def _encoder_fields(
@@ -35,7 +23,7 @@ def _encoder_fields(
     ffn: int | None,
 ) -> dict:
     """MLLMConfig's encoder fields for one encoder (the first or an --extra-encoder)."""
-    fields = dict(CLIP_VIT) if arch == "clip" else dict(_NATIVE_FIELDS.get(arch, {}))
+    fields = dict(CLIP_VIT) if arch == "clip" else dict(NATIVE_VITS.get(arch, {}))
     if activation:
         fields["vit_activation"] = activation
     return dict(
