@@ -194,3 +194,19 @@ def test_a_plan_not_ready_in_time_falls_back_to_the_static_schedule(tmp_path):
         planner.close()
     finally:
         dist.destroy_process_group()
+
+
+def test_loads_within_a_bucket_share_a_plan(static):
+    """A native tower's loads (nominal images by patches) are not whole: loads that differ by
+    less than a bucket (1 / BUCKETS of an image) hit the plan of the first; another bucket
+    does not."""
+    from megatron_mllm.schedule.adaptive import BUCKETS
+
+    costs, best = static
+    planner = AdaptivePlanner(costs, best)
+    loads = [4.02] * (GLOBAL // 2) + [0.0] * (GLOBAL // 2)
+    planner.plan(loads)
+    planner.plan([x + 0.03 if x else x for x in loads][::-1])
+    assert (planner.hits, planner.misses) == (1, 1)
+    planner.plan([x + 1.0 / BUCKETS if x else x for x in loads])
+    assert (planner.hits, planner.misses) == (1, 2)

@@ -11,9 +11,9 @@ built into the modules). For one step, from its samples' image counts:
    a candidate too, so a step's plan is never slower than the static one in simulation.
 
 The simulator times one replica; the step is timed on the one with the most images (all wait
-for it at the DP reduction). Balanced plans are cached by the multiset of image counts: the balanced
-assignment depends on nothing else, so a repeated multiset reuses the plan with its samples
-renamed (the static candidate, which depends on the loader's order, is timed every step).
+for it at the DP reduction). Balanced plans are cached by the multiset of loads (in steps of
+1 / `BUCKETS` of an image): the balanced assignment depends on nothing else, so a repeated
+multiset reuses the plan with its samples renamed (the static candidate, which depends on the loader's order, is timed every step).
 """
 
 from __future__ import annotations
@@ -38,6 +38,12 @@ from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.simulator import SimResult, simulate
 from megatron_mllm.schedule.validator import validate
 from megatron_mllm.schedule.workload import Workload
+
+
+# Plans are cached by the loads' multiset in steps of 1 / BUCKETS of a costed image: image
+# counts are whole; a native tower's loads (nominal images by patches) are not, and would
+# never meet again unbucketed.
+BUCKETS = 4
 
 
 @dataclass(frozen=True)
@@ -99,9 +105,10 @@ class AdaptivePlanner:
         return kept
 
     def _balanced(self, counts: list[int]) -> StepPlan:
-        """The best plan on the balanced assignment, cached by the multiset of counts."""
+        """The best plan on the balanced assignment, cached by the multiset of (bucketed)
+        loads."""
         ranked = sorted(range(len(counts)), key=lambda i: (-counts[i], i))
-        key = tuple(counts[i] for i in ranked)
+        key = tuple(round(counts[i] * BUCKETS) for i in ranked)
         cached = self._plans.get(key)
         if cached is not None:
             self.hits += 1
