@@ -13,7 +13,8 @@ built into the modules). For one step, from its samples' image counts:
 The simulator times one replica; the step is timed on the one with the most images (all wait
 for it at the DP reduction). Balanced plans are cached by the multiset of loads (in steps of
 1 / `BUCKETS` of an image): the balanced assignment depends on nothing else, so a repeated
-multiset reuses the plan with its samples renamed (the static candidate, which depends on the loader's order, is timed every step).
+multiset reuses the plan with its samples renamed (the static candidate, which depends on the
+loader's order, is timed every step).
 """
 
 from __future__ import annotations
@@ -38,7 +39,6 @@ from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.simulator import SimResult, simulate
 from megatron_mllm.schedule.validator import validate
 from megatron_mllm.schedule.workload import Workload
-
 
 # Plans are cached by the loads' multiset in steps of 1 / BUCKETS of a costed image: image
 # counts are whole; a native tower's loads (nominal images by patches) are not, and would
