@@ -115,3 +115,24 @@ def test_conversation_runs_plan_for_the_data_sets_image_sizes(llava_dataset):
     expected = expected_load(run.model.tower_shape(), grids, 2, (4, 4))
     assert run.images_per_sample == pytest.approx(expected, rel=1e-12)
     assert run.images_per_sample > 2  # the digits are mostly larger than 16 x 16 pixels
+
+
+def test_a_calibrated_tower_recovers_its_fixed_work_and_attention_scale():
+    """Two measured sizes fix the fixed work per micro-batch and the attention's scale: ratios
+    made by a known shape give that shape back, and then every other size's cost too."""
+    from dataclasses import replace
+
+    from megatron_mllm.schedule.patch_loads import TowerShape, calibrated, microbatch_load
+
+    plain = TowerShape(256, 1024, 4)
+    truth = replace(plain, fixed=3e7, attention_scale=2.0)
+    nominal = (16, 16)
+    measured = {g: microbatch_load(truth, [[g]], nominal) for g in ((8, 8), (16, 48))}
+    got = calibrated(plain, nominal, measured)
+    assert got.fixed == pytest.approx(3e7) and got.attention_scale == pytest.approx(2.0)
+    for grids in ([[(32, 32)]], [[(16, 16), (16, 16)]], [[(16, 16)], [(8, 16)]]):
+        assert microbatch_load(got, grids, nominal) == pytest.approx(
+            microbatch_load(truth, grids, nominal)
+        )
+    # Ratios no positive fixed work and scale explain: the plain shape back.
+    assert calibrated(plain, nominal, {(8, 8): 0.01, (16, 48): 3.0}) == plain

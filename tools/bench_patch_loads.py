@@ -33,6 +33,9 @@ CASES = {  # name -> each sample's images' patch grids
 }
 
 
+FIT = ("small", "wide")  # the cases the calibrated load is fitted on
+
+
 def _scaled(nominal: int) -> dict:
     """CASES for a nominal side of `nominal` patches (the table is written for 16)."""
     k = nominal / 16
@@ -77,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.schedule.patch_loads import TowerShape, microbatch_load
+    from megatron_mllm.schedule.patch_loads import calibrated as calibrated_shape
 
     shape = TowerShape(a.hidden, 4 * a.hidden, a.layers)
     nominal = (a.nominal, a.nominal)
@@ -84,6 +88,11 @@ def main(argv: list[str] | None = None) -> int:
     predicted = {n: len(s) * microbatch_load(shape, s, nominal) for n, s in cases.items()}
     times = spawn(measure, 1, a.hidden, a.layers, a.nominal, a.repeats)[0]
     base = statistics.median(times["nominal"])
+    # The fixed work per micro-batch and the attention's scale from two cases' measurements
+    # (the smallest and the widest image); the other three are checked.
+    fit = {cases[n][0][0]: statistics.median(times[n]) / base for n in FIT}
+    fitted = calibrated_shape(shape, nominal, fit)
+    calibrated = {n: len(s) * microbatch_load(fitted, s, nominal) for n, s in cases.items()}
     rows = {}
     for name, samples in cases.items():
         median = statistics.median(times[name])
@@ -96,19 +105,32 @@ def main(argv: list[str] | None = None) -> int:
             "measured_vs_nominal": measured,
             "predicted_vs_nominal": predicted[name],
             "prediction_error": predicted[name] / measured - 1,
+            "calibrated_vs_nominal": calibrated[name],
+            "calibrated_error": calibrated[name] / measured - 1,
         }
+    fixed_share = fitted.fixed / fitted.nominal_cost(nominal)
     if a.json:
-        print(json.dumps({"repeats": a.repeats, "hidden": a.hidden, "cases": rows}, indent=1))
+        out = {"repeats": a.repeats, "hidden": a.hidden, "fixed_share": fixed_share,
+               "attention_scale": fitted.attention_scale, "cases": rows}  # fmt: skip
+        print(json.dumps(out, indent=1))
         return 0
-    print(f"{'case':12} {'grids':28} {'median ms (min-max)':24} {'measured':>9} {'predicted':>9}")
+    print(f"{'case':12} {'grids':28} {'median ms (min-max)':24} {'measured':>9} {'predicted':>9}"
+          f" {'calibrated':>11}")  # fmt: skip
     for name, r in rows.items():
         spread = f"{1e3 * r['median_s']:.1f} ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f})"
         grids = str(r["grids"])
         print(f"{name:12} {grids:28} {spread:24} {r['measured_vs_nominal']:9.2f} "
-              f"{r['predicted_vs_nominal']:9.2f}")  # fmt: skip
+              f"{r['predicted_vs_nominal']:9.2f} {r['calibrated_vs_nominal']:11.2f}")  # fmt: skip
     worst = max(abs(r["prediction_error"]) for r in rows.values())
+    checked = {n: r for n, r in rows.items() if n not in ("nominal", *FIT)}
+    worst_fit = max(abs(r["calibrated_error"]) for r in checked.values())
     print(f"worst prediction error {worst:.1%} (predictions: schedule/patch_loads.py, made "
           "before the run from the tower's shape alone)")  # fmt: skip
+    print(
+        f"fitted on {' and '.join(FIT)} (fixed work {fixed_share:.1%} of a nominal micro-batch, "
+        f"attention x{fitted.attention_scale:.2f} its multiply-adds): worst error "
+        f"{worst_fit:.1%} over {', '.join(checked)}"
+    )
     return 0
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 Grid = tuple[int, int]  # an image's patch rows and columns
 
@@ -33,6 +33,11 @@ class TowerShape:
     window: int = 0  # a window's side in merged tokens (0: every layer attends whole images)
     full_layers: int = 0  # of the layers, those attending whole images where there are windows
     masked: bool = True  # attention over the micro-batch's whole sequence under a mask
+    # Measured on the machine (`calibrated`): work a micro-batch with images costs whatever
+    # their sizes (masks, rotary angles, per-op dispatch), in multiply-adds, and the attention's
+    # cost over its multiply-adds (the scores' mask and softmax are element-wise work).
+    fixed: float = 0.0
+    attention_scale: float = 1.0
 
     @property
     def per_patch(self) -> float:
@@ -42,7 +47,7 @@ class TowerShape:
 
     def attention(self, length: int) -> float:
         """Multiply-adds of every layer's attention computed over `length` patches."""
-        return self.layers * 2 * self.hidden * length * length
+        return self.attention_scale * self.layers * 2 * self.hidden * length * length
 
     def image_attention(self, grid: Grid) -> float:
         """Every layer's attention on one image computed apart (a variable-length kernel)."""
@@ -67,15 +72,41 @@ class TowerShape:
     def nominal_cost(self, nominal: Grid) -> float:
         """One nominal image, computed apart: a sample's cost at load 1."""
         n = nominal[0] * nominal[1]
-        return self.per_patch * n + self.attention(n)
+        return self.fixed + self.per_patch * n + self.attention(n)
 
     def microbatch_cost(self, samples: list[list[Grid]]) -> float:
         """Multiply-adds of the tower on a micro-batch (each sample: its images' grids)."""
         grids = [g for sample in samples for g in sample]
+        if not grids:
+            return 0.0
         patches = sum(h * w for h, w in grids)
         if self.masked:
-            return self.per_patch * patches + self.attention(patches)
-        return self.per_patch * patches + math.fsum(self.image_attention(g) for g in grids)
+            return self.fixed + self.per_patch * patches + self.attention(patches)
+        images = math.fsum(self.image_attention(g) for g in grids)
+        return self.fixed + self.per_patch * patches + images
+
+
+def calibrated(shape: TowerShape, nominal: Grid, measured: dict[Grid, float]) -> TowerShape:
+    """`shape` with the fixed work per micro-batch and the attention's scale at which one
+    image of each of two grids costs its `measured` multiple of one `nominal` image (the
+    GEMMs' multiply-adds keep their count); `shape` itself where no such positive pair
+    exists."""
+    plain = replace(shape, fixed=0.0, attention_scale=1.0)
+    n0 = nominal[0] * nominal[1]
+    rows = []
+    for (h, w), r in measured.items():
+        n = h * w
+        # fixed (1 - r) + scale (q - r q0) = r l0 - l, the cost's ratio to the nominal's
+        q, q0 = plain.attention(n), plain.attention(n0)
+        rows.append((1 - r, q - r * q0, r * plain.per_patch * n0 - plain.per_patch * n))
+    (a, b, c), (d, e, f) = rows
+    det = a * e - b * d
+    if not det:
+        return plain
+    fixed, scale = (c * e - b * f) / det, (a * f - c * d) / det
+    if fixed < 0 or scale <= 0:
+        return plain
+    return replace(shape, fixed=fixed, attention_scale=scale)
 
 
 def microbatch_load(shape: TowerShape, samples: list[list[Grid]], nominal: Grid) -> float:
