@@ -30,6 +30,7 @@ from dataclasses import replace
 NATIVE_IMAGES = "0:0.2,1:0.5,2:0.3"
 NATIVE_SIDES = "16:0.35,32:0.3,64:0.2,96:0.15"
 NATIVE_SEQ = 384
+NATIVE_PIXELS = dict(min_pixels=64, max_pixels=96 * 96)  # the images' bounds, as drawn
 
 
 def varying_load(args) -> int:
@@ -102,7 +103,7 @@ def _model(args, max_images: int, vocab: int):
     cfg = replace(BENCH, vocab_size=vocab, **native)
     cfg = replace(cfg, text_len=NATIVE_SEQ - cfg.image_tokens)
     data = LlavaData(args.data_path, args.tokenizer_model, NATIVE_SEQ, num_workers=1,
-                     min_pixels=64, max_pixels=96 * 96, packing_buffer_size=16)  # fmt: skip
+                     **NATIVE_PIXELS, packing_buffer_size=16)  # fmt: skip
     return cfg, data
 
 
@@ -130,8 +131,7 @@ def _setup(args, max_images: int) -> dict:
     cfg, data = _model(args, max_images, vocab)
     plan = ParallelPlan(2, 1, 1) if args.dp == 2 else ParallelPlan(1, 1, 2)
     n, mb = args.microbatches, max(args.micro_batch, 2)
-    loaded = argparse.Namespace(data_path=args.data_path, micro_batch_size=mb,
-                                min_pixels=64, max_pixels=96 * 96)  # fmt: skip
+    loaded = argparse.Namespace(data_path=args.data_path, micro_batch_size=mb, **NATIVE_PIXELS)
     load = encoder_load(loaded, cfg)
     state = spawn(make_full_state, 1, cfg, 0)[0]
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
@@ -254,14 +254,15 @@ def _summary(setup: dict, repeats: list[dict], args) -> dict:
 
 
 def _print(result: dict, setup: dict, args) -> None:
-    what = "native-resolution packed digits" if args.native_resolution else "BENCH MLLM"
-    unit = "nominal images (by patches)" if args.native_resolution else "images"
+    native = args.native_resolution
+    what = "native-resolution packed digits" if native else "BENCH MLLM"
+    unit = "nominal images (by patches)" if native else "images"
+    source = args.images_per_sample or (NATIVE_IMAGES if native else args.data_path)
     print(
-        f"{what} on {args.images_per_sample or NATIVE_IMAGES if args.native_resolution else ''}"
-        f"{args.data_path if not args.native_resolution else ''} ({result['images_per_sample']:.2f}"
-        f" {unit} per sample planned), sequence {result['seq_length']}, DP {result['dp']} x PP "
-        f"{result['pp']} on 2 ranks x 1 thread, {setup['n']} micro-batches of {setup['mb']}, "
-        f"{args.repeats} repeats of {args.steps} steps; Optimus encoder {result['encoder_plan']}"
+        f"{what} on {source} ({result['images_per_sample']:.2f} {unit} per sample planned), "
+        f"sequence {result['seq_length']}, DP {result['dp']} x PP {result['pp']} on 2 ranks x "
+        f"1 thread, {setup['n']} micro-batches of {setup['mb']}, {args.repeats} repeats of "
+        f"{args.steps} steps; Optimus encoder {result['encoder_plan']}"
     )
     print(f"{'run':<20}{'step s':>9}{'min-max over repeats':>22}{'vs mcore':>10}")
     base = result["megatron_core_1f1b_s"]

@@ -128,9 +128,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def job_from_args(args: argparse.Namespace) -> tuple[MLLMJob, dict | None]:
-    for name in ("tp", "pp", "micro_batch"):
-        if getattr(args, name) is None:
-            setattr(args, name, 1)
     hw = get_profile(args.gpu)
     if args.efficiency is not None:
         if not 0 < args.efficiency <= 1:

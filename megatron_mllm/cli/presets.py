@@ -53,16 +53,16 @@ PRESETS = {
     )
 }
 REQUIRED = ("encoder", "backbone", "gpus", "global_batch", "seq_len")
+DEFAULTS = dict(tp=1, pp=1, micro_batch=1)  # where neither the user nor a preset says
 
 
 def apply_preset(args: argparse.Namespace) -> Preset | None:
-    """Fill every setting the user left out from `--preset` (None without one); refuse a job
-    without the required settings in one line."""
+    """Fill every setting the user left out from `--preset` (None without one), then from
+    DEFAULTS; refuse a job without the required settings in one line."""
     preset = PRESETS[args.preset] if args.preset else None
-    if preset is not None:
-        for name, value in preset.flags.items():
-            if getattr(args, name) is None:
-                setattr(args, name, value)
+    for name, value in {**DEFAULTS, **(preset.flags if preset else {})}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     missing = [f"--{n.replace('_', '-')}" for n in REQUIRED if getattr(args, n) is None]
     if missing:
         raise ConfigError(

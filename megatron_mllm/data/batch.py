@@ -10,6 +10,7 @@ the micro-batch replaces the k-th run of `image_tokens` marked positions, in sam
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import accumulate
 
 import torch
 
@@ -76,8 +77,8 @@ class MicroBatch:
                     marked -= sizes[k]
                     k += 1
                 counts.append(k - start)
-        starts = [sum(counts[:r]) for r in range(len(counts))]
-        return [range(a, a + n) for a, n in zip(starts, counts, strict=True)]
+        ends = list(accumulate(counts))
+        return [range(end - n, end) for end, n in zip(ends, counts, strict=True)]
 
     def row_grids(self) -> list[list[tuple[int, int]]]:
         """Native-resolution images: each row's images as (rows, columns) of patches over their
@@ -149,9 +150,9 @@ class MicroBatch:
         grids = {}
         if self.native:  # each image's run of patches
             cells = self.grids.prod(1).tolist()
-            starts = [sum(cells[:i]) for i in range(len(cells))]
+            ends = list(accumulate(cells))
             grids = {"grids": self.grids[picked] if picked else self.grids[:0]}
-            picked = [p for i in picked for p in range(starts[i], starts[i] + cells[i])]
+            picked = [p for i in picked for p in range(ends[i] - cells[i], ends[i])]
         index = torch.tensor(rows, dtype=torch.long, device=self.tokens.device)
         return replace(
             self,

@@ -32,11 +32,8 @@ def encoder_load(batch: MicroBatch, cfg) -> float:
     images weighed by their cost at their own sizes, `schedule.patch_loads`)."""
     if not batch.native:
         return batch.num_images
-    from megatron_mllm.schedule.patch_loads import microbatch_load
-
-    side = cfg.image_size // cfg.patch_size
-    rows = batch.row_grids()
-    return microbatch_load(cfg.tower_shape(), rows, (side, side)) * len(rows)
+    side, shape = cfg.image_size // cfg.patch_size, cfg.tower_shape()
+    return shape.microbatch_cost(batch.row_grids()) / shape.nominal_cost((side, side))
 
 
 def pool_batches(job, step: int) -> Callable[..., MicroBatch]:

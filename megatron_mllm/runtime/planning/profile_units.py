@@ -77,12 +77,13 @@ def profile_units(
     )
     enc, bb = model.encoders[0], model.backbone
     mask = causal_mask(cfg.seq_len).to(device)
-    batch = image_then_text(*microbatch(cfg, 0, micro_batch)[:2], cfg.image_tokens)
     b = micro_batch
-    vit_h = torch.randn(cfg.encoder_seq_len, b, cfg.vit_hidden, device=device, dtype=dtype)
     if cfg.vit_native:  # one nominal image a sample, its patches one sequence
         batch, vit_h = _nominal_native(cfg, b, device, dtype)
         enc.prepare(batch.grids)
+    else:
+        batch = image_then_text(*microbatch(cfg, 0, micro_batch)[:2], cfg.image_tokens)
+        vit_h = torch.randn(cfg.encoder_seq_len, b, cfg.vit_hidden, device=device, dtype=dtype)
     batch = batch.to(device, dtype)
     images = batch.images
     llm_h = torch.randn(cfg.seq_len, b, cfg.llm_hidden, device=device, dtype=dtype)
