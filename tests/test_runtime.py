@@ -67,6 +67,15 @@ def check_against(reference, outs, tp_of: dict[str, int]):
     check_grads(reference, outs, tp_of)
 
 
+def check_later_losses(reference, outs, steps=(1, 2), abs_tol: float = 1e-4) -> None:
+    """Every micro-batch's loss in the later `steps` is the reference's (so the reduced
+    gradient and the update before them were)."""
+    for step in steps:
+        after = {k: v for o in outs for k, v in o["history"][step].items()}
+        for k, v in reference[1]["history"][step].items():
+            assert after[k] == pytest.approx(v, abs=abs_tol)
+
+
 def check_pp2_matches_the_reference(
     cfg, schedule: str, plan: ParallelPlan | None = None, unit: str = "layer"
 ) -> None:
