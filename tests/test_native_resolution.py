@@ -272,6 +272,7 @@ def _native_conversations(llava_dataset, seq: int):
     return replace(CFG, text_len=seq - CFG.image_tokens, vocab_size=384), data
 
 
+@pytest.mark.slow  # make test deals fixed-size samples (tests/test_llava_training.py)
 def test_native_samples_dealt_across_replicas_keep_the_references_gradient(llava_dataset):
     """DP 2, per-token loss, conversations with images of their own sizes: both replicas'
     samples dealt by encoder load (patches, `encoder_load`), each process sending the samples
