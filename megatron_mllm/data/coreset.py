@@ -65,8 +65,12 @@ class CoresetConfig:
         return int(round(self.pool_ratio * self.batch_size))
 
 
-def source_budgets(source_ids: torch.Tensor, batch_size: int) -> dict[int, int]:
-    """How many examples each source keeps: small sources whole, the rest proportionally."""
+def source_budgets(
+    source_ids: torch.Tensor, batch_size: int, keep_small: bool = True
+) -> dict[int, int]:
+    """How many examples each source keeps: small sources (fewer pool examples than the mean per
+    source) whole, the rest in proportion to their counts; `keep_small=False`: every source in
+    proportion (the ablation)."""
     if source_ids.numel() < batch_size:
         raise ConfigError(
             f"pool of {source_ids.numel()} examples is smaller than the batch "
@@ -77,7 +81,7 @@ def source_budgets(source_ids: torch.Tensor, batch_size: int) -> dict[int, int]:
     ids, counts = torch.unique(source_ids, return_counts=True)
     counts_of = {int(i): int(c) for i, c in zip(ids, counts, strict=True)}
     mean = source_ids.numel() / len(counts_of)
-    small = {s: c for s, c in counts_of.items() if c < mean}
+    small = {s: c for s, c in counts_of.items() if c < mean and keep_small}
     if sum(small.values()) > batch_size:  # too many small sources to keep them all whole
         small = {}
     budgets = dict(small)
@@ -245,6 +249,18 @@ class CoresetSelector:
         v_hat = self.v / (1 - c.beta2**self.t)
         return feats / (v_hat.sqrt() + c.adam_eps)
 
+    def scored_rows(self, source_ids: torch.Tensor) -> torch.Tensor:
+        """Pool rows selected among (sources with more pool rows than their budget), source by
+        source: only these need the pool's forward and features; the others are kept whole."""
+        big = self._big_sources(source_ids)[1]
+        if not big:
+            return torch.empty(0, dtype=torch.long)
+        return torch.cat([(source_ids == s).nonzero().squeeze(1) for s in big])
+
+    def _big_sources(self, source_ids: torch.Tensor) -> tuple[dict[int, int], list[int]]:
+        budgets = source_budgets(source_ids, self.config.batch_size)
+        return budgets, [s for s, b in budgets.items() if b < int((source_ids == s).sum())]
+
     def select(
         self,
         source_ids: torch.Tensor,
@@ -253,17 +269,31 @@ class CoresetSelector:
         targets: torch.Tensor,
         block: torch.Tensor,
     ) -> torch.Tensor:
-        """Indices (into the pool) of the B chosen examples, sorted."""
+        """Indices (into the pool) of the B chosen examples, sorted; `hidden` and `targets`
+        for every pool row."""
+        rows = self.scored_rows(source_ids).to(hidden.device)
+        return self.select_scored(source_ids, loss, hidden[rows], targets[rows], block)
+
+    def select_scored(
+        self,
+        source_ids: torch.Tensor,
+        loss: LastLayerLoss,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        block: torch.Tensor,
+    ) -> torch.Tensor:
+        """As `select`, with `hidden` and `targets` only for `scored_rows(source_ids)`."""
         c = self.config
-        budgets = source_budgets(source_ids, c.batch_size)
-        chosen: list[int] = []
-        big = [s for s, b in budgets.items() if b < int((source_ids == s).sum())]
-        for s in budgets:
-            if s not in big:
-                chosen += (source_ids == s).nonzero().squeeze(1).tolist()
+        budgets, big = self._big_sources(source_ids)
+        chosen = [
+            i
+            for s in budgets
+            if s not in big
+            for i in (source_ids == s).nonzero().flatten().tolist()
+        ]
         if big:
-            rows = torch.cat([(source_ids == s).nonzero().squeeze(1) for s in big])
-            feats = self.normalise(self.features(loss, hidden[rows], targets[rows], block))
+            rows = self.scored_rows(source_ids)
+            feats = self.normalise(self.features(loss, hidden, targets, block))
             start = 0
             for s in big:
                 n = int((source_ids == s).sum())
