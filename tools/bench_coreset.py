@@ -1,24 +1,32 @@
 #!/usr/bin/env python
-"""Benchmark: coreset B-from-2B against random B, stratified random B, 2B in one batch and 2B by
-gradient accumulation, one process, every method from the same initial weights on the same
-pools (paired by seed).
+"""Benchmark: coreset B-from-2B against random B, stratified random B (the coreset's own
+per-source budgets, random within each source) and 2B by gradient accumulation, one process,
+every method from the same initial weights on the same pools (paired by seed); 2B in one batch
+runs a few steps for its activation memory (the reference of "memory vs 2B").
 
-Tasks (--model): `llava` (default) the tiny MLLM (ViT + projector + GPT from megatron-core
-parts) on LLaVA-format conversations (tools' digit records: four sources, one to two images or
-none, answers of a few tokens), encoded by the training path's own encoder; `mllm` the tiny
-MLLM captioning scikit-learn's digits (sources = the ten classes, imbalanced); `gpt` a GPT on the
-eight-source math + caption mixture. --size wide widens the LLM so that compute, not Python,
-dominates a step (the table prints the overhead share).
+Default task: a megatron-core GPT (2 layers, hidden 128) on the skewed mixture
+(`bench_data.mixture.SKEWED_SOURCES`): one big source of additions, most of them from a table
+of 16 easy sums and a third from 200 harder ones, and seven small fact/rule sources, sizes
+spread 31x; the held-out set has 64 examples per source, so every source counts alike, as in
+CoLM's setting where random batches under-represent the small sources. Other tasks (--model):
+`llava` the tiny MLLM on LLaVA-format digit conversations (four equal sources), `mllm` the tiny
+MLLM captioning digits, `gpt --mixture math` math topics + digit captions. --size wide widens
+the LLM so that compute, not Python, dominates a step (for the step-time comparison).
 
-Per method: held-out loss overall and on the worst source, exact-answer accuracy, activation
-memory (bytes autograd saves for backward in the largest forward, or the selection's own peak
-of live tensors if larger), step time with the selection and where it goes (pool forward in
-chunks of B without gradients, features, facility location), training time to reach the same
-seed's 2B-accumulation final held-out loss, and 95% intervals of the paired differences
-against 2B accumulation.
+Per method: held-out loss and exact-answer accuracy overall and per source, the paired 95%
+intervals of the held-out loss against random B, stratified B and accumulation (overall and per
+source), activation memory (bytes autograd saves for backward beyond the weights, or the
+selection's own peak of live tensors if larger), step time with the selection and where it
+goes (the forward, without gradients, of only the pool rows the selection scores, features,
+facility location), and training time to reach the same seed's accumulation loss. Methods
+`coreset_zo_proportional` (no small-source rule) and `coreset_lookahead` (selected one step
+ahead) are the selection's variants in the default table; `coreset_exact` (exact features),
+`coreset_exact_dense` (exact, every coordinate) and `coreset_zo_unnormalised` (no Adam-style
+normalisation) join with --methods.
 
-    python tools/bench_coreset.py [--model llava|mllm|gpt] [--size tiny|wide] [--steps 150]
-                                  [--seeds 5] [--json]
+    python tools/bench_coreset.py [--quick] [--seeds 10] [--steps 600] [--methods M,...]
+                                  [--size tiny|wide] [--model gpt|llava|mllm] [--json]
+    python tools/bench_coreset.py --skip-quality --pipeline-steps 20 --repeats 3 --size wide
 """
 
 from __future__ import annotations
@@ -32,35 +40,67 @@ import time
 import warnings
 import weakref
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bench_data.coreset_tasks import Task
 
 warnings.filterwarnings("ignore", message=".*absl.*")
 
+# Trained for quality, every seed (2B in one batch runs MEMORY_STEPS steps for its memory).
 METHODS = (
     "random_B",
     "stratified_B",
-    "2B_batch",
     "2B_accumulation",
     "coreset_zo",
-    "coreset_exact",
+    "coreset_zo_proportional",  # ablation: no small-source rule (budgets in proportion)
     "coreset_lookahead",
 )
+# Measured with --methods only (the default stays within 20 minutes).
+VARIANTS = ("coreset_exact", "coreset_exact_dense", "coreset_zo_unnormalised")
+
+
+@dataclass(frozen=True)
+class Selection:
+    """A coreset method's selector: features, the small-source rule, Adam-style normalisation,
+    and the coordinates kept per source (top-h; zeroth-order features have k = 16)."""
+
+    features: str = "zo"
+    keep_small: bool = True
+    normalise: bool = True
+    top_h: int = 32
+
+
+SELECTIONS = {
+    "coreset_zo": Selection(),
+    "coreset_zo_proportional": Selection(keep_small=False),
+    "coreset_zo_unnormalised": Selection(normalise=False),
+    "coreset_lookahead": Selection(),  # selected one step ahead
+    "coreset_exact": Selection(features="exact"),
+    "coreset_exact_dense": Selection(features="exact", top_h=1 << 30),
+}
+BASELINES = ("random_B", "stratified_B", "2B_accumulation")
+SELECTION_PARTS = ("pool_forward_s", "features_s", "facility_location_s", "forwarded_rows")
+MEMORY_STEPS = 12
 # The step-time comparison on a 2-stage pipeline (--pipeline-steps), its runs in step order.
 PIPELINE_RUNS = ("B", "2B_accumulation", "coreset", "coreset_lookahead")
-T975 = {1: 12.71, 2: 4.30, 3: 3.18, 4: 2.78, 5: 2.57, 6: 2.45, 7: 2.36, 8: 2.31, 9: 2.26}
 
 
 class SavedBytes:
-    """Counts the bytes autograd saves for backward (activation memory) while active."""
+    """Counts the bytes autograd saves for backward (activation memory) while active; tensors
+    that share a storage with `model`'s parameters (weights saved for backward) are resident
+    anyway and are not counted."""
 
-    def __init__(self) -> None:
+    def __init__(self, model) -> None:
         import torch
 
         self.total = 0
+        self._weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda x: x)
 
     def _pack(self, t):
-        self.total += t.numel() * t.element_size()
+        if t.untyped_storage().data_ptr() not in self._weights:
+            self.total += t.numel() * t.element_size()
         return t
 
     def __enter__(self):
@@ -72,311 +112,46 @@ class SavedBytes:
 
 
 def live_bytes_mode():
-    """A dispatch mode that tracks the bytes of tensors created inside it and still alive,
-    and their peak (`.peak`): the selection's own memory."""
+    """A dispatch mode that tracks the bytes of the storages created inside it and still alive
+    (each storage once, however many tensors view it), and their peak (`.peak`): the
+    selection's own memory."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class LiveBytes(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.live = self.peak = 0
+            self.holders: dict[int, int] = {}  # storage pointer -> tensors alive on it
 
-        def _free(self, n: int) -> None:
-            self.live -= n
+        def _free(self, ptr: int, n: int) -> None:
+            self.holders[ptr] -= 1
+            if not self.holders[ptr]:
+                del self.holders[ptr]
+                self.live -= n
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             import torch
 
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, (tuple, list)) else (out,):
-                if isinstance(t, torch.Tensor) and not t._is_view():
-                    n = t.untyped_storage().nbytes()
-                    self.live += n
-                    weakref.finalize(t, self._free, n)
+                if isinstance(t, torch.Tensor):
+                    storage = t.untyped_storage()
+                    ptr, n = storage.data_ptr(), storage.nbytes()
+                    if ptr not in self.holders:
+                        self.holders[ptr] = 0
+                        self.live += n
+                    self.holders[ptr] += 1
+                    weakref.finalize(t, self._free, ptr, n)
             self.peak = max(self.peak, self.live)
             return out
 
     return LiveBytes()
 
 
-@dataclass
-class Task:
-    """What the training loop needs from a task: examples by index into one list."""
-
-    n_train: int
-    sources: Any  # [n_train] source id per training example
-    new_model: Any  # seed -> model
-    loss_of: Any  # (model, idx) -> mean training loss (with graph)
-    evaluate: Any  # model -> held-out metrics
-    hidden_of: Any  # (model, idx) -> (output-layer inputs [n, s, h], labels [n, s]), no graph
-    weight_of: Any  # model -> output-layer weight [V, h]
-    describe: str
-
-
-def per_example_stats(logits, labels):
-    """Per example: mean next-token loss over labelled positions and exact answer match."""
-    import torch.nn.functional as F
-
-    keep = labels != -100
-    ce = F.cross_entropy(logits.transpose(1, 2), labels.clamp(min=0), reduction="none")
-    loss = (ce * keep).sum(1) / keep.sum(1).clamp(min=1)
-    exact = ((logits.argmax(-1) == labels) | ~keep).all(1).float()
-    return loss, exact
-
-
-def held_out_metrics(loss, exact, source, num_sources: int) -> dict:
-    by = [(float(loss[source == c].mean()), float(exact[source == c].mean()))
-          for c in range(num_sources) if (source == c).any()]  # fmt: skip
-    return {
-        "heldout_loss": float(loss.mean()),
-        "worst_source_loss": max(b[0] for b in by),
-        "heldout_accuracy": float(exact.mean()),
-        "worst_source_accuracy": min(b[1] for b in by),
-    }
-
-
-def mllm_config(args, **kw):
-    from megatron_mllm.models.config import MLLMConfig
-
-    if args.size == "wide":
-        kw.update(llm_layers=4, llm_hidden=256, llm_heads=8, vit_hidden=128)
-    else:
-        kw.update(llm_layers=2)
-    return MLLMConfig(**kw)
-
-
-def tiny_mllm(cfg):
-    """ViT + projector + GPT from megatron-core parts, one process; forward(batch) -> logits
-    [b, s, V], with the output layer's input captured when asked."""
-    import torch
-
-    from megatron_mllm.runtime.assembly.model_builder import build_full_model
-
-    class TinyMLLM(torch.nn.Module):
-        def __init__(self) -> None:
-            super().__init__()
-            built = build_full_model(cfg)
-            self.encoder, self.backbone = built.encoders[0], built.backbone
-
-        def forward(self, batch):
-            bb = self.backbone
-            return bb(None, bb.decoder_input([self.encoder(batch.images)], batch), batch)
-
-        def hidden(self, batch):
-            captured = []
-            out = self.backbone.gpt.output_layer
-            handle = out.register_forward_pre_hook(
-                lambda m, a: captured.append(a[0].transpose(0, 1).detach())
-            )
-            try:
-                self(batch)
-            finally:
-                handle.remove()
-            return captured[0]
-
-    return TinyMLLM
-
-
-def batch_task(args, cfg, batches, source, held, describe: str) -> Task:
-    """A Task over one-sample MicroBatches `batches` (the held-out ones at indices `held`)."""
-    import torch
-
-    from megatron_mllm.data.batch import collate
-    from megatron_mllm.runtime.assembly.bootstrap import seed_model_parallel
-
-    model_class = tiny_mllm(cfg)
-    held_set = set(held.tolist())
-    train_rows = [i for i in range(len(batches)) if i not in held_set]
-    train = [batches[i] for i in train_rows]
-
-    def new_model(seed):
-        torch.manual_seed(seed)
-        seed_model_parallel(seed)
-        return model_class()
-
-    def loss_of(model, idx):
-        batch = collate([train[i] for i in idx.tolist()])
-        return per_example_stats(model(batch), batch.labels)[0].mean()
-
-    @torch.no_grad()
-    def evaluate(model):
-        batch = collate([batches[i] for i in held.tolist()])
-        loss, exact = per_example_stats(model(batch), batch.labels)
-        return held_out_metrics(loss, exact, source[held], int(source.max()) + 1)
-
-    def hidden_of(model, idx):
-        batch = collate([train[i] for i in idx.tolist()])
-        return model.hidden(batch), batch.labels
-
-    return Task(
-        len(train),
-        source[train_rows],
-        new_model,
-        loss_of,
-        evaluate,
-        hidden_of,
-        lambda model: model.backbone.gpt.output_layer.weight.detach(),
-        describe,
-    )
-
-
-def llava_task(args) -> Task:
-    """LLaVA-format digit conversations (four sources), encoded as training encodes them."""
-    import tempfile
-    from pathlib import Path
-
-    import torch
-
-    from megatron_mllm.data.llava import load_raw, read_records
-    from megatron_mllm.data.llava_digits import conversation_texts, write_llava_digits
-    from megatron_mllm.data.task_encoder import EncodeSpec, encode_record
-    from megatron_mllm.data.tokenizer import load_tokenizer, train_tiny_tokenizer
-
-    seq = 48
-    with tempfile.TemporaryDirectory() as tmp:
-        json_path = write_llava_digits(Path(tmp) / "src", args.examples)
-        train_tiny_tokenizer(conversation_texts(json_path), Path(tmp) / "tok", 300)
-        tokenizer = load_tokenizer(Path(tmp) / "tok")
-        names = [r["source"] for r in load_raw(json_path)]
-        records = read_records(json_path)
-        folder = Path(json_path).parent / "images"
-        probe = mllm_config(args)
-        vocab = -(-len(tokenizer) // 128) * 128
-        cfg = mllm_config(args, vocab_size=vocab, text_len=seq - probe.image_tokens)
-        spec = EncodeSpec(tokenizer, seq, cfg.image_tokens, cfg.image_size)
-        batches = [
-            encode_record(r, [(folder / name).read_bytes() for name in r.images], spec)
-            for r in records
-        ]
-    kinds = sorted(set(names))
-    source = torch.tensor([kinds.index(n) for n in names])
-    g = torch.Generator().manual_seed(0)
-    held = torch.cat([
-        (source == c).nonzero().squeeze(1)[torch.randperm(int((source == c).sum()), generator=g)][
-            : args.held_out
-        ]
-        for c in range(len(kinds))
-    ])  # fmt: skip
-    describe = (
-        f"LLaVA-format digit conversations ({', '.join(kinds)}), {len(batches) - len(held)} "
-        f"training, {len(held)} held out; sequence {seq}, vocabulary {vocab}"
-    )
-    return batch_task(args, cfg, batches, source, held, describe)
-
-
-def mllm_task(args) -> Task:
-    """The tiny MLLM captioning scikit-learn's digits; source = digit class, ~1 / (class + 1)."""
-    import tempfile
-
-    import torch
-    from bench_data.digit_shards import ImageCaptionShards, write_digit_shards
-
-    from megatron_mllm.data.batch import image_then_text
-
-    cfg = mllm_config(args, text_len=20)
-    with tempfile.TemporaryDirectory() as tmp:
-        write_digit_shards(tmp, energon=False)
-        data = ImageCaptionShards(tmp)
-    words = "zero one two three four five six seven eight nine".split()
-    label = torch.tensor([words.index(c.split()[-1]) for c in data.captions])
-    g = torch.Generator().manual_seed(0)
-    keep, held = [], []
-    for c in range(10):
-        rows = (label == c).nonzero().squeeze(1)
-        rows = rows[torch.randperm(len(rows), generator=g)]
-        held += rows[: args.held_out].tolist()
-        rest = rows[args.held_out :]
-        keep += rest[: max(8, len(rest) // (c + 1))].tolist()  # a few big, several small
-    rows = keep + held
-    images, text = data.batch(rows, cfg.image_size, cfg.channels, cfg.text_len, cfg.vocab_size)
-    batches = [
-        image_then_text(images[i : i + 1], text[i : i + 1], cfg.num_patches)
-        for i in range(len(rows))
-    ]
-    held_idx = torch.arange(len(keep), len(rows))
-    describe = f"digit captions, 10 classes, {len(keep)} training, {len(held)} held out"
-    return batch_task(args, cfg, batches, label[rows], held_idx, describe)
-
-
-def gpt_task(args) -> Task:
-    """A megatron-core GPT on the eight-source math + digit-caption mixture."""
-    import torch
-    from bench_data.mixture import VOCAB, build_mixture
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-
-    from megatron_mllm.data.batch import IGNORE_INDEX
-    from megatron_mllm.models.config import transformer_config
-    from megatron_mllm.models.stages import causal_mask
-    from megatron_mllm.parallel.groups import build_colocated_groups
-    from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.assembly.bootstrap import seed_model_parallel
-
-    one = ParallelPlan(1, 1, 1)
-    groups = build_colocated_groups(one, one, 1, 0)
-    seq = 32
-    train, held = build_mixture(args.examples, seed=0, seq_len=seq)
-    mask, pos = causal_mask(seq), torch.arange(seq).unsqueeze(0)
-    cfg = mllm_config(args, vocab_size=len(VOCAB))
-
-    def labels_of(data, idx):
-        labels = torch.full_like(data.tokens[idx], IGNORE_INDEX)
-        answer = data.answer_mask[idx][:, :-1].bool()
-        labels[:, :-1] = torch.where(answer, data.tokens[idx][:, 1:], IGNORE_INDEX)
-        return labels
-
-    def new_model(seed):
-        torch.manual_seed(seed)
-        seed_model_parallel(seed)
-        return GPTModel(
-            transformer_config(cfg, "llm", 1, 1),
-            get_gpt_layer_local_spec(),
-            len(VOCAB),
-            seq,
-            pg_collection=groups.backbone,
-            share_embeddings_and_output_weights=False,
-            position_embedding_type="rope",
-        )
-
-    def logits(model, tokens):
-        return model(tokens, pos.expand(tokens.shape[0], -1), mask)
-
-    def loss_of(model, idx):
-        return per_example_stats(logits(model, train.tokens[idx]), labels_of(train, idx))[0].mean()
-
-    @torch.no_grad()
-    def evaluate(model):
-        every = torch.arange(len(held.tokens))
-        loss, exact = per_example_stats(logits(model, held.tokens), labels_of(held, every))
-        return held_out_metrics(loss, exact, held.source, len(held.names))
-
-    def hidden_of(model, idx):
-        captured = []
-        handle = model.output_layer.register_forward_pre_hook(
-            lambda m, a: captured.append(a[0].transpose(0, 1).detach())
-        )
-        try:
-            logits(model, train.tokens[idx])
-        finally:
-            handle.remove()
-        return captured[0], labels_of(train, idx)
-
-    describe = f"math + caption mixture, 8 sources, {len(train.tokens)} training"
-    return Task(
-        len(train.tokens),
-        train.source,
-        new_model,
-        loss_of,
-        evaluate,
-        hidden_of,
-        lambda model: model.output_layer.weight.detach(),
-        describe,
-    )
-
-
-def timed_selector(config):
-    """A CoresetSelector that adds the time its features take to `.spent["features_s"]`."""
-    from megatron_mllm.data.coreset import CoresetSelector
+def timed_selector(config, how: Selection):
+    """A CoresetSelector as `how` says, adding the time its features take to
+    `.spent["features_s"]`."""
+    from megatron_mllm.data.coreset import CoresetSelector, source_budgets
 
     class Timed(CoresetSelector):
         def features(self, *a, **kw):
@@ -385,30 +160,43 @@ def timed_selector(config):
             self.spent["features_s"] += time.perf_counter() - t0
             return out
 
+        def normalise(self, feats):
+            return super().normalise(feats) if how.normalise else feats
+
+        def _big_sources(self, source_ids):
+            if how.keep_small:
+                return super()._big_sources(source_ids)
+            budgets = source_budgets(source_ids, self.config.batch_size, keep_small=False)
+            return budgets, [s for s, b in budgets.items() if b < int((source_ids == s).sum())]
+
     selector = Timed(config)
     selector.spent = {"features_s": 0.0}
     return selector
 
 
 def coreset_pick(task: Task, selector, model, pool, b: int, spent: dict):
-    """The pool's forward in chunks of B without gradients, then features and selection."""
+    """The forward, in chunks of B without gradients, of the pool rows the selection scores
+    (sources kept whole skip it), then their features and the selection."""
     import torch
 
     from megatron_mllm.data.sampler import VocabParallelReplay
 
     t0 = time.perf_counter()
+    sources = task.sources[pool]
+    scored = pool[selector.scored_rows(sources)]
     with torch.no_grad():
-        parts = [task.hidden_of(model, chunk) for chunk in pool.split(b)]
-    hidden = torch.cat([h for h, _ in parts])
-    labels = torch.cat([lab for _, lab in parts])
+        parts = [task.hidden_of(model, chunk) for chunk in scored.split(b)]
+    hidden = torch.cat([h for h, _ in parts]) if parts else None
+    labels = torch.cat([lab for _, lab in parts]) if parts else None
     t1 = time.perf_counter()
     before = selector.spent["features_s"]
-    picked = selector.select(
-        task.sources[pool], VocabParallelReplay(), hidden, labels, task.weight_of(model)
+    picked = selector.select_scored(
+        sources, VocabParallelReplay(), hidden, labels, task.weight_of(model)
     )
     t2 = time.perf_counter()
     features = selector.spent["features_s"] - before
     spent["pool_forward_s"] += t1 - t0
+    spent["forwarded_rows"] += len(scored)
     spent["features_s"] += features
     spent["facility_location_s"] += t2 - t1 - features
     return pool[picked]
@@ -446,14 +234,18 @@ def train_one(args, task: Task, method: str, seed: int) -> dict:
     b = args.batch
     model = task.new_model(1000 + seed)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    decay = None
+    if args.lr_decay_style == "cosine":  # to a tenth of --lr at the last step, as Megatron's
+        decay = torch.optim.lr_scheduler.CosineAnnealingLR(opt, args.steps, args.lr / 10)
     sampler = iter(PoolSampler(task.n_train, 2 * b, seed=seed))
     gen = torch.Generator().manual_seed(seed)
-    spent = dict.fromkeys(("pool_forward_s", "features_s", "facility_location_s"), 0.0)
+    spent = dict.fromkeys(SELECTION_PARTS, 0.0)
     selector, pending = None, None
     lookahead = method == "coreset_lookahead"  # zeroth-order, selected one step ahead
     if method.startswith("coreset"):
-        features = "zo" if lookahead else method.split("_")[1]
-        selector = timed_selector(CoresetConfig(batch_size=b, features=features, seed=seed))
+        how = SELECTIONS[method]
+        config = CoresetConfig(batch_size=b, features=how.features, top_h=how.top_h, seed=seed)
+        selector = timed_selector(config, how)
 
     def pick(pool):
         return coreset_pick(task, selector, model, pool, b, spent)
@@ -467,7 +259,7 @@ def train_one(args, task: Task, method: str, seed: int) -> dict:
             batches = pending or batches_of(method, task, next(sampler), b, gen, pick)
         opt.zero_grad()
         for idx in batches:
-            with SavedBytes() as saved:
+            with SavedBytes(model) as saved:
                 loss = task.loss_of(model, idx) / len(batches)
             peak = max(peak, saved.total)
             loss.backward()
@@ -477,6 +269,8 @@ def train_one(args, task: Task, method: str, seed: int) -> dict:
         if mode is not None:
             peak = max(peak, mode.peak)
         opt.step()
+        if decay is not None:
+            decay.step()
         dt = time.perf_counter() - t0
         if not measure:
             times.append(dt)
@@ -485,22 +279,48 @@ def train_one(args, task: Task, method: str, seed: int) -> dict:
             curve.append((elapsed, task.evaluate(model)["heldout_loss"]))
     row = task.evaluate(model)
     row.update(peak_activation_bytes=peak, step_s=statistics.median(times), curve=curve)
-    row.update({k: v / len(times) for k, v in spent.items()})  # per step (first one included)
+    row.update({k: v / args.steps for k, v in spent.items()})  # per step (first one included)
     return row
 
 
-def run(rank: int, world: int, args) -> dict:
-    """Every method x seed; rows by method, seed order kept (paired)."""
+def run(rank: int, world: int, args, seeds: list[int]) -> dict:
+    """Every method x seed in `seeds`, rows by method in seed order (paired), and with seed 0
+    2B in one batch for a few steps (its activation memory is the reference)."""
+    from bench_data.coreset_tasks import TASKS
+
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
 
     init_rank(rank, world, 0, 60.0)
-    task = {"llava": llava_task, "mllm": mllm_task, "gpt": gpt_task}[args.model](args)
-    results = {m: [] for m in METHODS}
-    for seed in range(args.seeds):
-        for method in METHODS:
+    task = TASKS[args.model](args)
+    results = {m: [] for m in args.methods}
+    for seed in seeds:
+        for method in args.methods:
             results[method].append(train_one(args, task, method, seed))
         print(f"seed {seed + 1}/{args.seeds} done", file=sys.stderr, flush=True)
-    return {"describe": task.describe, "results": results}
+    out = {"describe": task.describe, "sources": task.names, "results": results}
+    if 0 in seeds:
+        short = argparse.Namespace(**{**vars(args), "steps": MEMORY_STEPS})
+        out["memory"] = train_one(short, task, "2B_batch", 0) | {"steps": MEMORY_STEPS}
+    return out
+
+
+def run_seeds(args) -> dict:
+    """`run` over the seeds dealt to `args.workers` single-rank processes side by side; the
+    rows merged back into seed order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from megatron_mllm.runtime.assembly.launch import spawn
+
+    dealt = [list(range(args.seeds))[w :: args.workers] for w in range(args.workers)]
+    with ThreadPoolExecutor(len(dealt)) as threads:
+        outs = list(threads.map(lambda s: spawn(run, 1, args, s, timeout_s=7200)[0], dealt))
+    order = [seed for seeds in dealt for seed in seeds]
+    merged = {**outs[0], "results": {}}
+    for m in args.methods:
+        rows = [row for out in outs for row in out["results"][m]]
+        pairs = sorted(zip(order, rows, strict=True), key=lambda pair: pair[0])
+        merged["results"][m] = [row for _, row in pairs]
+    return merged
 
 
 def pipeline_jobs(args) -> dict:
@@ -508,6 +328,7 @@ def pipeline_jobs(args) -> dict:
     alone, 2B by accumulation (2N micro-batches, B's memory), the coreset (the pool's pass, then
     the step) and the coreset with look-ahead (the next pool in the step's bubbles)."""
     from bench_common import bench_run
+    from bench_data.coreset_tasks import mllm_config
 
     from megatron_mllm.data.coreset import CoresetConfig
     from megatron_mllm.parallel.plans import ParallelPlan
@@ -518,14 +339,14 @@ def pipeline_jobs(args) -> dict:
     from megatron_mllm.schedule.lookahead import with_lookahead
 
     cfg, plan, mb = mllm_config(args, text_len=args.pipeline_text), ParallelPlan(1, 1, 2), 2
-    n = args.batch // mb
+    n = args.pipeline_batch // mb
     state = spawn(make_full_state, 1, cfg, 0)[0]
     # Plans and the merge from unit times measured here, both ranks at once (their contention).
     measured = spawn(profile_units, plan.world_size, cfg, mb, 5)[0]
     step, workload = runtime_plan(cfg, plan, mb, n, "optimus", measured=measured)
     pool, _ = pool_plan(step, cfg, plan, mb, 2 * n, measured=measured)
     double, _ = runtime_plan(cfg, plan, mb, 2 * n, "optimus", measured=measured)
-    coreset = CoresetConfig(batch_size=args.batch, pool_ratio=2, features="zo", seed=0)
+    coreset = CoresetConfig(batch_size=args.pipeline_batch, pool_ratio=2, features="zo", seed=0)
     merged = with_lookahead(step, pool, workload)
 
     # fp32: bf16 matrix products are ~65x slower on this CPU
@@ -548,14 +369,38 @@ def pipeline_jobs(args) -> dict:
     describe = (
         f"PP=2 on 2 ranks, Optimus, fp32 + distributed optimizer, ViT {cfg.vit_layers}x"
         f"{cfg.vit_hidden} + GPT {cfg.llm_layers}x{cfg.llm_hidden}, sequence {cfg.seq_len}, "
-        f"synthetic image-caption pools (10 classes), B={args.batch} in micro-batches of {mb}"
+        f"synthetic image-caption pools (10 classes), B={args.pipeline_batch} in micro-batches "
+        f"of {mb}"
     )
     return {"jobs": jobs, "describe": describe, "predicted": asdict(merged.lookahead_times)}
 
 
+def timed_phases(run) -> dict:
+    """Wraps `run`'s coreset pool pass (forward, selection, the rows' broadcast) and selection
+    so that their seconds add up in the returned dict (this rank's)."""
+    spent = {"pool_pass_s": 0.0, "selection_s": 0.0}
+    coreset = run.coreset
+    if coreset is None:
+        return spent
+
+    def timer(inner, key: str):
+        def timed(*a, **kw):
+            t0 = time.perf_counter()
+            out = inner(*a, **kw)
+            spent[key] += time.perf_counter() - t0
+            return out
+
+        return timed
+
+    coreset.pool_rows = timer(coreset.pool_rows, "pool_pass_s")
+    coreset._pick = timer(coreset._pick, "selection_s")
+    return spent
+
+
 def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
     """Every run builds once, then they take steps in turn; each step's wall time from a
-    barrier before it to a barrier after it (the slower rank's time)."""
+    barrier before it to a barrier after it (the slower rank's time), and this rank's phases:
+    the pool pass, the selection, the training program's seconds, compute and message waits."""
     import torch.distributed as dist
 
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
@@ -563,34 +408,56 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
 
     device = init_rank(rank, world, 0, 120.0)
     runs = {name: make_run(rank, world, job, device) for name, job in jobs.items()}
+    spent = {name: timed_phases(run) for name, run in runs.items()}
     times = {name: [] for name in runs}
+    phases = {name: [] for name in runs}
     for step in range(steps):
         for name, run in runs.items():
+            before = dict(spent[name])
             dist.barrier()
             t0 = time.perf_counter()
             run.step(step)
             dist.barrier()
             times[name].append(time.perf_counter() - t0)
-    return times
+            program = run.breakdowns[-1]
+            phases[name].append({
+                **{k: v - before[k] for k, v in spent[name].items()},
+                "program_s": program.seconds, "compute_s": program.compute_s,
+                "wait_s": program.wait_s,
+            })  # fmt: skip
+    return {"times": times, "phases": phases}
 
 
 def pipeline_section(args) -> dict:
-    """Median step seconds (and spread) per run, measured steps after one warm-up each."""
+    """Per run, the median step seconds over every repeat's measured steps (one warm-up step
+    each; a repeat is two fresh processes), the look-ahead's paired ratio per repeat, and each
+    rank's phases (medians over every measured step)."""
     from megatron_mllm.runtime.assembly.launch import spawn
 
     built = pipeline_jobs(args)
-    times = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)[0]
+    steps = {name: [] for name in built["jobs"]}
+    phases = {name: [[], []] for name in built["jobs"]}
+    ratios = []
+    for _ in range(args.repeats):
+        ranks = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)
+        times = {name: ts[1:] for name, ts in ranks[0]["times"].items()}
+        for name, ts in times.items():
+            steps[name] += ts
+            for r in range(2):
+                phases[name][r] += ranks[r]["phases"][name][1:]
+        pairs = [a / c for a, c in zip(times["coreset_lookahead"], times["coreset"], strict=True)]
+        ratios.append(statistics.median(pairs))
     out = {"describe": built["describe"], "predicted": built["predicted"], "runs": {}}
-    acc = statistics.median(times["2B_accumulation"][1:])
-    for name, ts in times.items():
-        ts = ts[1:]
+    acc = statistics.median(steps["2B_accumulation"])
+    for name, ts in steps.items():
         med = statistics.median(ts)
-        out["runs"][name] = {"step_s": med, "min_s": min(ts), "max_s": max(ts),
-                             "vs_accumulation": med / acc}  # fmt: skip
-    pairs = [
-        a / c for a, c in zip(times["coreset_lookahead"][1:], times["coreset"][1:], strict=True)
-    ]
-    out["lookahead_vs_coreset"] = (statistics.median(pairs), min(pairs), max(pairs))
+        out["runs"][name] = {
+            "step_s": med, "min_s": min(ts), "max_s": max(ts), "vs_accumulation": med / acc,
+            "ranks": [{k: statistics.median(p[k] for p in rank) for k in rank[0]}
+                      for rank in phases[name]],
+        }  # fmt: skip
+    out["lookahead_vs_coreset"] = (statistics.median(ratios), min(ratios), max(ratios))
+    out["repeats"] = args.repeats
     return out
 
 
@@ -599,11 +466,23 @@ def print_pipeline(p: dict) -> None:
     for name, r in p["runs"].items():
         print(f"  {name:<18}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
               f"{1000 * r['max_s']:.1f}){r['vs_accumulation']:>7.2f}x accumulation")  # fmt: skip
+    print("  per rank (medians, ms): pool pass (incl. selection) | selection | training program"
+          " = compute + message waits + executor overhead")  # fmt: skip
+    for name, r in p["runs"].items():
+        cells = "; ".join(
+            f"rank {i}: {1000 * k['pool_pass_s']:.0f} | {1000 * k['selection_s']:.0f} | "
+            f"{1000 * k['program_s']:.0f} = {1000 * k['compute_s']:.0f} + "
+            f"{1000 * k['wait_s']:.0f} + "
+            f"{1000 * (k['program_s'] - k['compute_s'] - k['wait_s']):.0f}"
+            for i, k in enumerate(r["ranks"])
+        )
+        print(f"  {name:<18}{cells}")
     med, lo, hi = p["lookahead_vs_coreset"]
     pred = p["predicted"]
     alone = pred["step_alone_s"] + pred["pool_alone_s"]
-    print(f"  look-ahead / same-step coreset, paired by step: {med:.3f} ({lo:.3f}-{hi:.3f}); "
-          f"the planner predicted {pred['step_s'] / alone:.3f}")  # fmt: skip
+    print(f"  look-ahead / same-step coreset, paired by step: {med:.3f} ({lo:.3f}-{hi:.3f}) over "
+          f"{p['repeats']} repeats (each repeat's median); the planner predicted "
+          f"{pred['step_s'] / alone:.3f}")  # fmt: skip
 
 
 def time_to_target(curve, target: float) -> float | None:
@@ -611,88 +490,153 @@ def time_to_target(curve, target: float) -> float | None:
     return next((t for t, loss in curve if loss <= target), None)
 
 
-def paired(rows, base_rows, key: str) -> tuple[float, float]:
-    """Mean paired difference (rows - base_rows) on `key` and its 95% half-interval."""
-    diffs = [r[key] - b[key] for r, b in zip(rows, base_rows, strict=True)]
-    if len(diffs) < 2:
-        return diffs[0], float("nan")
-    t = T975.get(len(diffs) - 1, 1.96)
-    return statistics.mean(diffs), t * statistics.stdev(diffs) / len(diffs) ** 0.5
+def compare(rows, base_rows, value=lambda r: r["heldout_loss"]):
+    """The paired 95% interval of value(row) - value(base row), seed by seed."""
+    from paired_stats import paired_interval
+
+    return paired_interval([value(r) for r in rows], [value(r) for r in base_rows])
 
 
-def summarise(results: dict) -> dict:
-    base = results["2B_accumulation"]
-    for rows in results.values():
-        for row, ref in zip(rows, base, strict=True):
-            row["time_to_accumulation_loss_s"] = time_to_target(row["curve"], ref["heldout_loss"])
+def per_source(rows, base_rows, key: str) -> list:
+    """Paired intervals per source of `key` ("source_loss" or "source_accuracy")."""
+    return [compare(rows, base_rows, lambda r, c=c: r[key][c]) for c in range(len(rows[0][key]))]
+
+
+def mean_row(rows) -> dict:
+    """Means over seeds of every number, per-source lists element-wise; step time the median."""
     out = {}
-    for m, rows in results.items():
-        stat = {}
-        for key in rows[0]:
-            if key == "curve":
-                continue
+    for key, first in rows[0].items():
+        if key == "curve":
+            continue
+        if isinstance(first, list):
+            out[key] = [statistics.fmean(r[key][c] for r in rows) for c in range(len(first))]
+        elif key == "step_s":
+            out[key] = statistics.median(r[key] for r in rows)
+        else:
             vals = [r[key] for r in rows if r[key] is not None]
-            stat[key] = statistics.mean(vals) if vals else None
-            if key == "time_to_accumulation_loss_s":
-                stat["reached"] = f"{len(vals)}/{len(rows)}"
-        for key in ("heldout_loss", "heldout_accuracy", "step_s"):
-            stat[f"{key}_vs_accumulation"] = paired(rows, base, key)
-        out[m] = stat
-    # Look-ahead against same-step selection (zeroth-order both), paired by seed.
-    ahead, now = results["coreset_lookahead"], results["coreset_zo"]
-    out["lookahead_vs_same_step"] = {
-        k: paired(ahead, now, k) for k in ("heldout_loss", "heldout_accuracy")
-    }
+            out[key] = statistics.fmean(vals) if vals else None
     return out
 
 
-def print_table(args, describe: str, s: dict) -> None:
-    mem2b = s["2B_batch"]["peak_activation_bytes"]
+def summarise(results: dict) -> dict:
+    """Per method: means, time to accumulation's loss, paired intervals on held-out loss and
+    accuracy (overall and per source) against random B, stratified B and accumulation."""
+    base = {k: results[k] for k in BASELINES if k in results}
+    acc = results["2B_accumulation"]
+    for rows in results.values():
+        for row, ref in zip(rows, acc, strict=True):
+            row["time_to_accumulation_loss_s"] = time_to_target(row["curve"], ref["heldout_loss"])
+    out = {}
+    for m, rows in results.items():
+        stat = mean_row(rows)
+        stat["reached"] = sum(r["time_to_accumulation_loss_s"] is not None for r in rows)
+        stat["vs"] = {
+            b: {
+                "heldout_loss": compare(rows, brows),
+                "heldout_accuracy": compare(rows, brows, lambda r: r["heldout_accuracy"]),
+                "source_loss": per_source(rows, brows, "source_loss"),
+                "source_accuracy": per_source(rows, brows, "source_accuracy"),
+            }
+            for b, brows in base.items()
+            if b != m
+        }
+        out[m] = stat
+    if "coreset_lookahead" in results and "coreset_zo" in results:
+        out["lookahead_vs_same_step"] = {
+            k: compare(results["coreset_lookahead"], results["coreset_zo"], lambda r, k=k: r[k])
+            for k in ("heldout_loss", "heldout_accuracy")
+        }
+    return out
+
+
+def print_table(args, describe: str, names: list[str], s: dict, memory: dict) -> None:
     acc = s["2B_accumulation"]["step_s"]
-    tb, t2b = s["random_B"]["step_s"], s["2B_batch"]["step_s"]
-    overhead = max(0.0, 2 * tb - t2b) / tb  # t(n) = a + c n: a / t(B)
     print(
-        f"{describe}; size {args.size}; B={args.batch}, pool 2B, {args.steps} steps, "
-        f"{args.seeds} seeds paired; +- = 95% interval of the difference to 2B accumulation"
+        f"{describe}; size {args.size}; B={args.batch}, pool 2B, {args.steps} steps, lr "
+        f"{args.lr}, {args.seeds} seeds paired; a+-h: mean paired difference and its 95% "
+        "interval (* excludes 0)"
     )
-    print(f"fixed (per-step, not per-sample) share of a B step: {overhead:.0%} (from B, 2B)")
-    print(f"{'method':<16}{'held-out loss':>22}{'worst src':>10}{'accuracy':>19}{'worst':>7}"
-          f"{'mem vs 2B':>10}{'step ms':>9}{'vs accum':>9}{'to accum loss s':>17}")  # fmt: skip
-    for m in METHODS:
+    print(f"{'method':<22}{'held-out loss':>14}{'vs random B':>18}{'vs stratified B':>18}"
+          f"{'vs 2B accum':>18}{'accuracy':>9}{'mem vs 2B':>10}{'step ms':>9}{'vs accum':>9}"
+          f"{'to accum loss':>14}")  # fmt: skip
+    for m in args.methods:
         r = s[m]
-        dl, dli = r["heldout_loss_vs_accumulation"]
-        da, dai = r["heldout_accuracy_vs_accumulation"]
+        cells = "".join(
+            f"{_ci(r['vs'][b]['heldout_loss']) if b in r['vs'] else '-':>18}" for b in BASELINES
+        )
         reach = r["time_to_accumulation_loss_s"]
-        reach = f"{reach:.1f} ({r['reached']})" if reach is not None else f"never ({r['reached']})"
+        reach = f"{reach:.1f}s ({r['reached']}/{args.seeds})" if reach else f"0/{args.seeds}"
         print(
-            f"{m:<16}{r['heldout_loss']:>8.4f} {dl:+.4f}+-{dli:<6.4f}"
-            f"{r['worst_source_loss']:>9.3f}{r['heldout_accuracy']:>7.3f} {da:+.3f}+-{dai:<5.3f}"
-            f"{r['worst_source_accuracy']:>6.2f}{r['peak_activation_bytes'] / mem2b:>9.2f}x"
-            f"{1000 * r['step_s']:>9.1f}{r['step_s'] / acc:>8.2f}x{reach:>17}"
+            f"{m:<22}{r['heldout_loss']:>14.4f}{cells}{r['heldout_accuracy']:>9.3f}"
+            f"{r['peak_activation_bytes'] / memory['peak_activation_bytes']:>9.2f}x"
+            f"{1000 * r['step_s']:>9.1f}{r['step_s'] / acc:>8.2f}x{reach:>14}"
         )
-    (dl, dli), (da, dai) = s["lookahead_vs_same_step"].values()
-    print(f"look-ahead - same-step selection (paired): held-out loss {dl:+.4f}+-{dli:.4f}, "
-          f"accuracy {da:+.3f}+-{dai:.3f}")  # fmt: skip
-    for m in ("coreset_zo", "coreset_exact", "coreset_lookahead"):
+    step = memory["step_s"]
+    print(f"2B in one batch (memory and step only, {memory['steps']} steps): step "
+          f"{1000 * step:.1f} ms, {step / acc:.2f}x accumulation")  # fmt: skip
+    print_sources(args, names, s)
+    if "lookahead_vs_same_step" in s:
+        loss, accu = s["lookahead_vs_same_step"].values()
+        print(f"look-ahead - same-step selection (paired): held-out loss {_ci(loss)}, "
+              f"accuracy {_ci(accu, 3)}")  # fmt: skip
+    for m in args.methods:
+        if m.startswith("coreset"):
+            r = s[m]
+            parts = ", ".join(
+                f"{k[:-2].replace('_', ' ')} {1000 * r[k]:.1f}"
+                for k in ("pool_forward_s", "features_s", "facility_location_s")
+            )
+            print(f"{m} selection per step (ms): {parts}; pool rows forwarded "
+                  f"{r['forwarded_rows']:.1f} of {2 * args.batch}")  # fmt: skip
+
+
+def print_sources(args, names: list[str], s: dict) -> None:
+    """Per-source held-out loss (accuracy) per method, then the paired intervals per source."""
+    width = max(15, *(len(n) + 2 for n in names))
+    print("held-out loss (accuracy) per source, " + "sources biggest first")
+    print(f"{'method':<24}" + "".join(f"{n:>{width}}" for n in names))
+    for m in args.methods:
         r = s[m]
-        parts = ", ".join(
-            f"{k[:-2].replace('_', ' ')} {1000 * r[k]:.1f}"
-            for k in ("pool_forward_s", "features_s", "facility_location_s")
-        )
-        print(f"{m} selection per step (ms): {parts}")
+        print(f"{m:<24}" + "".join(
+            f"{f'{lo:.3f} ({ac:.2f})':>{width}}"
+            for lo, ac in zip(r["source_loss"], r["source_accuracy"], strict=True)
+        ))  # fmt: skip
+    for m, b in (("2B_accumulation", "random_B"), ("coreset_zo", "random_B"),
+                 ("coreset_zo", "stratified_B"), ("coreset_zo", "2B_accumulation")):  # fmt: skip
+        if m in s and b in s[m]["vs"]:
+            cells = "".join(f"{_ci(c, 3):>{width}}" for c in s[m]["vs"][b]["source_loss"])
+            print(f"paired, {m} - {b}:\n{'':<24}{cells}")
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--model", choices=["llava", "mllm", "gpt"], default="llava")
+def _ci(c, digits: int = 4) -> str:
+    return c.text(digits) + ("*" if c.excludes_zero() else " ")
+
+
+QUICK = {"seeds": 3, "steps": 200, "methods": "random_B,stratified_B,2B_accumulation,coreset_zo"}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    from megatron_mllm.errors import OneLineParser
+
+    ap = OneLineParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model", choices=["gpt", "llava", "mllm"], default="gpt")
+    ap.add_argument("--mixture", choices=["skewed", "math"], default="skewed", help="--model gpt")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated")
     ap.add_argument("--size", choices=["tiny", "wide"], default="tiny")
-    ap.add_argument("--steps", type=int, default=150)
-    ap.add_argument("--seeds", type=int, default=5)
-    ap.add_argument("--batch", type=int, default=16, help="B")
-    ap.add_argument("--examples", type=int, default=2000)
-    ap.add_argument("--held-out", type=int, default=30, help="held-out examples per source")
-    ap.add_argument("--eval-every", type=int, default=10)
-    ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--steps", type=int, default=400)
+    ap.add_argument("--seeds", type=int, default=10)
+    ap.add_argument(
+        "--workers", type=int, default=2,
+        help="processes training seeds side by side (1 for step times free of the other's)",
+    )  # fmt: skip
+    ap.add_argument("--quick", action="store_true", help=f"a short check: {QUICK}")
+    ap.add_argument("--batch", type=int, default=32, help="B (the pool holds 2B)")
+    ap.add_argument("--examples", type=int, default=4000)
+    ap.add_argument("--held-out", type=int, default=64, help="held-out examples per source")
+    ap.add_argument("--eval-every", type=int, default=50)
+    ap.add_argument("--lr", type=float, help="default 1e-3 for gpt, 3e-3 for the MLLMs")
+    ap.add_argument("--lr-decay-style", choices=["cosine", "constant"], default="cosine",
+                    help="cosine: to a tenth of --lr at the last step")  # fmt: skip
     ap.add_argument(
         "--pipeline-steps",
         type=int,
@@ -700,41 +644,93 @@ def main() -> int:
         help="also time B, 2B accumulation, coreset and look-ahead on a 2-stage pipeline for "
         "this many steps (2 processes; 0: skip)",
     )
+    ap.add_argument("--repeats", type=int, default=3, help="pipeline repeats")
+    ap.add_argument("--pipeline-batch", type=int, default=16, help="B on the pipeline")
     ap.add_argument("--pipeline-text", type=int, default=112, help="text tokens (pipeline)")
     ap.add_argument("--skip-quality", action="store_true", help="only the pipeline timing")
-    ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
-    if args.steps < 2 or args.seeds < 1 or args.batch < 1 or args.eval_every < 1:
-        print("error: --steps >= 2, --seeds >= 1, --batch and --eval-every >= 1", file=sys.stderr)
-        return 2
-    from megatron_mllm.runtime.assembly.launch import spawn
+    ap.add_argument("--json", action="store_true", help="print JSON instead of the tables")
+    ap.add_argument("--json-out", help="also write the JSON to this file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    args.lr = args.lr or (1e-3 if args.model == "gpt" else 3e-3)
+    args.methods = args.methods.split(",")
+    unknown = [m for m in args.methods if m not in METHODS + VARIANTS]
+    if unknown:
+        known = ", ".join(METHODS + VARIANTS)
+        ap.error(f"--methods: unknown {', '.join(unknown)}; choose from {known}")
+    missing = [m for m in ("2B_accumulation", "coreset_zo") if m not in args.methods]
+    if missing:
+        ap.error(f"--methods must include {' and '.join(missing)} (the comparison's pair)")
+    if args.steps < 2 or args.seeds < 2 or args.batch < 1 or args.eval_every < 1:
+        ap.error("--steps and --seeds must be at least 2, --batch and --eval-every at least 1")
+    if args.pipeline_batch < 2 or args.pipeline_batch % 2:
+        ap.error(f"--pipeline-batch {args.pipeline_batch} must be even (micro-batches of 2)")
+    if not 1 <= args.workers <= args.seeds:
+        ap.error(f"--workers {args.workers} must be between 1 and --seeds ({args.seeds})")
+    if (
+        args.repeats < 1
+        or args.pipeline_steps < 0
+        or (args.skip_quality and not args.pipeline_steps)
+    ):
+        ap.error("--pipeline-steps must be >= 0 (> 0 with --skip-quality), --repeats >= 1")
+    return args
 
-    if args.pipeline_steps < 0 or (args.skip_quality and not args.pipeline_steps):
-        print("error: --pipeline-steps must be >= 0 (and > 0 with --skip-quality)", file=sys.stderr)
-        return 2
+
+def json_summary(args, out: dict, s: dict, pipe) -> dict:
+    """The issue's keys first, then every method's figures (intervals as [low, high])."""
+
+    def plain(x):
+        if hasattr(x, "low"):
+            return [x.low, x.high]
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        if isinstance(x, list):
+            return [plain(v) for v in x]
+        return x
+
+    z, a, mem = s["coreset_zo"], s["2B_accumulation"], out["memory"]["peak_activation_bytes"]
+    keys = {
+        "coreset_step_s": z["step_s"],
+        "accumulation_step_s": a["step_s"],
+        "coreset_heldout_loss": z["heldout_loss"],
+        "accumulation_heldout_loss": a["heldout_loss"],
+        "coreset_memory_vs_2b": z["peak_activation_bytes"] / mem,
+        "seeds": args.seeds,
+    }
+    for name in ("random_B", "stratified_B"):
+        if name in s:
+            short = name.split("_")[0]
+            keys[f"{short}_heldout_loss"] = s[name]["heldout_loss"]
+            keys[f"coreset_vs_{short}_ci"] = plain(z["vs"][name]["heldout_loss"])
+    return {
+        **keys,
+        "coreset_vs_accumulation_ci": plain(z["vs"]["2B_accumulation"]["heldout_loss"]),
+        "model": args.model, "mixture": args.mixture, "size": args.size, "steps": args.steps,
+        "sources": out["sources"], "methods": plain(s), "memory_2b_batch": out["memory"],
+        "pipeline": pipe,
+    }  # fmt: skip
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     pipe = pipeline_section(args) if args.pipeline_steps else None
     if args.skip_quality:
         print(json.dumps({"pipeline": pipe}) if args.json else "", end="")
         if not args.json:
             print_pipeline(pipe)
         return 0
-    out = spawn(run, 1, args, timeout_s=7200)[0]
+    out = run_seeds(args)
     s = summarise(out["results"])
+    summary = json_summary(args, out, s, pipe)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(summary, f, indent=1)
     if args.json:
-        z, a = s["coreset_zo"], s["2B_accumulation"]
-        print(json.dumps({
-            "coreset_step_s": z["step_s"], "accumulation_step_s": a["step_s"],
-            "coreset_heldout_loss": z["heldout_loss"],
-            "accumulation_heldout_loss": a["heldout_loss"],
-            "coreset_memory_vs_2b": z["peak_activation_bytes"]
-            / s["2B_batch"]["peak_activation_bytes"],
-            "lookahead_heldout_loss": s["coreset_lookahead"]["heldout_loss"],
-            "lookahead_vs_same_step": s["lookahead_vs_same_step"],
-            "seeds": args.seeds, "model": args.model, "size": args.size, "methods": s,
-            "pipeline": pipe,
-        }))  # fmt: skip
+        print(json.dumps(summary))
         return 0
-    print_table(args, out["describe"], s)
+    print_table(args, out["describe"], out["sources"], s, out["memory"])
     if pipe is not None:
         print_pipeline(pipe)
     return 0

@@ -1,7 +1,14 @@
-"""A real multi-source text mixture made here, offline: procedural math problems by topic
-(the `mathgenerator` package) and captions of scikit-learn's handwritten digits. Imbalanced the
-way real mixtures are (a few big sources, several small ones), with a held-out split per source.
-Character-level tokens; each example is "question=answer" and the loss is on the answer."""
+"""Multi-source text mixtures made here, offline, imbalanced the way real mixtures are, with a
+held-out split per source. Character-level tokens; each example is "question=answer" and the
+loss is on the answer.
+
+* `SKEWED_SOURCES` (the coreset benchmark's default): one large source of additions, two
+  thirds from a table of 16 easy sums (learned early) and a third from 200 harder ones, and
+  seven small fact or rule sources (subtraction, multiplication table, maximum, next and
+  previous letter, remainder, doubling), sizes spread 31x (0.62 down to 0.02), all learnable by
+  a tiny model in minutes.
+* `DEFAULT_SOURCES`: procedural math problems by topic (the `mathgenerator` package) and
+  captions of scikit-learn's handwritten digits (harder; a tiny model barely learns them)."""
 
 from __future__ import annotations
 
@@ -24,6 +31,18 @@ DEFAULT_SOURCES = {
     "factorial": 0.05,
     "binary_to_decimal": 0.04,
 }
+# name -> share: one big source, seven small ones (CoLM's setting: small sources that random
+# batches under-represent)
+SKEWED_SOURCES = {
+    "add": 0.62,
+    "sub": 0.10,
+    "mul": 0.08,
+    "max": 0.06,
+    "next": 0.05,
+    "prev": 0.04,
+    "mod3": 0.03,
+    "double": 0.02,
+}
 VOCAB = sorted(set("0123456789+-*/=!^ abcdefghijklmnopqrstuvwxyz.,:") | {"#", "?"})
 PAD, UNK = "#", "?"
 _DIGIT_WORDS = "zero one two three four five six seven eight nine".split()
@@ -40,6 +59,66 @@ def _digit_captions(rng: random.Random, n: int) -> list[tuple[str, str]]:
         ink = "".join(str(min(9, int(r) // 8)) for r in rows)  # 8 row-ink levels, one digit each
         out.append((f"ink{ink}=", _DIGIT_WORDS[int(digits.target[i])]))
     return out
+
+
+def _letters(rng: random.Random, k: int, alphabet: str = "abcdefghijklmnopqrstuvwxyz") -> str:
+    return "".join(rng.choice(alphabet) for _ in range(k))
+
+
+def _add(rng: random.Random) -> tuple[str, str]:
+    if rng.random() < 1 / 3:  # a third from a table of 200 sums (hard)
+        a, b = rng.randint(0, 19), rng.randint(0, 9)
+    else:  # the rest from 16 (easy, learned early)
+        a, b = rng.randint(0, 3), rng.randint(0, 3)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _sub(rng: random.Random) -> tuple[str, str]:
+    a, b = sorted((rng.randint(0, 9), rng.randint(0, 9)), reverse=True)
+    return f"{a}-{b}=", str(a - b)
+
+
+def _mul(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return f"{a}*{b}=", str(a * b)
+
+
+def _max(rng: random.Random) -> tuple[str, str]:
+    a, b = rng.randint(0, 9), rng.randint(0, 9)
+    return f"max {a}{b}=", str(max(a, b))
+
+
+def _next(rng: random.Random) -> tuple[str, str]:
+    c = _letters(rng, 1, "abcdefghijklmnopqrstuvwxy")
+    return f"next {c}=", chr(ord(c) + 1)
+
+
+def _prev(rng: random.Random) -> tuple[str, str]:
+    c = _letters(rng, 1, "bcdefghijklmnopqrstuvwxyz")
+    return f"prev {c}=", chr(ord(c) - 1)
+
+
+def _mod3(rng: random.Random) -> tuple[str, str]:
+    n = rng.randint(0, 29)
+    return f"{n} mod 3=", str(n % 3)
+
+
+def _double(rng: random.Random) -> tuple[str, str]:
+    n = rng.randint(0, 49)
+    return f"2*{n}=", str(2 * n)
+
+
+_RULES = {f.__name__[1:]: f for f in (_add, _sub, _mul, _max, _next, _prev, _mod3, _double)}
+
+
+def _examples(name: str, rng: random.Random, n: int) -> list[tuple[str, str]]:
+    """`n` (question, answer) pairs of source `name`: a rule above, digit captions, or a
+    mathgenerator topic."""
+    if name in _RULES:
+        return [_RULES[name](rng) for _ in range(n)]
+    if name == "digits":
+        return _digit_captions(rng, n)
+    return math_problems(name, rng, n)
 
 
 @dataclass
@@ -92,10 +171,7 @@ def build_mixture(
     train_pairs, train_src, held_pairs, held_src = [], [], [], []
     for s, (name, share) in enumerate(sources.items()):
         n = int(round(share * total))
-        make = (
-            _digit_captions if name == "digits" else (lambda r, k, t=name: math_problems(t, r, k))
-        )
-        pairs = make(rng, n + heldout_per_source)
+        pairs = _examples(name, rng, n + heldout_per_source)
         train_pairs += pairs[:n]
         train_src += [s] * n
         held_pairs += pairs[n:]
