@@ -176,6 +176,7 @@ def test_encoder_set_and_measured_times_mismatches_fail_clearly(run_tool, tmp_pa
         assert proc.returncode == 2 and len(lines) == 1 and expected in lines[0], proc.stderr
 
 
+@pytest.mark.slow  # 16 s (subprocesses); tests/test_lookahead.py covers the merge
 def test_coreset_lookahead_prediction(run_tool):
     """--coreset-pool-ratio: the Optimus step with the next pool's forward merged in, against
     the pool's own pass then the step, and the pool trained whole (accumulation)."""

@@ -106,6 +106,7 @@ def test_logits_match_under_any_tp(converted, tp):
     torch.testing.assert_close(ours, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # 24 s; the logits tests convert in make test
 def test_round_trip_back_to_hf(converted):
     from transformers import LlavaForConditionalGeneration
 
@@ -123,6 +124,7 @@ def test_round_trip_back_to_hf(converted):
     assert rc == 2 and log.count("\n") == 1 and "already holds a model" in log
 
 
+@pytest.mark.slow  # 17 s; make test-slow
 def test_converted_checkpoint_trains_under_another_plan(converted, tmp_path):
     """pretrain_mllm.py takes the model from the checkpoint and loads it on PP=2 (Optimus)."""
     from tests.ranks import pretrain
@@ -143,7 +145,9 @@ def test_converted_checkpoint_trains_under_another_plan(converted, tmp_path):
     "overrides, message",
     [
         (dict(vision_feature_select_strategy="full"), "vision_feature_select_strategy"),
-        (dict(projector_hidden_act="relu"), "projector_hidden_act"),
+        pytest.param(
+            dict(projector_hidden_act="relu"), "projector_hidden_act", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_unmapped_llava_variants_fail_clearly(tmp_path, overrides, message):

@@ -244,6 +244,7 @@ def _replicas(get, n: int, dp: int) -> list[list]:
     return [[get(m, r) for m in range(n)] for r in range(dp)]
 
 
+@pytest.mark.slow  # 11 s; samples dealt across replicas covers the per-token path
 def test_per_token_loss_with_balanced_samples_keeps_the_references_gradient(references, data):
     """--calculate-per-token-loss with optimus-adaptive: each step's samples are dealt into
     micro-batches of equal image counts, which changes every micro-batch's loss but not the

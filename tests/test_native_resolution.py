@@ -208,6 +208,7 @@ def test_native_arguments_are_refused_in_one_line(extra, msg, monkeypatch):
     refused([*QWEN_ARGS, *extra], msg, monkeypatch)
 
 
+@pytest.mark.slow  # 11 s (a subprocess)
 def test_the_dry_run_names_the_native_tower():
     import subprocess
     import sys

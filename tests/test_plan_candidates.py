@@ -87,6 +87,7 @@ def test_refusals_in_one_line():
         check_phase(2, 3, _job({}, mode="megatron_core"))
 
 
+@pytest.mark.slow  # 18 s; test_training resumes the candidates phase in make test
 def test_candidate_steps_train_as_one_run():
     """Two candidates on two module layouts (Optimus with its encoder replicated on both ranks,
     the Megatron schedule with it on stage 0): every step's losses, in and after the phase,

@@ -5,6 +5,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from megatron_mllm.runtime.assembly.launch import spawn
@@ -33,6 +34,7 @@ def test_a_tp_shard_layer_has_one_gpus_shapes():
     assert shapes["mlp.linear_fc2.weight"] == (h, f // 8)
 
 
+@pytest.mark.slow  # 11 s (two subprocesses)
 def test_profile_kernels_writes_times_plan_schedule_reads(tmp_path):
     out = tmp_path / "times.json"
     cmd = [sys.executable, str(ROOT / "tools" / "profile_kernels.py"), "--model", "vit-22b"]

@@ -142,6 +142,7 @@ def _build_rss_growth(rank: int, world: int, job) -> int:
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's peak RSS")
+@pytest.mark.slow  # 26 s; make test stays under 5 minutes
 def test_a_stages_start_up_memory_follows_its_part_not_the_whole_model():
     """Measured in real jobs (~100M fp32 backbone parameters): the peak memory a rank gains
     while its model is built and loaded is, for the last of two pipeline stages (half the

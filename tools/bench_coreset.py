@@ -82,6 +82,7 @@ SELECTIONS = {
 BASELINES = ("random_B", "stratified_B", "2B_accumulation")
 SELECTION_PARTS = ("pool_forward_s", "features_s", "facility_location_s", "forwarded_rows")
 MEMORY_STEPS = 12
+POOL_CHUNK = 2  # the pool's gradient-free forward: chunks of 2B rows (one forward per pool)
 # The step-time comparison on a 2-stage pipeline (--pipeline-steps), its runs in step order.
 PIPELINE_RUNS = ("B", "2B_accumulation", "coreset", "coreset_lookahead")
 
@@ -163,11 +164,8 @@ def timed_selector(config, how: Selection):
         def normalise(self, feats):
             return super().normalise(feats) if how.normalise else feats
 
-        def _big_sources(self, source_ids):
-            if how.keep_small:
-                return super()._big_sources(source_ids)
-            budgets = source_budgets(source_ids, self.config.batch_size, keep_small=False)
-            return budgets, [s for s, b in budgets.items() if b < int((source_ids == s).sum())]
+        def budgets(self, source_ids):
+            return source_budgets(source_ids, self.config.batch_size, keep_small=how.keep_small)
 
     selector = Timed(config)
     selector.spent = {"features_s": 0.0}
@@ -175,8 +173,10 @@ def timed_selector(config, how: Selection):
 
 
 def coreset_pick(task: Task, selector, model, pool, b: int, spent: dict):
-    """The forward, in chunks of B without gradients, of the pool rows the selection scores
-    (sources kept whole skip it), then their features and the selection."""
+    """The forward without gradients of the pool rows the selection scores (sources kept whole
+    skip it), in chunks of `POOL_CHUNK` x B rows, then their features and the selection. A
+    gradient-free forward keeps one layer's intermediates at a time, so even a chunk of 2B
+    stays below the activations B's training step saves (the measured peak says so)."""
     import torch
 
     from megatron_mllm.data.sampler import VocabParallelReplay
@@ -185,7 +185,7 @@ def coreset_pick(task: Task, selector, model, pool, b: int, spent: dict):
     sources = task.sources[pool]
     scored = pool[selector.scored_rows(sources)]
     with torch.no_grad():
-        parts = [task.hidden_of(model, chunk) for chunk in scored.split(b)]
+        parts = [task.hidden_of(model, chunk) for chunk in scored.split(POOL_CHUNK * b)]
     hidden = torch.cat([h for h, _ in parts]) if parts else None
     labels = torch.cat([lab for _, lab in parts]) if parts else None
     t1 = time.perf_counter()
@@ -376,9 +376,13 @@ def pipeline_jobs(args) -> dict:
 
 
 def timed_phases(run) -> dict:
-    """Wraps `run`'s coreset pool pass (forward, selection, the rows' broadcast) and selection
-    so that their seconds add up in the returned dict (this rank's)."""
-    spent = {"pool_pass_s": 0.0, "selection_s": 0.0}
+    """Wraps `run`'s coreset pool pass (forward, selection, the rows' broadcast), its
+    selection and the pool program's run so that their seconds (and the pool program's message
+    waits) add up in the returned dict (this rank's)."""
+    from megatron_mllm.runtime.engine.breakdown import breakdown_of_spans
+    from megatron_mllm.runtime.engine.step_types import PassKind
+
+    spent = {"pool_pass_s": 0.0, "selection_s": 0.0, "pool_wait_s": 0.0}
     coreset = run.coreset
     if coreset is None:
         return spent
@@ -392,6 +396,20 @@ def timed_phases(run) -> dict:
 
         return timed
 
+    def executor_for(*a, inner=run.executor_for, **kw):
+        executor = inner(*a, **kw)
+        if kw.get("kind") == PassKind.POOL:
+            run_step = executor.run_step
+
+            def waited():
+                result = run_step()
+                spent["pool_wait_s"] += breakdown_of_spans(result.spans, result.seconds).wait_s
+                return result
+
+            executor.run_step = waited
+        return executor
+
+    run.executor_for = executor_for
     coreset.pool_rows = timer(coreset.pool_rows, "pool_pass_s")
     coreset._pick = timer(coreset._pick, "selection_s")
     return spent
@@ -466,11 +484,12 @@ def print_pipeline(p: dict) -> None:
     for name, r in p["runs"].items():
         print(f"  {name:<18}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
               f"{1000 * r['max_s']:.1f}){r['vs_accumulation']:>7.2f}x accumulation")  # fmt: skip
-    print("  per rank (medians, ms): pool pass (incl. selection) | selection | training program"
-          " = compute + message waits + executor overhead")  # fmt: skip
+    print("  per rank (medians, ms): pool pass (incl. selection; its message waits) | selection |"
+          " training program = compute + message waits + executor overhead")  # fmt: skip
     for name, r in p["runs"].items():
         cells = "; ".join(
-            f"rank {i}: {1000 * k['pool_pass_s']:.0f} | {1000 * k['selection_s']:.0f} | "
+            f"rank {i}: {1000 * k['pool_pass_s']:.0f} ({1000 * k['pool_wait_s']:.0f}) | "
+            f"{1000 * k['selection_s']:.0f} | "
             f"{1000 * k['program_s']:.0f} = {1000 * k['compute_s']:.0f} + "
             f"{1000 * k['wait_s']:.0f} + "
             f"{1000 * (k['program_s'] - k['compute_s'] - k['wait_s']):.0f}"
@@ -530,6 +549,8 @@ def summarise(results: dict) -> dict:
     for m, rows in results.items():
         stat = mean_row(rows)
         stat["reached"] = sum(r["time_to_accumulation_loss_s"] is not None for r in rows)
+        ratios = [r["step_s"] / a["step_s"] for r, a in zip(rows, acc, strict=True)]
+        stat["step_vs_accumulation"] = [statistics.median(ratios), min(ratios), max(ratios)]
         stat["vs"] = {
             b: {
                 "heldout_loss": compare(rows, brows),
@@ -556,6 +577,8 @@ def print_table(args, describe: str, names: list[str], s: dict, memory: dict) ->
         f"{args.lr}, {args.seeds} seeds paired; a+-h: mean paired difference and its 95% "
         "interval (* excludes 0)"
     )
+    print("step ms: the median over seeds of each seed's median step; vs accum: the median of "
+          "the per-seed ratios (their min-max in the JSON)")  # fmt: skip
     print(f"{'method':<22}{'held-out loss':>14}{'vs random B':>18}{'vs stratified B':>18}"
           f"{'vs 2B accum':>18}{'accuracy':>9}{'mem vs 2B':>10}{'step ms':>9}{'vs accum':>9}"
           f"{'to accum loss':>14}")  # fmt: skip
@@ -569,7 +592,7 @@ def print_table(args, describe: str, names: list[str], s: dict, memory: dict) ->
         print(
             f"{m:<22}{r['heldout_loss']:>14.4f}{cells}{r['heldout_accuracy']:>9.3f}"
             f"{r['peak_activation_bytes'] / memory['peak_activation_bytes']:>9.2f}x"
-            f"{1000 * r['step_s']:>9.1f}{r['step_s'] / acc:>8.2f}x{reach:>14}"
+            f"{1000 * r['step_s']:>9.1f}{r['step_vs_accumulation'][0]:>8.2f}x{reach:>14}"
         )
     step = memory["step_s"]
     print(f"2B in one batch (memory and step only, {memory['steps']} steps): step "
@@ -697,6 +720,7 @@ def json_summary(args, out: dict, s: dict, pipe) -> dict:
         "coreset_heldout_loss": z["heldout_loss"],
         "accumulation_heldout_loss": a["heldout_loss"],
         "coreset_memory_vs_2b": z["peak_activation_bytes"] / mem,
+        "coreset_step_vs_accumulation": z["step_vs_accumulation"],  # median, min, max
         "seeds": args.seeds,
     }
     for name in ("random_B", "stratified_B"):

@@ -257,8 +257,12 @@ class CoresetSelector:
             return torch.empty(0, dtype=torch.long)
         return torch.cat([(source_ids == s).nonzero().squeeze(1) for s in big])
 
+    def budgets(self, source_ids: torch.Tensor) -> dict[int, int]:
+        """How many pool examples of each source to keep (`source_budgets`)."""
+        return source_budgets(source_ids, self.config.batch_size)
+
     def _big_sources(self, source_ids: torch.Tensor) -> tuple[dict[int, int], list[int]]:
-        budgets = source_budgets(source_ids, self.config.batch_size)
+        budgets = self.budgets(source_ids)
         return budgets, [s for s, b in budgets.items() if b < int((source_ids == s).sum())]
 
     def select(
