@@ -39,7 +39,7 @@ import sys
 import time
 import warnings
 import weakref
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -83,8 +83,6 @@ BASELINES = ("random_B", "stratified_B", "2B_accumulation")
 SELECTION_PARTS = ("pool_forward_s", "features_s", "facility_location_s", "forwarded_rows")
 MEMORY_STEPS = 12
 POOL_CHUNK = 2  # the pool's gradient-free forward: chunks of 2B rows (one forward per pool)
-# The step-time comparison on a 2-stage pipeline (--pipeline-steps), its runs in step order.
-PIPELINE_RUNS = ("B", "2B_accumulation", "coreset", "coreset_lookahead")
 
 
 class SavedBytes:
@@ -323,187 +321,6 @@ def run_seeds(args) -> dict:
     return merged
 
 
-def pipeline_jobs(args) -> dict:
-    """The step-time runs on a 2-stage pipeline (Optimus, distributed optimizer): B
-    alone, 2B by accumulation (2N micro-batches, B's memory), the coreset (the pool's pass, then
-    the step) and the coreset with look-ahead (the next pool in the step's bubbles)."""
-    from bench_common import bench_run
-    from bench_data.coreset_tasks import mllm_config
-
-    from megatron_mllm.data.coreset import CoresetConfig
-    from megatron_mllm.parallel.plans import ParallelPlan
-    from megatron_mllm.runtime.assembly.launch import spawn
-    from megatron_mllm.runtime.modes.reference import make_full_state
-    from megatron_mllm.runtime.planning.profile_units import profile_units
-    from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
-    from megatron_mllm.schedule.lookahead import with_lookahead
-
-    cfg, plan, mb = mllm_config(args, text_len=args.pipeline_text), ParallelPlan(1, 1, 2), 2
-    n = args.pipeline_batch // mb
-    state = spawn(make_full_state, 1, cfg, 0)[0]
-    # Plans and the merge from unit times measured here, both ranks at once (their contention).
-    measured = spawn(profile_units, plan.world_size, cfg, mb, 5)[0]
-    step, workload = runtime_plan(cfg, plan, mb, n, "optimus", measured=measured)
-    pool, _ = pool_plan(step, cfg, plan, mb, 2 * n, measured=measured)
-    double, _ = runtime_plan(cfg, plan, mb, 2 * n, "optimus", measured=measured)
-    coreset = CoresetConfig(batch_size=args.pipeline_batch, pool_ratio=2, features="zo", seed=0)
-    merged = with_lookahead(step, pool, workload)
-
-    # fp32: bf16 matrix products are ~65x slower on this CPU
-    fp32 = argparse.Namespace(precision="fp32")
-    run = bench_run(cfg, fp32, plan, n, mb, "--lr", "1e-3", "--use-distributed-optimizer")
-    base = run.runtime_job(step, state, units="layer")
-
-    def job(schedule, n_mb, **data):
-        plans = replace(base.plans, schedule=schedule)
-        return replace(base, plans=plans, data=replace(base.data, num_microbatches=n_mb, **data))
-
-    jobs = {
-        "B": job(step, n),
-        "2B_accumulation": job(double, 2 * n),
-        "coreset": job(step, n, coreset=coreset, pool_schedule=pool),
-        "coreset_lookahead": job(
-            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merged
-        ),
-    }
-    describe = (
-        f"PP=2 on 2 ranks, Optimus, fp32 + distributed optimizer, ViT {cfg.vit_layers}x"
-        f"{cfg.vit_hidden} + GPT {cfg.llm_layers}x{cfg.llm_hidden}, sequence {cfg.seq_len}, "
-        f"synthetic image-caption pools (10 classes), B={args.pipeline_batch} in micro-batches "
-        f"of {mb}"
-    )
-    return {"jobs": jobs, "describe": describe, "predicted": asdict(merged.lookahead_times)}
-
-
-def timed_phases(run) -> dict:
-    """Wraps `run`'s coreset pool pass (forward, selection, the rows' broadcast), its
-    selection and the pool program's run so that their seconds (and the pool program's message
-    waits) add up in the returned dict (this rank's)."""
-    from megatron_mllm.runtime.engine.breakdown import breakdown_of_spans
-    from megatron_mllm.runtime.engine.step_types import PassKind
-
-    spent = {"pool_pass_s": 0.0, "selection_s": 0.0, "pool_wait_s": 0.0}
-    coreset = run.coreset
-    if coreset is None:
-        return spent
-
-    def timer(inner, key: str):
-        def timed(*a, **kw):
-            t0 = time.perf_counter()
-            out = inner(*a, **kw)
-            spent[key] += time.perf_counter() - t0
-            return out
-
-        return timed
-
-    def executor_for(*a, inner=run.executor_for, **kw):
-        executor = inner(*a, **kw)
-        if kw.get("kind") == PassKind.POOL:
-            run_step = executor.run_step
-
-            def waited():
-                result = run_step()
-                spent["pool_wait_s"] += breakdown_of_spans(result.spans, result.seconds).wait_s
-                return result
-
-            executor.run_step = waited
-        return executor
-
-    run.executor_for = executor_for
-    coreset.pool_rows = timer(coreset.pool_rows, "pool_pass_s")
-    coreset._pick = timer(coreset._pick, "selection_s")
-    return spent
-
-
-def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
-    """Every run builds once, then they take steps in turn; each step's wall time from a
-    barrier before it to a barrier after it (the slower rank's time), and this rank's phases:
-    the pool pass, the selection, the training program's seconds, compute and message waits."""
-    import torch.distributed as dist
-
-    from megatron_mllm.runtime.assembly.bootstrap import init_rank
-    from megatron_mllm.runtime.modes.runs import make_run
-
-    device = init_rank(rank, world, 0, 120.0)
-    runs = {name: make_run(rank, world, job, device) for name, job in jobs.items()}
-    spent = {name: timed_phases(run) for name, run in runs.items()}
-    times = {name: [] for name in runs}
-    phases = {name: [] for name in runs}
-    for step in range(steps):
-        for name, run in runs.items():
-            before = dict(spent[name])
-            dist.barrier()
-            t0 = time.perf_counter()
-            run.step(step)
-            dist.barrier()
-            times[name].append(time.perf_counter() - t0)
-            program = run.breakdowns[-1]
-            phases[name].append({
-                **{k: v - before[k] for k, v in spent[name].items()},
-                "program_s": program.seconds, "compute_s": program.compute_s,
-                "wait_s": program.wait_s,
-            })  # fmt: skip
-    return {"times": times, "phases": phases}
-
-
-def pipeline_section(args) -> dict:
-    """Per run, the median step seconds over every repeat's measured steps (one warm-up step
-    each; a repeat is two fresh processes), the look-ahead's paired ratio per repeat, and each
-    rank's phases (medians over every measured step)."""
-    from megatron_mllm.runtime.assembly.launch import spawn
-
-    built = pipeline_jobs(args)
-    steps = {name: [] for name in built["jobs"]}
-    phases = {name: [[], []] for name in built["jobs"]}
-    ratios = []
-    for _ in range(args.repeats):
-        ranks = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)
-        times = {name: ts[1:] for name, ts in ranks[0]["times"].items()}
-        for name, ts in times.items():
-            steps[name] += ts
-            for r in range(2):
-                phases[name][r] += ranks[r]["phases"][name][1:]
-        pairs = [a / c for a, c in zip(times["coreset_lookahead"], times["coreset"], strict=True)]
-        ratios.append(statistics.median(pairs))
-    out = {"describe": built["describe"], "predicted": built["predicted"], "runs": {}}
-    acc = statistics.median(steps["2B_accumulation"])
-    for name, ts in steps.items():
-        med = statistics.median(ts)
-        out["runs"][name] = {
-            "step_s": med, "min_s": min(ts), "max_s": max(ts), "vs_accumulation": med / acc,
-            "ranks": [{k: statistics.median(p[k] for p in rank) for k in rank[0]}
-                      for rank in phases[name]],
-        }  # fmt: skip
-    out["lookahead_vs_coreset"] = (statistics.median(ratios), min(ratios), max(ratios))
-    out["repeats"] = args.repeats
-    return out
-
-
-def print_pipeline(p: dict) -> None:
-    print(f"step time on a pipeline: {p['describe']}; medians over the measured steps (min-max)")
-    for name, r in p["runs"].items():
-        print(f"  {name:<18}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
-              f"{1000 * r['max_s']:.1f}){r['vs_accumulation']:>7.2f}x accumulation")  # fmt: skip
-    print("  per rank (medians, ms): pool pass (incl. selection; its message waits) | selection |"
-          " training program = compute + message waits + executor overhead")  # fmt: skip
-    for name, r in p["runs"].items():
-        cells = "; ".join(
-            f"rank {i}: {1000 * k['pool_pass_s']:.0f} ({1000 * k['pool_wait_s']:.0f}) | "
-            f"{1000 * k['selection_s']:.0f} | "
-            f"{1000 * k['program_s']:.0f} = {1000 * k['compute_s']:.0f} + "
-            f"{1000 * k['wait_s']:.0f} + "
-            f"{1000 * (k['program_s'] - k['compute_s'] - k['wait_s']):.0f}"
-            for i, k in enumerate(r["ranks"])
-        )
-        print(f"  {name:<18}{cells}")
-    med, lo, hi = p["lookahead_vs_coreset"]
-    pred = p["predicted"]
-    alone = pred["step_alone_s"] + pred["pool_alone_s"]
-    print(f"  look-ahead / same-step coreset, paired by step: {med:.3f} ({lo:.3f}-{hi:.3f}) over "
-          f"{p['repeats']} repeats (each repeat's median); the planner predicted "
-          f"{pred['step_s'] / alone:.3f}")  # fmt: skip
-
-
 def time_to_target(curve, target: float) -> float | None:
     """Training seconds until the held-out loss first reaches `target` (None: never)."""
     return next((t for t, loss in curve if loss <= target), None)
@@ -739,6 +556,8 @@ def json_summary(args, out: dict, s: dict, pipe) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    from coreset_pipeline import pipeline_section, print_pipeline
+
     pipe = pipeline_section(args) if args.pipeline_steps else None
     if args.skip_quality:
         print(json.dumps({"pipeline": pipe}) if args.json else "", end="")
