@@ -10,6 +10,9 @@ import statistics
 import time
 from dataclasses import asdict, replace
 
+# The look-ahead runs: the merge simulation chose, and the whole next pool first.
+LOOKAHEADS = ("coreset_lookahead", "coreset_lookahead_pool_first")
+
 
 def pipeline_jobs(args) -> dict:
     """The step-time runs on a 2-stage pipeline (Optimus, distributed optimizer): B
@@ -36,6 +39,7 @@ def pipeline_jobs(args) -> dict:
     double, _ = runtime_plan(cfg, plan, mb, 2 * n, "optimus", measured=measured)
     coreset = CoresetConfig(batch_size=args.pipeline_batch, pool_ratio=2, features="zo", seed=0)
     merged = with_lookahead(step, pool, workload)
+    first = with_lookahead(step, pool, workload, shifts=0)  # the whole pool first
 
     # fp32: bf16 matrix products are ~65x slower on this CPU
     fp32 = argparse.Namespace(precision="fp32")
@@ -53,6 +57,9 @@ def pipeline_jobs(args) -> dict:
         "coreset_lookahead": job(
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merged
         ),
+        "coreset_lookahead_pool_first": job(
+            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
+        ),
     }
     describe = (
         f"PP=2 on 2 ranks, Optimus, fp32 + distributed optimizer, ViT {cfg.vit_layers}x"
@@ -60,7 +67,9 @@ def pipeline_jobs(args) -> dict:
         f"synthetic image-caption pools (10 classes), B={args.pipeline_batch} in micro-batches "
         f"of {mb}"
     )
-    return {"jobs": jobs, "describe": describe, "predicted": asdict(merged.lookahead_times)}
+    predicted = {name: asdict(jobs[name].data.lookahead_schedule.lookahead_times)
+                 for name in LOOKAHEADS}  # fmt: skip
+    return {"jobs": jobs, "describe": describe, "predicted": predicted}
 
 
 def timed_phases(run) -> dict:
@@ -143,7 +152,7 @@ def pipeline_section(args) -> dict:
     built = pipeline_jobs(args)
     steps = {name: [] for name in built["jobs"]}
     phases = {name: [[], []] for name in built["jobs"]}
-    ratios = []
+    ratios = {name: [] for name in LOOKAHEADS}
     for _ in range(args.repeats):
         ranks = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)
         times = {name: ts[1:] for name, ts in ranks[0]["times"].items()}
@@ -151,8 +160,9 @@ def pipeline_section(args) -> dict:
             steps[name] += ts
             for r in range(2):
                 phases[name][r] += ranks[r]["phases"][name][1:]
-        pairs = [a / c for a, c in zip(times["coreset_lookahead"], times["coreset"], strict=True)]
-        ratios.append(statistics.median(pairs))
+        for name in LOOKAHEADS:
+            pairs = [a / c for a, c in zip(times[name], times["coreset"], strict=True)]
+            ratios[name].append(statistics.median(pairs))
     out = {"describe": built["describe"], "predicted": built["predicted"], "runs": {}}
     acc = statistics.median(steps["2B_accumulation"])
     for name, ts in steps.items():
@@ -162,7 +172,9 @@ def pipeline_section(args) -> dict:
             "ranks": [{k: statistics.median(p[k] for p in rank) for k in rank[0]}
                       for rank in phases[name]],
         }  # fmt: skip
-    out["lookahead_vs_coreset"] = (statistics.median(ratios), min(ratios), max(ratios))
+    out["lookahead_vs_coreset"] = {
+        name: (statistics.median(r), min(r), max(r)) for name, r in ratios.items()
+    }
     out["repeats"] = args.repeats
     return out
 
@@ -170,7 +182,7 @@ def pipeline_section(args) -> dict:
 def print_pipeline(p: dict) -> None:
     print(f"step time on a pipeline: {p['describe']}; medians over the measured steps (min-max)")
     for name, r in p["runs"].items():
-        print(f"  {name:<18}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
+        print(f"  {name:<30}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
               f"{1000 * r['max_s']:.1f}){r['vs_accumulation']:>7.2f}x accumulation")  # fmt: skip
     print("  per rank (medians, ms): pool pass (incl. selection; its message waits) | selection |"
           " training program = compute + message waits + executor overhead")  # fmt: skip
@@ -183,10 +195,10 @@ def print_pipeline(p: dict) -> None:
             f"{1000 * (k['program_s'] - k['compute_s'] - k['wait_s']):.0f}"
             for i, k in enumerate(r["ranks"])
         )
-        print(f"  {name:<18}{cells}")
-    med, lo, hi = p["lookahead_vs_coreset"]
-    pred = p["predicted"]
-    alone = pred["step_alone_s"] + pred["pool_alone_s"]
-    print(f"  look-ahead / same-step coreset, paired by step: {med:.3f} ({lo:.3f}-{hi:.3f}) over "
-          f"{p['repeats']} repeats (each repeat's median); the planner predicted "
-          f"{pred['step_s'] / alone:.3f}")  # fmt: skip
+        print(f"  {name:<30}{cells}")
+    for name, (med, lo, hi) in p["lookahead_vs_coreset"].items():
+        pred = p["predicted"][name]
+        alone = pred["step_alone_s"] + pred["pool_alone_s"]
+        print(f"  {name} / same-step coreset, paired by step: {med:.3f} ({lo:.3f}-{hi:.3f}) over "
+              f"{p['repeats']} repeats (each repeat's median); the planner predicted "
+              f"{pred['step_s'] / alone:.3f}")  # fmt: skip

@@ -124,8 +124,9 @@ def with_lookahead(
     step: Schedule, pool: Schedule, workload: Workload, shifts: int = 12
 ) -> Schedule:
     """`step` with the forward half of `pool` (the next step's coreset pool) merged into its
-    lists where simulation with `workload` finds it costs least (see the module docstring).
-    Its `lookahead_times` hold the predicted step time and the step's and the pool's alone."""
+    lists where simulation with `workload` finds it costs least (see the module docstring);
+    `shifts=0`: the whole pool first, not interleaved. Its `lookahead_times` hold the predicted
+    step time and the step's and the pool's alone."""
     _check_alike(step, pool)
     meta = replace(step.meta, lookahead=pool.meta.num_microbatches)
     ahead = forward_half(pool, step.meta.num_microbatches)
@@ -150,7 +151,7 @@ def with_lookahead(
         for r, acts in enumerate(step.ranks)
     ]
     best_time, span = first.step_time_s, pool_end + alone.step_time_s
-    for j in range(shifts + 1):
+    for j in range(shifts + 1 if shifts else 0):
         candidate = _merged(step, meta, timed, -pool_end + span * j / shifts)
         try:
             validate(candidate)
