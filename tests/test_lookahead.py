@@ -67,6 +67,19 @@ def test_the_merged_step_is_valid_forward_only_and_faster_than_one_after_the_oth
     assert Schedule.from_csv(merged.to_csv()).meta == meta  # the metadata round-trips
 
 
+def test_shifts_zero_keeps_the_whole_pool_first_on_every_rank():
+    step, workload, pool = schedules("optimus")
+    first = with_lookahead(step, pool, workload, shifts=0)
+    validate(first)
+    for before, after in zip(step.ranks, first.ranks, strict=True):
+        lead = next(i for i, a in enumerate(after) if a.kind != "AG")
+        mine = set(before)
+        ahead = [i for i, a in enumerate(after) if a not in mine]
+        assert ahead == list(range(lead, lead + len(ahead)))  # one block, after the gathers
+        assert [a for a in after if a in mine] == before
+    assert first.lookahead_times.step_s == pytest.approx(simulate(first, workload).step_time_s)
+
+
 def test_look_ahead_micro_batches_are_forward_only_in_the_validator_and_hold_no_memory():
     step, workload, pool = schedules("megatron", n=2, pool=2)
     merged = with_lookahead(step, pool, workload)
