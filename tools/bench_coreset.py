@@ -252,8 +252,9 @@ def train_one(args, task: Task, method: str, seed: int) -> dict:
     for step in range(args.steps):
         measure = step == 0  # memory on the first step, untimed (the mode costs time)
         mode = live_bytes_mode() if measure and selector is not None else None
+        watched = mode or contextlib.nullcontext()
         t0 = time.perf_counter()
-        with mode if mode is not None else contextlib.nullcontext():
+        with watched:
             batches = pending or batches_of(method, task, next(sampler), b, gen, pick)
         opt.zero_grad()
         for idx in batches:
@@ -262,7 +263,7 @@ def train_one(args, task: Task, method: str, seed: int) -> dict:
             peak = max(peak, saved.total)
             loss.backward()
         if lookahead:  # the next step's pool, chosen with this step's weights (before the update)
-            with mode if mode is not None else contextlib.nullcontext():
+            with watched:
                 pending = [pick(next(sampler))]
         if mode is not None:
             peak = max(peak, mode.peak)

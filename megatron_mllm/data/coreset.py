@@ -252,18 +252,18 @@ class CoresetSelector:
     def scored_rows(self, source_ids: torch.Tensor) -> torch.Tensor:
         """Pool rows selected among (sources with more pool rows than their budget), source by
         source: only these need the pool's forward and features; the others are kept whole."""
-        big = self._big_sources(source_ids)[1]
-        if not big:
-            return torch.empty(0, dtype=torch.long)
-        return torch.cat([(source_ids == s).nonzero().squeeze(1) for s in big])
+        _, rows, big = self._by_source(source_ids)
+        return torch.cat([rows[s] for s in big]) if big else torch.empty(0, dtype=torch.long)
 
     def budgets(self, source_ids: torch.Tensor) -> dict[int, int]:
         """How many pool examples of each source to keep (`source_budgets`)."""
         return source_budgets(source_ids, self.config.batch_size)
 
-    def _big_sources(self, source_ids: torch.Tensor) -> tuple[dict[int, int], list[int]]:
+    def _by_source(self, source_ids: torch.Tensor) -> tuple[dict, dict, list[int]]:
+        """(budgets, each source's pool rows, the sources selected among, in budget order)."""
         budgets = self.budgets(source_ids)
-        return budgets, [s for s, b in budgets.items() if b < int((source_ids == s).sum())]
+        rows = {s: (source_ids == s).nonzero().flatten() for s in budgets}
+        return budgets, rows, [s for s, b in budgets.items() if b < len(rows[s])]
 
     def select(
         self,
@@ -288,25 +288,18 @@ class CoresetSelector:
     ) -> torch.Tensor:
         """As `select`, with `hidden` and `targets` only for `scored_rows(source_ids)`."""
         c = self.config
-        budgets, big = self._big_sources(source_ids)
-        chosen = [
-            i
-            for s in budgets
-            if s not in big
-            for i in (source_ids == s).nonzero().flatten().tolist()
-        ]
+        budgets, rows, big = self._by_source(source_ids)
+        chosen = [i for s in budgets if s not in big for i in rows[s].tolist()]
         if big:
-            rows = self.scored_rows(source_ids)
             feats = self.normalise(self.features(loss, hidden, targets, block))
             start = 0
             for s in big:
-                n = int((source_ids == s).sum())
-                f = feats[start : start + n]
-                start += n
+                f = feats[start : start + len(rows[s])]
+                start += len(rows[s])
                 h = min(c.top_h, f.shape[1])
                 keep = f.mean(0).abs().topk(h).indices
                 picked = facility_location(f[:, keep], budgets[s])
-                chosen += rows[start - n : start][picked].tolist()
+                chosen += rows[s][picked].tolist()
         return torch.tensor(sorted(chosen), dtype=torch.long, device="cpu")  # host indices
 
     def state_dict(self) -> dict:
