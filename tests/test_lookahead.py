@@ -215,3 +215,52 @@ def test_a_look_ahead_run_resumes_exactly(tmp_path):
             "--coreset-pool-ratio", "2", "--coreset-lookahead"]  # fmt: skip
     straight, resumed, _ = resumed_at_2_is_bit_exact(tmp_path, args)
     assert "coreset look-ahead: the next pool's forward in this step's bubbles" in straight.stdout
+
+
+class _Work:
+    """A receive that completes after `pending` polls."""
+
+    def __init__(self, pending: int) -> None:
+        self.pending = pending
+
+    def is_completed(self) -> bool:
+        self.pending -= 1
+        return self.pending < 0
+
+
+class _Pieces:
+    def __init__(self, total: int, ready: bool = True) -> None:
+        self.total, self.ran, self.is_ready = total, 0, ready
+
+    def ready(self, executor) -> bool:
+        return self.is_ready and self.ran < self.total
+
+    def piece(self, executor) -> bool:
+        self.ran += 1
+        return self.ran < self.total
+
+
+def test_background_pieces_run_only_while_a_receive_is_pending():
+    """The executor runs background pieces while the message has not arrived and the work is
+    ready; it stops when the message is in or the work is done, and counts the pieces."""
+    from types import SimpleNamespace
+
+    from megatron_mllm.runtime.engine.executor import Executor
+    from megatron_mllm.runtime.engine.step_types import StepResult
+
+    def executor(bg):
+        clock = SimpleNamespace(mark=lambda: 0.0)
+        spans = []
+        return SimpleNamespace(background=bg, clock=clock, result=StepResult(),
+                               _span_later=lambda *a: spans.append(a))  # fmt: skip
+
+    bg = _Pieces(10)
+    ex = executor(bg)
+    Executor._work_while_waiting(ex, _Work(pending=3))
+    assert bg.ran == 3 and ex.result.background_pieces == 3 and ex.background is bg
+    Executor._work_while_waiting(ex, _Work(pending=100))  # the rest, then no more polling
+    assert bg.ran == 10 and ex.result.background_pieces == 10 and ex.background is None
+    idle = _Pieces(5, ready=False)
+    ex = executor(idle)
+    Executor._work_while_waiting(ex, _Work(pending=3))
+    assert idle.ran == 0 and ex.result.background_pieces == 0
