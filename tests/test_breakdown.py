@@ -48,22 +48,6 @@ def test_a_step_breaks_down_into_compute_waits_comm_fills_and_overhead():
     assert b.overhead_per_action_s == pytest.approx(2.0 / 3)
 
 
-def test_background_work_inside_a_receive_is_not_a_wait():
-    """A receive 0-3 s with background pieces at 0.5-1 s and 1-2 s: 1.5 s of background work,
-    1.5 s of waiting (in total and for the message)."""
-    recv = Action("RECV", key="grad.s1v0.m0")
-    spans = [
-        _span("p2p", "p2p", 0.0, 3.0, recv),
-        _span("background", "background", 0.5, 1.0, Action("BG")),
-        _span("background", "background", 1.0, 2.0, Action("BG")),
-    ]
-    b = breakdown_of_spans(spans, 3.0)
-    assert b.background_s == pytest.approx(1.5)
-    assert b.wait_s == pytest.approx(1.5)
-    assert b.wait_by_message == {"RECV:grad.s1v0.m0": pytest.approx(1.5)}
-    assert b.overhead_s == pytest.approx(0.0)
-
-
 def test_the_timing_log_block_reads_as_megatrons_timers():
     """--timing-log-level's block: Megatron's header per option, one row per timer, the ranks'
     min and max (or each rank), and level 2's longest waits per rank."""

@@ -11,7 +11,6 @@ from megatron_mllm.data.coreset import (
     facility_location,
     facility_location_brute_force,
     resolve_block,
-    run_steps,
     source_budgets,
     zeroth_order_features,
 )
@@ -105,37 +104,6 @@ def test_resumed_run_selects_identically():
     resumed.load_state_dict(state)
     for (ids, h, t), expected in zip(pools[1:], picks[1:], strict=True):
         assert torch.equal(resumed.select(ids, linear_ce, h, t, block), expected)
-
-
-@pytest.mark.parametrize("features", ["zo", "exact"])
-def test_selection_in_pieces_is_the_selection(features):
-    """select_scored_steps yields once per zeroth-order direction (exact: one piece) and ends
-    with select_scored's rows and selector state, whoever runs the pieces and when."""
-    g = torch.Generator().manual_seed(4)
-    ids = torch.tensor([0] * 24 + [1] * 4)
-    hidden, block = torch.randn(28, 6, generator=g), torch.randn(5, 6, generator=g)
-    targets = torch.randint(0, 5, (28,), generator=g)
-    config = CoresetConfig(batch_size=14, features=features, num_directions=18, seed=2)
-    whole, stepped = CoresetSelector(config), CoresetSelector(config)
-    rows = whole.scored_rows(ids)
-    expected = whole.select_scored(ids, linear_ce, hidden[rows], targets[rows], block)
-    steps = stepped.select_scored_steps(ids, linear_ce, hidden[rows], targets[rows], block)
-    pieces = 0
-    while True:
-        try:
-            next(steps)
-            pieces += 1
-        except StopIteration as done:
-            picked = done.value
-            break
-    assert pieces == (18 if features == "zo" else 0)
-    assert torch.equal(picked, expected) and len(picked) == 14
-    a, b = whole.state_dict(), stepped.state_dict()
-    assert torch.equal(a["generator"], b["generator"]) and torch.equal(a["v"], b["v"])
-    again = stepped.select_scored_steps(ids, linear_ce, hidden[rows], targets[rows], block)
-    assert torch.equal(
-        run_steps(again), whole.select_scored(ids, linear_ce, hidden[rows], targets[rows], block)
-    )
 
 
 @pytest.mark.parametrize(

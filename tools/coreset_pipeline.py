@@ -10,14 +10,8 @@ import statistics
 import time
 from dataclasses import asdict, replace
 
-# The look-ahead runs: the merge simulation chose and the whole next pool first, each with the
-# selection's pieces in the last stage's message waits and with all of it after the program.
-LOOKAHEADS = (
-    "coreset_lookahead",
-    "coreset_lookahead_select_after",
-    "coreset_lookahead_pool_first",
-    "coreset_lookahead_pool_first_select_after",
-)
+# The look-ahead runs: the merge simulation chose, and the whole next pool first.
+LOOKAHEADS = ("coreset_lookahead", "coreset_lookahead_pool_first")
 
 
 def pipeline_jobs(args) -> dict:
@@ -63,13 +57,7 @@ def pipeline_jobs(args) -> dict:
         "coreset_lookahead": job(
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merged
         ),
-        "coreset_lookahead_select_after": job(
-            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merged
-        ),
         "coreset_lookahead_pool_first": job(
-            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
-        ),
-        "coreset_lookahead_pool_first_select_after": job(
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
         ),
     }
@@ -96,18 +84,6 @@ def timed_phases(run) -> dict:
     if coreset is None:
         return spent
 
-    def timed_pieces(*a, inner=coreset._pick_steps, **kw):
-        steps = inner(*a, **kw)
-        while True:
-            t0 = time.perf_counter()
-            try:
-                next(steps)
-            except StopIteration as done:
-                spent["selection_s"] += time.perf_counter() - t0
-                return done.value
-            spent["selection_s"] += time.perf_counter() - t0
-            yield
-
     def timer(inner, key: str):
         def timed(*a, **kw):
             t0 = time.perf_counter()
@@ -132,7 +108,7 @@ def timed_phases(run) -> dict:
 
     run.executor_for = executor_for
     coreset.pool_rows = timer(coreset.pool_rows, "pool_pass_s")
-    coreset._pick_steps = timed_pieces
+    coreset._pick = timer(coreset._pick, "selection_s")
     return spent
 
 
@@ -147,9 +123,6 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
 
     device = init_rank(rank, world, 0, 120.0)
     runs = {name: make_run(rank, world, job, device) for name, job in jobs.items()}
-    for name, run in runs.items():
-        if name.endswith("_select_after"):
-            run.coreset.select_in_waits = False
     spent = {name: timed_phases(run) for name, run in runs.items()}
     times = {name: [] for name in runs}
     phases = {name: [] for name in runs}
@@ -165,7 +138,7 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
             phases[name].append({
                 **{k: v - before[k] for k, v in spent[name].items()},
                 "program_s": program.seconds, "compute_s": program.compute_s,
-                "wait_s": program.wait_s, "background_s": program.background_s,
+                "wait_s": program.wait_s,
             })  # fmt: skip
     return {"times": times, "phases": phases}
 
@@ -209,21 +182,20 @@ def pipeline_section(args) -> dict:
 def print_pipeline(p: dict) -> None:
     print(f"step time on a pipeline: {p['describe']}; medians over the measured steps (min-max)")
     for name, r in p["runs"].items():
-        print(f"  {name:<44}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
+        print(f"  {name:<30}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
               f"{1000 * r['max_s']:.1f}){r['vs_accumulation']:>7.2f}x accumulation")  # fmt: skip
-    print("  per rank (medians, ms): pool pass (incl. selection; its message waits) | selection"
-          " (of it in message waits) | training program = compute + message waits + selection in"
-          " waits + executor overhead")  # fmt: skip
+    print("  per rank (medians, ms): pool pass (incl. selection; its message waits) | selection |"
+          " training program = compute + message waits + executor overhead")  # fmt: skip
     for name, r in p["runs"].items():
         cells = "; ".join(
             f"rank {i}: {1000 * k['pool_pass_s']:.0f} ({1000 * k['pool_wait_s']:.0f}) | "
-            f"{1000 * k['selection_s']:.0f} ({1000 * k['background_s']:.0f}) | "
+            f"{1000 * k['selection_s']:.0f} | "
             f"{1000 * k['program_s']:.0f} = {1000 * k['compute_s']:.0f} + "
-            f"{1000 * k['wait_s']:.0f} + {1000 * k['background_s']:.0f} + "
-            f"{1000 * (k['program_s'] - k['compute_s'] - k['wait_s'] - k['background_s']):.0f}"
+            f"{1000 * k['wait_s']:.0f} + "
+            f"{1000 * (k['program_s'] - k['compute_s'] - k['wait_s']):.0f}"
             for i, k in enumerate(r["ranks"])
         )
-        print(f"  {name:<44}{cells}")
+        print(f"  {name:<30}{cells}")
     for name, (med, lo, hi) in p["lookahead_vs_coreset"].items():
         pred = p["predicted"][name]
         alone = pred["step_alone_s"] + pred["pool_alone_s"]

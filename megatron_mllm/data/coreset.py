@@ -15,9 +15,8 @@ acts like the pool's.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TypeVar
 
 import torch
 
@@ -28,7 +27,6 @@ LastLayerLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tenso
 
 
 MAX_POOL_RATIO = 64.0
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -184,42 +182,7 @@ class LossReplay:
         return torch.randn(shape, generator=generator, dtype=block.dtype, device="cpu")
 
 
-def run_steps(steps: Generator[None, None, T]) -> T:
-    """Runs a stepwise computation (a generator that yields between its pieces) to its end and
-    returns its result."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
-
-
 @torch.no_grad()
-def zeroth_order_feature_steps(
-    replay,
-    hidden: torch.Tensor,
-    targets: torch.Tensor,
-    block: torch.Tensor,
-    num_directions: int,
-    epsilon: float,
-    generator: torch.Generator,
-    chunk: int = 4,
-) -> Generator[None, None, torch.Tensor]:
-    """`zeroth_order_features` one direction at a time, yielding after each: the directions are
-    drawn `chunk` at a time (the generator's draws), each direction's two perturbed blocks
-    evaluated together (`replay.losses`), so the replay's memory is one direction's."""
-    out = []
-    for start in range(0, num_directions, chunk):
-        z = replay.directions(min(chunk, num_directions - start), block, generator)
-        for d in z.to(block.device):
-            losses = replay.losses(
-                hidden, targets, torch.stack([block + epsilon * d, block - epsilon * d])
-            )
-            out.append((losses[0] - losses[1]) / (2 * epsilon))  # [n]
-            yield
-    return torch.stack(out, dim=1)
-
-
 def zeroth_order_features(
     replay,
     hidden: torch.Tensor,
@@ -231,11 +194,18 @@ def zeroth_order_features(
     chunk: int = 4,
 ) -> torch.Tensor:
     """[n, k] directional derivatives of each example's loss along k fresh random directions,
-    by two-sided perturbation of `block` (only the last layer is replayed; no autograd)."""
-    steps = zeroth_order_feature_steps(
-        replay, hidden, targets, block, num_directions, epsilon, generator, chunk
-    )
-    return run_steps(steps)
+    by two-sided perturbation of `block` (only the last layer is replayed; no autograd). The
+    directions go `chunk` at a time, each chunk's 2 x chunk perturbed blocks evaluated together
+    (`replay.losses`), so the replay's memory is a chunk's, not k's."""
+    out = []
+    for start in range(0, num_directions, chunk):
+        c = min(chunk, num_directions - start)
+        z = replay.directions(c, block, generator).to(block.device)
+        losses = replay.losses(
+            hidden, targets, torch.cat([block + epsilon * z, block - epsilon * z])
+        )
+        out.append((losses[:c] - losses[c:]) / (2 * epsilon))  # [c, n]
+    return torch.cat(out).T
 
 
 def exact_features(
@@ -259,19 +229,11 @@ class CoresetSelector:
     def features(self, loss, hidden: torch.Tensor, targets, block: torch.Tensor) -> torch.Tensor:
         """Each example's feature row; `loss` is a LastLayerLoss or a replay (`LossReplay`,
         `sampler.VocabParallelReplay`)."""
-        return run_steps(self.feature_steps(loss, hidden, targets, block))
-
-    def feature_steps(
-        self, loss, hidden: torch.Tensor, targets, block: torch.Tensor
-    ) -> Generator[None, None, torch.Tensor]:
-        """`features`, yielding between pieces (one zeroth-order direction each)."""
         c = self.config
         replay = loss if hasattr(loss, "losses") else LossReplay(loss)
         if c.features == "zo":
-            return (
-                yield from zeroth_order_feature_steps(
-                    replay, hidden, targets, block, c.num_directions, c.epsilon, self.generator
-                )
+            return zeroth_order_features(
+                replay, hidden, targets, block, c.num_directions, c.epsilon, self.generator
             )
         return replay.gradients(hidden, targets, block)
 
@@ -325,23 +287,11 @@ class CoresetSelector:
         block: torch.Tensor,
     ) -> torch.Tensor:
         """As `select`, with `hidden` and `targets` only for `scored_rows(source_ids)`."""
-        return run_steps(self.select_scored_steps(source_ids, loss, hidden, targets, block))
-
-    def select_scored_steps(
-        self,
-        source_ids: torch.Tensor,
-        loss: LastLayerLoss,
-        hidden: torch.Tensor,
-        targets: torch.Tensor,
-        block: torch.Tensor,
-    ) -> Generator[None, None, torch.Tensor]:
-        """`select_scored` in pieces (a generator yielding between them; `run_steps` runs it):
-        each feature direction, then the rest. The same state changes and result."""
         c = self.config
         budgets, rows, big = self._by_source(source_ids)
         chosen = [i for s in budgets if s not in big for i in rows[s].tolist()]
         if big:
-            feats = self.normalise((yield from self.feature_steps(loss, hidden, targets, block)))
+            feats = self.normalise(self.features(loss, hidden, targets, block))
             start = 0
             for s in big:
                 f = feats[start : start + len(rows[s])]

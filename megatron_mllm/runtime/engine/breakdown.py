@@ -62,7 +62,6 @@ class StepBreakdown:
     overhead_s: float  # covered by none of the above
     actions: int  # compute actions and messages run (the denominator of overhead per action)
     wait_by_message: dict[str, float] = field(default_factory=dict)
-    background_s: float = 0.0  # background work run while a receive was pending (not a wait)
 
     @property
     def overhead_per_action_s(self) -> float:
@@ -83,23 +82,21 @@ def breakdown_of_spans(spans: list, seconds: float) -> StepBreakdown:
     encoder = [(s.start, s.end) for s in spans if s.category == "encoder"]
     tp = by_stream.get("comm", [])
     tp_unhidden = measure(minus(tp, encoder))
-    background = by_stream.get("background", [])
     covered = measure(x for intervals in by_stream.values() for x in intervals)
     waits: dict[str, float] = {}
     for s in spans:
         if s.stream == "p2p":
             name = f"{s.action.kind}:{s.action.key}"
-            waits[name] = waits.get(name, 0.0) + measure(minus([(s.start, s.end)], background))
+            waits[name] = waits.get(name, 0.0) + (s.end - s.start)
     return StepBreakdown(
         seconds=seconds,
         compute_s=measure(by_stream.get("compute", [])) - tp_unhidden,
-        wait_s=measure(minus(by_stream.get("p2p", []), background)),
+        wait_s=measure(by_stream.get("p2p", [])),
         comm_unhidden_s=measure(by_stream.get("dp", [])) + tp_unhidden,
         fill_s=measure(encoder) - measure(minus(encoder, tp)),
         overhead_s=max(seconds - covered, 0.0),
         actions=sum(1 for s in spans if s.stream in ("compute", "p2p")),
         wait_by_message=waits,
-        background_s=measure(background),
     )
 
 
@@ -109,7 +106,6 @@ def summary(steps: list[StepBreakdown]) -> dict:
         return {}
     n = len(steps)
     keys = ("seconds", "compute_s", "wait_s", "comm_unhidden_s", "fill_s", "overhead_s")
-    keys += ("background_s",)
     out = {k: sum(getattr(s, k) for s in steps) / n for k in keys}
     out["actions"] = sum(s.actions for s in steps) / n
     out["overhead_per_action_s"] = out["overhead_s"] / max(out["actions"], 1)

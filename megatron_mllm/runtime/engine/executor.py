@@ -108,8 +108,6 @@ class Executor(ComputeActions):
         # Run once the program's last op has run, before the step-end waits (its result is
         # `picked`): the coreset look-ahead's selection on the last stage.
         self.after_program, self.picked = after_program, None
-        # Work run in pieces while a receive is pending (the look-ahead's selection).
-        self.background = options.background
         self.flow = Dataflow(meta, [])  # what each action reads (needs use no assignment)
         self._planned = planned_bubbles(program)
         self._collectives: dict[tuple[str, int, int], int] = {}  # counted TP waits per action
@@ -243,7 +241,6 @@ class Executor(ComputeActions):
         work, buf = self.messages.receive(op)
         if self.dynamic:
             self._fill_wait(work, i, done)
-        self._work_while_waiting(work)
         self.messages.wait(work, op)
         self.messages.arrived(op)
         self._put(op.key, buf)
@@ -319,18 +316,6 @@ class Executor(ComputeActions):
                 self._ahead[(a.enc, a.mb)] = max(j, self._ahead.get((a.enc, a.mb), j))
                 most = max(self.result.max_encoder_ahead, len(self._ahead))
                 self.result.max_encoder_ahead = most
-
-    def _work_while_waiting(self, work) -> None:
-        """Background work's pieces while the message is on its way (each a "background" span,
-        not counted as waiting)."""
-        bg = self.background
-        while bg is not None and not work.is_completed() and bg.ready(self):
-            start = self.clock.mark()
-            more = bg.piece(self)
-            self._span_later("background", Action("BG"), "background", start, self.clock.mark())
-            self.result.background_pieces += 1
-            if not more:
-                self.background = bg = None
 
     def _next_movable(self, i: int, done: list[bool]) -> int | None:
         """The first later stand-alone encoder chunk that is ready and within the budget."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol
 
 import torch
 
@@ -42,17 +41,6 @@ class StepResult:
     planned_encoder_live: int = 0
     leftover_keys: list[str] = field(default_factory=list)  # the tensor table at step end
     fills_per_wait: list[int] = field(default_factory=list)  # fills run inside each TP wait
-    background_pieces: int = 0  # pieces of background work run while a receive was pending
-
-
-class BackgroundWork(Protocol):
-    """Work a rank runs in pieces while it waits for a message (the coreset look-ahead's
-    selection): `ready(executor)` says whether a piece may run now, `piece(executor)` runs one
-    and returns False once nothing is left. Whatever is left, its owner runs after the program."""
-
-    def ready(self, executor) -> bool: ...
-
-    def piece(self, executor) -> bool: ...
 
 
 class PassKind(Enum):
@@ -70,8 +58,7 @@ class PassOptions:
     `ordered`: NCCL's order-matched messages (receive orders, a group per direction);
     `dynamic`: ready encoder work while a message is on its way; `overlap_fills`: TP-bubble
     fills inside the backbone's TP collectives; `loss_scale` / `loss_norm`: the backward's
-    scale and the loss's normaliser; `after_program`: run on the executor after the program;
-    `background`: work run in pieces while a receive is pending (`BackgroundWork`)."""
+    scale and the loss's normaliser; `after_program`: run on the executor after the program."""
 
     timeout_s: float = 60.0
     kind: PassKind = PassKind.TRAIN
@@ -83,4 +70,3 @@ class PassOptions:
     loss_scale: torch.Tensor | None = None
     loss_norm: torch.Tensor | None = None
     after_program: Callable | None = None
-    background: BackgroundWork | None = None

@@ -2,18 +2,16 @@
 from a pool of r x B, chosen now (the pool goes forward through the pipeline without
 gradients, then the last stage selects on its output layer and every stage gets the rows) or
 one step ahead (--coreset-lookahead: the next step's pool goes forward in this step's bubbles,
-and the last stage selects with this step's weights: in pieces while it waits for messages once
-the pool's output-layer inputs are in, the rest as soon as its program ends)."""
+and the last stage selects as soon as its program ends, with this step's weights)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
 from megatron_mllm.data.batch import MicroBatch
-from megatron_mllm.data.coreset import run_steps
 from megatron_mllm.runtime.engine.program import forward_only_program, gpu_program
 from megatron_mllm.runtime.engine.step_types import PassKind
 
@@ -33,10 +31,6 @@ class CoresetSteps:
         if job.data.lookahead_schedule is not None:
             self.ahead_program = gpu_program(job.data.lookahead_schedule, run.groups, run.enc_tp)
         self.pending: tuple[int, list[int]] | None = None  # look-ahead: (step, chosen rows)
-        # Look-ahead: the selection's pieces run in the last stage's message waits. Under TP
-        # they hold collectives (the vocabulary-parallel replay) every TP rank must enter alike,
-        # and waits differ between ranks: then all of it runs after the program.
-        self.select_in_waits = job.backbone.tp == 1
 
     @property
     def job(self):
@@ -107,28 +101,22 @@ class CoresetSteps:
     def _pick(self, batches: list[MicroBatch], hidden_of: dict) -> torch.Tensor | None:
         """On the last stage (collective over its TP group): the rows selected from the output
         layer's inputs `hidden_of[mb]` and the current output layer; None on other stages."""
-        if not self.run.backbone.post_process:
-            return None
-        return run_steps(self._pick_steps(batches, hidden_of))
-
-    def _pick_steps(
-        self, batches: list[MicroBatch], hidden_of: dict
-    ) -> Generator[None, None, torch.Tensor]:
-        """`_pick` on the last stage, in pieces (`CoresetSelector.select_scored_steps`)."""
         from megatron_mllm.data.batch import collate
 
+        backbone = self.run.backbone
+        if not backbone.post_process:
+            return None
         whole = collate(batches)
         # The replay runs in fp32 on what the pipeline computed (bf16 inputs and weights).
         hidden = torch.cat([hidden_of[m] for m in range(len(batches))]).float()
-        weight = self.run.backbone.gpt.output_layer.weight.detach().float()
-        sources = torch.tensor(whole.sources, device="cpu")
-        rows = self.selector.scored_rows(sources).to(hidden.device)
-        hidden, targets = self._whole_sequence(hidden)[rows], whole.labels.to(hidden.device)[rows]
-        replay = self._replay(weight.shape[0])
-        picked = yield from self.selector.select_scored_steps(
-            sources, replay, hidden, targets, weight
-        )
-        return picked.to(self.run.device)
+        weight = backbone.gpt.output_layer.weight.detach().float()
+        return self.selector.select(
+            torch.tensor(whole.sources, device="cpu"),
+            self._replay(weight.shape[0]),
+            self._whole_sequence(hidden),
+            whole.labels.to(hidden.device),
+            weight,
+        ).to(self.run.device)
 
     def _share(self, picked: torch.Tensor | None) -> list[int]:
         """The last stage's rows on every rank of the pipeline (collective)."""
@@ -150,12 +138,16 @@ class CoresetSteps:
         chosen = [whole.select(rows[m : m + mb]) for m in range(0, len(rows), mb)]
         return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
 
-    def _picker(self, pool: list[MicroBatch], n: int) -> LookaheadSelection | None:
-        """Look-ahead, last stage: the selection of `pool` (micro-batches n.. of the step's
-        program), run in pieces while this rank waits for messages, finished after the program."""
+    def _picker(self, pool: list[MicroBatch], n: int) -> Callable | None:
+        """Look-ahead, last stage: select from the pool as soon as this rank's program is done
+        (its step-end waits and the other stages' last work still ahead)."""
         if not self.run.backbone.post_process:
             return None
-        return LookaheadSelection(self, pool, n)
+
+        def pick(executor) -> torch.Tensor:
+            return self._pick(pool, {m - n: h for m, h in executor.last_layer_inputs.items()})
+
+        return pick
 
     def _replay(self, rows: int):
         """The selection's last-layer replay for this rank's `rows` of the output layer."""
@@ -176,43 +168,3 @@ class CoresetSteps:
         parts = [torch.empty_like(hidden) for _ in range(dist.get_world_size(group))]
         dist.all_gather(parts, hidden.contiguous(), group=group)
         return torch.cat(parts, dim=1)
-
-
-class LookaheadSelection:
-    """The next step's selection on the last stage, as the executor's background work: once
-    the program has captured every pool micro-batch's output-layer input (`ready`), `piece`
-    runs one piece of it (one feature direction) while the rank waits for a message; called
-    after the program, it runs what is left and returns the rows. The pieces are those of
-    `CoresetSteps._pick`, in the same order: the same rows and selector state either way."""
-
-    def __init__(self, steps: CoresetSteps, pool: list[MicroBatch], n: int) -> None:
-        self.steps, self.pool, self.n = steps, pool, n
-        self._left: Generator[None, None, torch.Tensor] | None = None
-        self.picked: torch.Tensor | None = None
-
-    def ready(self, executor) -> bool:
-        """Whether pieces may run now: in waits (`CoresetSteps.select_in_waits`), once every
-        pool micro-batch's output-layer input is in, until the selection is done."""
-        captured = executor.last_layer_inputs
-        return (
-            self.steps.select_in_waits
-            and self.picked is None
-            and all(self.n + m in captured for m in range(len(self.pool)))
-        )
-
-    def piece(self, executor) -> bool:
-        """Runs one piece; False once the selection is done."""
-        if self._left is None:
-            hidden_of = {m - self.n: h for m, h in executor.last_layer_inputs.items()}
-            self._left = self.steps._pick_steps(self.pool, hidden_of)
-        try:
-            next(self._left)
-        except StopIteration as done:
-            self.picked = done.value
-            return False
-        return True
-
-    def __call__(self, executor) -> torch.Tensor:
-        while self.picked is None and self.piece(executor):
-            pass
-        return self.picked

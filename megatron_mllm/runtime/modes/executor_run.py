@@ -350,7 +350,6 @@ class ExecutorRun:
             loss_scale=self._backward_scale(step),
             loss_norm=self._loss_norm(tokens),
             after_program=after,
-            background=after,  # the look-ahead's selection runs in this rank's waits
         )
         return executor, slot, ahead
 
