@@ -130,3 +130,20 @@ def test_quick_is_a_short_check_of_the_four_methods_the_targets_compare():
     assert (args.seeds, args.steps, args.lr) == (3, 200, 1e-3)
     assert args.methods == ["random_B", "stratified_B", "2B_accumulation", "coreset_zo"]
     assert bench_coreset.parse_args([]).seeds == 10
+
+
+def test_pipeline_only_run_writes_its_json_out(tmp_path, monkeypatch, capsys):
+    """--skip-quality with --json-out writes the pipeline's section there (not silently
+    ignored); the pipeline comparison itself is stubbed here (it is a benchmark)."""
+    import json
+
+    import coreset_pipeline
+
+    section = {"runs": {}, "lookahead_vs_coreset": {}, "repeats": 1}
+    monkeypatch.setattr(coreset_pipeline, "pipeline_section", lambda args: section)
+    monkeypatch.setattr(coreset_pipeline, "print_pipeline", lambda p: print("table"))
+    out = tmp_path / "pipe.json"
+    argv = ["--skip-quality", "--pipeline-steps", "1", "--json-out", str(out)]
+    assert bench_coreset.main(argv) == 0
+    assert json.loads(out.read_text()) == {"pipeline": section}
+    assert capsys.readouterr().out.strip() == "table"

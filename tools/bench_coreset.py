@@ -555,12 +555,20 @@ def json_summary(args, out: dict, s: dict, pipe) -> dict:
     }  # fmt: skip
 
 
+def _write_json(path: str | None, data: dict) -> None:
+    """--json-out: `data` to `path` (nothing without one)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(data, f, indent=1)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     from coreset_pipeline import pipeline_section, print_pipeline
 
     pipe = pipeline_section(args) if args.pipeline_steps else None
     if args.skip_quality:
+        _write_json(args.json_out, {"pipeline": pipe})
         print(json.dumps({"pipeline": pipe}) if args.json else "", end="")
         if not args.json:
             print_pipeline(pipe)
@@ -568,9 +576,7 @@ def main(argv=None) -> int:
     out = run_seeds(args)
     s = summarise(out["results"])
     summary = json_summary(args, out, s, pipe)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(summary, f, indent=1)
+    _write_json(args.json_out, summary)
     if args.json:
         print(json.dumps(summary))
         return 0
