@@ -183,7 +183,13 @@ def test_coreset_lookahead_prediction(run_tool):
     proc = run_tool("plan_schedule.py", *SMALL, "--coreset-pool-ratio", "2", "--json")
     assert proc.returncode == 0, proc.stderr
     pred = json.loads(proc.stdout)["coreset_lookahead"]
+    assert pred["order"] == "simulated"  # pretrain_mllm.py's default
     assert pred["lookahead_step_s"] < pred["step_alone_s"] + pred["pool_alone_s"]
+    order = ("--coreset-lookahead-order", "pool-first")
+    proc = run_tool("plan_schedule.py", *SMALL, "--coreset-pool-ratio", "2", *order, "--json")
+    first = json.loads(proc.stdout)["coreset_lookahead"]
+    assert first["order"] == "pool-first"
+    assert pred["lookahead_step_s"] <= first["lookahead_step_s"]  # the pool first is a candidate
     assert pred["step_alone_s"] < pred["accumulation_s"]
     table = run_tool("plan_schedule.py", *SMALL, "--coreset-pool-ratio", "2").stdout
     assert "coreset look-ahead (pool 2 x B)" in table.splitlines()[-1]

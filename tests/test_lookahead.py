@@ -200,8 +200,12 @@ def test_lookahead_arguments_are_checked_in_one_line(monkeypatch, capsys):
     assert len(warning) == 1, warning
     assert warning[0].startswith("WARNING: --coreset-lookahead at --pipeline-model-parallel-size 1")
     assert "no pipeline bubbles" in warning[0]
-    parse_args([*pp2, "--coreset-lookahead"])
+    assert parse_args([*pp2, "--coreset-lookahead"]).coreset_lookahead_order == "simulated"
     assert capsys.readouterr().err == ""
+    order = ["--coreset-lookahead-order", "pool-first"]
+    assert parse_args([*pp2, "--coreset-lookahead", *order]).coreset_lookahead_order == order[1]
+    refused([*pp2, *order], "--coreset-lookahead-order pool-first orders the look-ahead's pool; "
+            "add --coreset-lookahead", monkeypatch)  # fmt: skip
 
 
 @pytest.mark.slow  # two torchrun jobs; selection and training are checked above in make test
@@ -214,4 +218,6 @@ def test_a_look_ahead_run_resumes_exactly(tmp_path):
     args = [*COMMON, "--pipeline-model-parallel-size", "2", "--train-iters", "4",
             "--coreset-pool-ratio", "2", "--coreset-lookahead"]  # fmt: skip
     straight, resumed, _ = resumed_at_2_is_bit_exact(tmp_path, args)
-    assert "coreset look-ahead: the next pool's forward in this step's bubbles" in straight.stdout
+    assert "coreset look-ahead: the next pool's forward in this step's bubbles (simulated)" in (
+        straight.stdout
+    )

@@ -10,7 +10,8 @@ import statistics
 import time
 from dataclasses import asdict, replace
 
-# The look-ahead runs: the merge simulation chose, and the whole next pool first.
+# The look-ahead runs: --coreset-lookahead-order's default (the order simulation chose) and the
+# whole next pool first.
 LOOKAHEADS = ("coreset_lookahead", "coreset_lookahead_pool_first")
 
 
@@ -27,7 +28,7 @@ def pipeline_jobs(args) -> dict:
     from megatron_mllm.runtime.modes.reference import make_full_state
     from megatron_mllm.runtime.planning.profile_units import profile_units
     from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
-    from megatron_mllm.schedule.lookahead import with_lookahead
+    from megatron_mllm.schedule.lookahead import SHIFTS, with_lookahead
 
     cfg, plan, mb = mllm_config(args, text_len=args.pipeline_text), ParallelPlan(1, 1, 2), 2
     n = args.pipeline_batch // mb
@@ -38,8 +39,8 @@ def pipeline_jobs(args) -> dict:
     pool, _ = pool_plan(step, cfg, plan, mb, 2 * n, measured=measured)
     double, _ = runtime_plan(cfg, plan, mb, 2 * n, "optimus", measured=measured)
     coreset = CoresetConfig(batch_size=args.pipeline_batch, pool_ratio=2, features="zo", seed=0)
-    merged = with_lookahead(step, pool, workload)
-    first = with_lookahead(step, pool, workload, shifts=0)  # the whole pool first
+    merged = with_lookahead(step, pool, workload, SHIFTS["simulated"])
+    first = with_lookahead(step, pool, workload, SHIFTS["pool-first"])
 
     # fp32: bf16 matrix products are ~65x slower on this CPU
     fp32 = argparse.Namespace(precision="fp32")
@@ -182,7 +183,7 @@ def pipeline_section(args) -> dict:
 def print_pipeline(p: dict) -> None:
     print(f"step time on a pipeline: {p['describe']}; medians over the measured steps (min-max)")
     for name, r in p["runs"].items():
-        print(f"  {name:<30}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
+        print(f"  {name:<32}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
               f"{1000 * r['max_s']:.1f}){r['vs_accumulation']:>7.2f}x accumulation")  # fmt: skip
     print("  per rank (medians, ms): pool pass (incl. selection; its message waits) | selection |"
           " training program = compute + message waits + executor overhead")  # fmt: skip
@@ -195,7 +196,7 @@ def print_pipeline(p: dict) -> None:
             f"{1000 * (k['program_s'] - k['compute_s'] - k['wait_s']):.0f}"
             for i, k in enumerate(r["ranks"])
         )
-        print(f"  {name:<30}{cells}")
+        print(f"  {name:<32}{cells}")
     for name, (med, lo, hi) in p["lookahead_vs_coreset"].items():
         pred = p["predicted"][name]
         alone = pred["step_alone_s"] + pred["pool_alone_s"]

@@ -23,6 +23,7 @@ from megatron_mllm.schedule.loads import (
     mean_images,
     parse_distribution,
 )
+from megatron_mllm.schedule.lookahead import SHIFTS, with_lookahead
 from megatron_mllm.schedule.planner import PlanReport, plan_all
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.simulator import BUBBLE_CAUSES, simulate
@@ -114,6 +115,12 @@ def build_parser() -> argparse.ArgumentParser:
         "batch going forward in the Optimus step's bubbles, against its own pass then the step",
     )
     p.add_argument(
+        "--coreset-lookahead-order",
+        choices=list(SHIFTS),
+        default="simulated",
+        help="the look-ahead's order, as pretrain_mllm.py's option of the same name",
+    )
+    p.add_argument(
         "--image-pixels",
         default=None,
         metavar="DIST",
@@ -165,7 +172,6 @@ def lookahead_prediction(args, job: MLLMJob, measured, report: PlanReport) -> di
     if args.coreset_pool_ratio is None:
         return None
     from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
-    from megatron_mllm.schedule.lookahead import with_lookahead
 
     ratio = args.coreset_pool_ratio
     pool_batch = pool_global_batch(ratio, job)
@@ -174,8 +180,10 @@ def lookahead_prediction(args, job: MLLMJob, measured, report: PlanReport) -> di
     pool_job = replace(job, global_batch=pool_batch, backbone_split=layers)
     options = replace(planned.options, wgrad_split=False)
     pool, pool_workload = optimus_schedule(JobCosts(pool_job, measured), options)
-    times = with_lookahead(planned.schedule, pool, planned.workload).lookahead_times
+    shifts = SHIFTS[args.coreset_lookahead_order]
+    times = with_lookahead(planned.schedule, pool, planned.workload, shifts).lookahead_times
     out = {
+        "order": args.coreset_lookahead_order,
         "lookahead_step_s": times.step_s,
         "step_alone_s": times.step_alone_s,
         "pool_alone_s": times.pool_alone_s,

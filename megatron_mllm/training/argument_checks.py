@@ -246,9 +246,16 @@ def _check_plan_candidates(args) -> None:
 
 def _check_lookahead(args: argparse.Namespace) -> None:
     """--coreset-lookahead needs a coreset and a fixed schedule; without pipeline stages it
-    has no bubbles to hide the pool in: accepted with a warning (selection one step old)."""
+    has no bubbles to hide the pool in: accepted with a warning (selection one step old). Its
+    order defaults to the simulated one."""
     if not args.coreset_lookahead:
+        if args.coreset_lookahead_order is not None:
+            raise ConfigError(
+                f"--coreset-lookahead-order {args.coreset_lookahead_order} orders the "
+                "look-ahead's pool; add --coreset-lookahead"
+            )
         return
+    args.coreset_lookahead_order = args.coreset_lookahead_order or "simulated"
     if args.coreset is None:
         raise ConfigError("--coreset-lookahead needs --coreset-pool-ratio R (a coreset to select)")
     if args.replan_after_iters is not None:

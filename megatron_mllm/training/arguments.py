@@ -7,6 +7,7 @@ import argparse
 import os
 
 from megatron_mllm.errors import ConfigError, OneLineParser
+from megatron_mllm.schedule.lookahead import SHIFTS
 from megatron_mllm.training.argument_checks import ENCODER_SPEC_KEYS, MODEL_ARGS, validate_args
 
 
@@ -111,6 +112,14 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="coreset: the next step's pool goes forward in this step's pipeline bubbles and is "
         "selected with this step's weights (one step old when it trains)",
+    )
+    g.add_argument(
+        "--coreset-lookahead-order",
+        choices=list(SHIFTS),
+        default=None,
+        help="with --coreset-lookahead: where the next pool's forwards go in each rank's list: "
+        "where simulation finds the step shortest (default: simulated), or all of them first "
+        "(pool-first)",
     )
     g.add_argument("--coreset-features", choices=["zo", "exact"], default="zo")
     g.add_argument("--coreset-directions", type=int, default=16)

@@ -69,12 +69,13 @@ def _adaptive_note(run: RunConfig) -> str:
     return "; each step re-planned for its own (its micro-batches keep their samples)"
 
 
-def lookahead_line(times: LookaheadTimes) -> str:
+def lookahead_line(times: LookaheadTimes, order: str) -> str:
     """The start-up line of --coreset-lookahead: what merging the next pool's forward into
-    the step is predicted to save."""
+    the step (`order`: --coreset-lookahead-order) is predicted to save."""
     alone, merged = times.step_alone_s + times.pool_alone_s, times.step_s
     return (
-        f" > coreset look-ahead: the next pool's forward in this step's bubbles, predicted "
+        f" > coreset look-ahead: the next pool's forward in this step's bubbles ({order}), "
+        "predicted "
         f"{1000 * merged:.1f} ms a step against {1000 * alone:.1f} ms for the pool pass then "
         f"the step ({times.saving:.2f}x; the cost model above)"
     )

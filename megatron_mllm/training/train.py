@@ -106,9 +106,9 @@ def coreset_schedules(run: RunConfig, schedule, workload) -> tuple:
     )
     if not args.coreset_lookahead:
         return pool, None
-    from megatron_mllm.schedule.lookahead import with_lookahead
+    from megatron_mllm.schedule.lookahead import SHIFTS, with_lookahead
 
-    return pool, with_lookahead(schedule, pool, workload)
+    return pool, with_lookahead(schedule, pool, workload, SHIFTS[args.coreset_lookahead_order])
 
 
 def _train(run_config: RunConfig, schedule, pools, predicted, phase=None, faults=None) -> int:
@@ -149,7 +149,8 @@ def _train(run_config: RunConfig, schedule, pools, predicted, phase=None, faults
         summary = startup_summary(run_config, enc_plan, stage0, predicted, schedule)
         print(summary, flush=True)
         if job.data.lookahead_schedule is not None:
-            print(lookahead_line(job.data.lookahead_schedule.lookahead_times), flush=True)
+            times = job.data.lookahead_schedule.lookahead_times
+            print(lookahead_line(times, args.coreset_lookahead_order), flush=True)
         if phase is not None:
             print(run.startup_line(), flush=True)
         elif args.plan_candidates:
