@@ -147,3 +147,20 @@ def test_pipeline_only_run_writes_its_json_out(tmp_path, monkeypatch, capsys):
     assert bench_coreset.main(argv) == 0
     assert json.loads(out.read_text()) == {"pipeline": section}
     assert capsys.readouterr().out.strip() == "table"
+
+
+def test_pipeline_ratio_interval_is_the_paired_log_interval():
+    """The look-ahead's ratio over every measured step: the geometric mean of the paired
+    ratios with the 95% interval of the paired log differences (a constant ratio: no width)."""
+    import math
+
+    from coreset_pipeline import ratio_interval
+
+    b = [1.0, 2.0, 0.5, 4.0]
+    assert ratio_interval([math.log(0.9 * x) for x in b], [math.log(x) for x in b]) == (
+        pytest.approx(0.9),
+        pytest.approx(0.9),
+        pytest.approx(0.9),
+    )
+    geo, low, high = ratio_interval([math.log(x) for x in (0.8, 1.0, 0.9)], [0.0, 0.0, 0.0])
+    assert geo == pytest.approx((0.8 * 1.0 * 0.9) ** (1 / 3)) and low < geo < high

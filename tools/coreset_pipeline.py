@@ -6,6 +6,7 @@ processes and stepped in turn, repeated in fresh processes; each rank's phases p
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 import time
 from dataclasses import asdict, replace
@@ -154,6 +155,7 @@ def pipeline_section(args) -> dict:
     steps = {name: [] for name in built["jobs"]}
     phases = {name: [[], []] for name in built["jobs"]}
     ratios = {name: [] for name in LOOKAHEADS}
+    logs = {name: ([], []) for name in LOOKAHEADS}  # every measured step's log seconds, paired
     for _ in range(args.repeats):
         ranks = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)
         times = {name: ts[1:] for name, ts in ranks[0]["times"].items()}
@@ -164,6 +166,8 @@ def pipeline_section(args) -> dict:
         for name in LOOKAHEADS:
             pairs = [a / c for a, c in zip(times[name], times["coreset"], strict=True)]
             ratios[name].append(statistics.median(pairs))
+            logs[name][0].extend(math.log(t) for t in times[name])
+            logs[name][1].extend(math.log(t) for t in times["coreset"])
     out = {"describe": built["describe"], "predicted": built["predicted"], "runs": {}}
     acc = statistics.median(steps["2B_accumulation"])
     for name, ts in steps.items():
@@ -176,8 +180,18 @@ def pipeline_section(args) -> dict:
     out["lookahead_vs_coreset"] = {
         name: (statistics.median(r), min(r), max(r)) for name, r in ratios.items()
     }
+    out["lookahead_vs_coreset_interval"] = {name: ratio_interval(*logs[name]) for name in logs}
     out["repeats"] = args.repeats
     return out
+
+
+def ratio_interval(log_a: list[float], log_b: list[float]) -> tuple[float, float, float]:
+    """The geometric mean of the paired ratios a / b over every measured step and its 95%
+    interval (Student's t on the paired log differences), as (ratio, low, high)."""
+    from paired_stats import paired_interval
+
+    c = paired_interval(log_a, log_b)
+    return math.exp(c.mean), math.exp(c.low), math.exp(c.high)
 
 
 def print_pipeline(p: dict) -> None:
@@ -200,6 +214,8 @@ def print_pipeline(p: dict) -> None:
     for name, (med, lo, hi) in p["lookahead_vs_coreset"].items():
         pred = p["predicted"][name]
         alone = pred["step_alone_s"] + pred["pool_alone_s"]
+        geo, low, high = p["lookahead_vs_coreset_interval"][name]
         print(f"  {name} / same-step coreset, paired by step: {med:.3f} ({lo:.3f}-{hi:.3f}) over "
-              f"{p['repeats']} repeats (each repeat's median); the planner predicted "
+              f"{p['repeats']} repeats (each repeat's median); over every step {geo:.3f} "
+              f"(95% interval {low:.3f}-{high:.3f}); the planner predicted "
               f"{pred['step_s'] / alone:.3f}")  # fmt: skip
