@@ -115,7 +115,8 @@ def _job(state, step, workload, pool, lookahead: bool) -> RuntimeJob:
 def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
     """Three runs on the same ranks: `ahead` looks ahead; `plain` selects each step's own pool
     (the same training at step 0); `copy` never steps: before each step it takes a copy of
-    `ahead`'s weights and selector, and selects the next pool with them."""
+    `ahead`'s weights and selector, and selects the next pool with them. `plain` and `copy`
+    post their own broadcasts while `ahead`'s rows are still pending."""
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
     from megatron_mllm.runtime.modes.executor_run import ExecutorRun
 
@@ -128,6 +129,9 @@ def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
         selector = copy.deepcopy(ahead.coreset.selector.state_dict())
         ahead.step(step)
         plain.step(step)
+        if rank == 0:  # stage 0 has no rows until the next step first needs a micro-batch
+            assert ahead.coreset.pending == (step + 1, None)
+        ahead.coreset.data(step + 1)(0, 0)  # takes them there, from the rows' own group
         rows.append(ahead.coreset.pending[1])
         if step == 0:
             continue  # at step 0 the selector also chose step 0's own pool first

@@ -13,7 +13,11 @@ from dataclasses import asdict, replace
 
 # The look-ahead runs: --coreset-lookahead-order's default (the order simulation chose) and the
 # whole next pool first.
-LOOKAHEADS = ("coreset_lookahead", "coreset_lookahead_pool_first")
+LOOKAHEADS = (
+    "coreset_lookahead",
+    "coreset_lookahead_pool_first",
+    "coreset_lookahead_pool_first_select_before",
+)
 
 
 def pipeline_jobs(args) -> dict:
@@ -60,6 +64,9 @@ def pipeline_jobs(args) -> dict:
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merged
         ),
         "coreset_lookahead_pool_first": job(
+            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
+        ),
+        "coreset_lookahead_pool_first_select_before": job(
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
         ),
     }
@@ -114,10 +121,16 @@ def timed_phases(run) -> dict:
     return spent
 
 
+# Consecutive steps a run takes between two barriers: the look-ahead's selection overlaps the
+# next step's start on the other stages, which a barrier after every step would forbid.
+BLOCK = 5
+
+
 def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
-    """Every run builds once, then they take steps in turn; each step's wall time from a
-    barrier before it to a barrier after it (the slower rank's time), and this rank's phases:
-    the pool pass, the selection, the training program's seconds, compute and message waits."""
+    """Every run builds once, then they take turns: one warm-up step each, then blocks of
+    `BLOCK` steps, each block's wall time from a barrier before it to a barrier after it (the
+    slower rank's time) shared out over its steps; and this rank's phases per step: the pool
+    pass, the selection, the training program's seconds, compute and message waits."""
     import torch.distributed as dist
 
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
@@ -125,30 +138,35 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
 
     device = init_rank(rank, world, 0, 120.0)
     runs = {name: make_run(rank, world, job, device) for name, job in jobs.items()}
+    for name, run in runs.items():
+        if name.endswith("_select_before"):  # the ablation: selected before the update
+            run.coreset.defer = False
     spent = {name: timed_phases(run) for name, run in runs.items()}
     times = {name: [] for name in runs}
     phases = {name: [] for name in runs}
-    for step in range(steps):
+    blocks = [(0, 1)] + [(s, min(BLOCK, steps - s)) for s in range(1, steps, BLOCK)]
+    for first, count in blocks:
         for name, run in runs.items():
             before = dict(spent[name])
             dist.barrier()
             t0 = time.perf_counter()
-            run.step(step)
+            for step in range(first, first + count):
+                run.step(step)
             dist.barrier()
-            times[name].append(time.perf_counter() - t0)
-            program = run.breakdowns[-1]
-            phases[name].append({
-                **{k: v - before[k] for k, v in spent[name].items()},
-                "program_s": program.seconds, "compute_s": program.compute_s,
-                "wait_s": program.wait_s,
-            })  # fmt: skip
+            times[name] += [(time.perf_counter() - t0) / count] * count
+            for program in run.breakdowns[-count:]:
+                phases[name].append({
+                    **{k: (v - before[k]) / count for k, v in spent[name].items()},
+                    "program_s": program.seconds, "compute_s": program.compute_s,
+                    "wait_s": program.wait_s,
+                })  # fmt: skip
     return {"times": times, "phases": phases}
 
 
 def pipeline_section(args) -> dict:
     """Per run, the median step seconds over every repeat's measured steps (one warm-up step
-    each; a repeat is two fresh processes), the look-ahead's paired ratio per repeat, and each
-    rank's phases (medians over every measured step)."""
+    each, then blocks of `BLOCK` steps; a repeat is two fresh processes), the look-ahead's
+    paired ratio per repeat, and each rank's phases (medians over every measured step)."""
     from megatron_mllm.runtime.assembly.launch import spawn
 
     built = pipeline_jobs(args)
@@ -197,7 +215,7 @@ def ratio_interval(log_a: list[float], log_b: list[float]) -> tuple[float, float
 def print_pipeline(p: dict) -> None:
     print(f"step time on a pipeline: {p['describe']}; medians over the measured steps (min-max)")
     for name, r in p["runs"].items():
-        print(f"  {name:<32}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
+        print(f"  {name:<44}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
               f"{1000 * r['max_s']:.1f}){r['vs_accumulation']:>7.2f}x accumulation")  # fmt: skip
     print("  per rank (medians, ms): pool pass (incl. selection; its message waits) | selection |"
           " training program = compute + message waits + executor overhead")  # fmt: skip
@@ -210,12 +228,12 @@ def print_pipeline(p: dict) -> None:
             f"{1000 * (k['program_s'] - k['compute_s'] - k['wait_s']):.0f}"
             for i, k in enumerate(r["ranks"])
         )
-        print(f"  {name:<32}{cells}")
+        print(f"  {name:<44}{cells}")
     for name, (med, lo, hi) in p["lookahead_vs_coreset"].items():
         pred = p["predicted"][name]
         alone = pred["step_alone_s"] + pred["pool_alone_s"]
         geo, low, high = p["lookahead_vs_coreset_interval"][name]
-        print(f"  {name} / same-step coreset, paired by step: {med:.3f} ({lo:.3f}-{hi:.3f}) over "
+        print(f"  {name} / same-step coreset, paired by block: {med:.3f} ({lo:.3f}-{hi:.3f}) over "
               f"{p['repeats']} repeats (each repeat's median); over every step {geo:.3f} "
               f"(95% interval {low:.3f}-{high:.3f}); the planner predicted "
               f"{pred['step_s'] / alone:.3f}")  # fmt: skip

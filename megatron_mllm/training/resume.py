@@ -100,6 +100,8 @@ class Checkpointer:
             state = run.data.state(c.dp) if saving else None
             out["data_loader"] = (state, c.dp, plan.dp, self.data_copy)
         if self.lookahead:  # the rows chosen for the next step (its pool is read again)
+            if saving:
+                run.coreset.settle()  # every rank holds them (collective)
             state = list(run.coreset.pending) if saving else None
             out["coreset_lookahead"] = (state, c.dp, plan.dp, self.data_copy)
         return out

@@ -169,6 +169,8 @@ def _train(run_config: RunConfig, schedule, pools, predicted, phase=None, faults
     plans = run.adaptive.close() if run.adaptive is not None else None
     if plans is not None and rank == 0:
         print(f" > {plans}", flush=True)
+    if run.coreset is not None:
+        run.coreset.settle()  # look-ahead: no broadcast left pending
     run.data.close()
     dist.barrier()
     dist.destroy_process_group()

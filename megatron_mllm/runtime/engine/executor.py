@@ -454,10 +454,13 @@ class Executor(ComputeActions):
     def _move_batches(self) -> None:
         """Every micro-batch the program touches, on the device from the step's start: a
         GPU copies them from pinned host memory without blocking the host, so no copy waits
-        mid-step behind queued kernels (`MicroBatch.to`)."""
+        mid-step behind queued kernels (`MicroBatch.to`). Under look-ahead only the pool's:
+        the step's own are copied when first used (their rows may arrive after the start)."""
         fills = {fill.mb for op in self.program for fill in op.fills}
+        own = self.meta.num_microbatches if self.meta.lookahead else 0
         for mb in sorted(({op.mb for op in self.program} | fills) - {None}):
-            self._batch(mb)
+            if mb >= own:  # look-ahead: the step's own rows may still be on their way
+                self._batch(mb)
 
     # -- data parallel ---------------------------------------------------------------------
     def _all_gather(self, a: Action) -> None:

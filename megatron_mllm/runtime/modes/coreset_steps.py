@@ -1,8 +1,10 @@
 """The coreset sampler (CoLM) inside one ExecutorRun: each step trains on B samples chosen
 from a pool of r x B, chosen now (the pool goes forward through the pipeline without
 gradients, then the last stage selects on its output layer and every stage gets the rows) or
-one step ahead (--coreset-lookahead: the next step's pool goes forward in this step's bubbles,
-and the last stage selects as soon as its program ends, with this step's weights)."""
+one step ahead (--coreset-lookahead: the next step's pool goes forward in this step's bubbles;
+the last stage keeps its output-layer inputs and weight, selects after the update, and
+broadcasts the rows asynchronously on a group of their own; the other stages take them when the
+next step first needs one of its micro-batches, so that the selection overlaps their work)."""
 
 from __future__ import annotations
 
@@ -28,9 +30,17 @@ class CoresetSteps:
         pool = gpu_program(job.data.pool_schedule, run.groups, run.enc_tp)
         self.pool_program = forward_only_program(pool)
         self.ahead_program = None  # look-ahead: the step with the next step's pool forward
+        self.rows_group = None  # look-ahead: this replica's pipeline, for the rows alone
         if job.data.lookahead_schedule is not None:
             self.ahead_program = gpu_program(job.data.lookahead_schedule, run.groups, run.enc_tp)
-        self.pending: tuple[int, list[int]] | None = None  # look-ahead: (step, chosen rows)
+            self.rows_group = self._rows_group()
+        # Look-ahead: (step, chosen rows), rows None until they arrive (stages before the last).
+        self.pending: tuple[int, list[int] | None] | None = None
+        self._deferred: tuple | None = None  # (step, what the last stage selects from, or None)
+        self._posted: tuple | None = None  # last stage: (the rows' broadcast, its buffer)
+        # Look-ahead: select after the update (True) or before it, the rows shared at once (the
+        # benchmark's ablation).
+        self.defer = True
 
     @property
     def job(self):
@@ -54,9 +64,69 @@ class CoresetSteps:
         picker = self._picker(pool, n)
         return self.ahead_program, meta, self.run.ahead_ordered, with_pool, pool, picker
 
-    def keep(self, step: int, picked: torch.Tensor | None) -> None:
-        """Look-ahead: the rows the last stage picked for `step`, on every stage (collective)."""
-        self.pending = (step, self._share(picked))
+    def keep(self, step: int, kept: tuple | None) -> None:
+        """Look-ahead: what the last stage selects `step`'s rows from (`_picker`'s), after the
+        update (`after_update`); None on the other stages."""
+        if self.defer:
+            self._deferred = (step, kept)
+            return
+        self.pending = (step, self._share(self._pick(*kept) if kept is not None else None))
+
+    def after_update(self) -> None:
+        """Look-ahead, after the optimizer step: the last stage selects (with the weights the
+        pool went forward with) and posts the rows' broadcast; the others take them later."""
+        if self._deferred is None:
+            return
+        (step, kept), self._deferred = self._deferred, None
+        if kept is None:
+            self.pending = (step, None)
+            return
+        rows = self._pick(*kept)
+        self._wait_posted()
+        buf = rows.to(self.run.device, dtype=torch.long, copy=True)
+        work = None
+        if dist.get_world_size(self.rows_group) > 1:
+            work = dist.broadcast(buf, src=self._last_rank(), group=self.rows_group, async_op=True)
+        self._posted = (work, buf)
+        self.pending = (step, rows.tolist())
+
+    def settle(self) -> None:
+        """Look-ahead: every rank holds the pending rows (collective over the rows' group:
+        before a save, an evaluation and the run's end, and when a step first needs them)."""
+        if self.pending is not None and self.pending[1] is None:
+            buf = torch.empty(self.job.data.coreset.batch_size, dtype=torch.long,
+                              device=self.run.device)  # fmt: skip
+            dist.broadcast(buf, src=self._last_rank(), group=self.rows_group)
+            self.pending = (self.pending[0], buf.tolist())
+        self._wait_posted()
+
+    def _wait_posted(self) -> None:
+        if self._posted is not None and self._posted[0] is not None:
+            self._posted[0].wait()
+        self._posted = None
+
+    def _last_rank(self) -> int:
+        """This replica's last-stage rank (TP rank 0): the rows' source."""
+        from megatron_mllm.parallel.groups import backbone_rank
+
+        plan = self.job.backbone
+        return backbone_rank(plan, 0, self.run.groups.coords.dp, plan.pp - 1)
+
+    def _rows_group(self):
+        """A group per replica's pipeline (TP x PP ranks) that carries only the look-ahead's
+        rows, so that their broadcast, left pending across the update, pairs with nothing else
+        (collective: every rank creates every replica's, in one order)."""
+        from megatron_mllm.parallel.groups import backbone_rank
+
+        plan, mine = self.job.backbone, None
+        for dp in range(plan.dp):
+            ranks = sorted(
+                backbone_rank(plan, tp, dp, s) for tp in range(plan.tp) for s in range(plan.pp)
+            )
+            group = dist.new_group(ranks)
+            if dp == self.run.groups.coords.dp:
+                mine = group
+        return mine
 
     def data(self, step: int) -> Callable[..., MicroBatch]:
         """Coreset: `get(mb, dp)` over the B samples step `step` trains on: chosen one step
@@ -64,7 +134,18 @@ class CoresetSteps:
         pool = self.run.data.pool(step)  # read one step ahead under look-ahead
         if self.pending is None or self.pending[0] != step:
             return self.select(pool)
-        return self._chosen(self.pool_list(pool), self.pending[1])
+        batches = self.pool_list(pool)
+        if self.pending[1] is not None:
+            return self._chosen(batches, self.pending[1])
+        chosen: list[Callable[..., MicroBatch]] = []
+
+        def when_needed(m: int, dp: int) -> MicroBatch:  # the rows may still be on their way
+            if not chosen:
+                self.settle()
+                chosen.append(self._chosen(batches, self.pending[1]))
+            return chosen[0](m, dp)
+
+        return when_needed
 
     def pool_list(self, pool) -> list[MicroBatch]:
         """This replica's pool micro-batches."""
@@ -98,9 +179,12 @@ class CoresetSteps:
         the last stage selects (`_pick`), every stage gets the rows (`_share`)."""
         return self._share(self._pick(batches, hidden_of))
 
-    def _pick(self, batches: list[MicroBatch], hidden_of: dict) -> torch.Tensor | None:
+    def _pick(
+        self, batches: list[MicroBatch], hidden_of: dict, weight: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
         """On the last stage (collective over its TP group): the rows selected from the output
-        layer's inputs `hidden_of[mb]` and the current output layer; None on other stages."""
+        layer's inputs `hidden_of[mb]` and its weight (`weight`, or the current one); None on
+        other stages."""
         from megatron_mllm.data.batch import collate
 
         backbone = self.run.backbone
@@ -109,7 +193,7 @@ class CoresetSteps:
         whole = collate(batches)
         # The replay runs in fp32 on what the pipeline computed (bf16 inputs and weights).
         hidden = torch.cat([hidden_of[m] for m in range(len(batches))]).float()
-        weight = backbone.gpt.output_layer.weight.detach().float()
+        weight = (backbone.gpt.output_layer.weight if weight is None else weight).detach().float()
         return self.selector.select(
             torch.tensor(whole.sources, device="cpu"),
             self._replay(weight.shape[0]),
@@ -139,15 +223,17 @@ class CoresetSteps:
         return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
 
     def _picker(self, pool: list[MicroBatch], n: int) -> Callable | None:
-        """Look-ahead, last stage: select from the pool as soon as this rank's program is done
-        (its step-end waits and the other stages' last work still ahead)."""
+        """Look-ahead, last stage: once its program is done, keep what the selection needs
+        after the update: the pool, its output-layer inputs and the output layer's weight."""
         if not self.run.backbone.post_process:
             return None
 
-        def pick(executor) -> torch.Tensor:
-            return self._pick(pool, {m - n: h for m, h in executor.last_layer_inputs.items()})
+        def kept(executor) -> tuple:
+            hidden_of = {m - n: h for m, h in executor.last_layer_inputs.items()}
+            weight = self.run.backbone.gpt.output_layer.weight.detach().clone()  # its dtype
+            return pool, hidden_of, weight
 
-        return pick
+        return kept
 
     def _replay(self, rows: int):
         """The selection's last-layer replay for this rank's `rows` of the output layer."""

@@ -264,6 +264,8 @@ class ExecutorRun:
     def evaluate(self, data) -> dict:
         """One forward-only pass of the training schedule over `data(mb, dp)` (validation);
         the last stage returns {"losses": {mb: loss}, "matches": {mb: (exact, answered)}}."""
+        if self.coreset is not None:
+            self.coreset.settle()
         self.sync_params()
         dp = self.groups.coords.dp
         executor = self.executor_for(
@@ -308,6 +310,8 @@ class ExecutorRun:
         self.mean_losses.append(self.last_loss)
         nan_loss = not math.isfinite(self.last_loss)
         self._optimizer_step(skip=self.job.optimizer.check_nan and nan_loss)
+        if self.coreset is not None:  # look-ahead: the next step's rows, selected now
+            self.coreset.after_update()
 
     def _labelled_tokens(self, data) -> list[int]:
         """Per-token loss: this replica's labelled tokens in each micro-batch (on the host,
