@@ -57,6 +57,24 @@ def backbone_rank(backbone: ParallelPlan, tp: int, dp: int, stage: int) -> int:
     return tp + backbone.tp * (dp + backbone.dp * stage)
 
 
+def new_replica_mp_groups(backbone: ParallelPlan, dp: int):
+    """A new group over each DP replica's backbone ranks (TP x PP), like `mp` but carrying
+    nothing else; returns replica `dp`'s (collective: every rank creates all, in one order)."""
+    import torch.distributed as dist
+
+    mine = None
+    for replica in range(backbone.dp):
+        ranks = sorted(
+            backbone_rank(backbone, tp, replica, s)
+            for tp in range(backbone.tp)
+            for s in range(backbone.pp)
+        )
+        group = dist.new_group(ranks)
+        if replica == dp:
+            mine = group
+    return mine
+
+
 @dataclass
 class ColocatedGroups:
     """Both plans' process groups as megatron-core ProcessGroupCollections."""

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_mllm.data.batch import MicroBatch
+from megatron_mllm.data.sampler import broadcast_selection
+from megatron_mllm.parallel.groups import backbone_rank, new_replica_mp_groups
 from megatron_mllm.runtime.engine.program import forward_only_program, gpu_program
 from megatron_mllm.runtime.engine.step_types import PassKind
 
@@ -33,7 +35,9 @@ class CoresetSteps:
         self.rows_group = None  # look-ahead: this replica's pipeline, for the rows alone
         if job.data.lookahead_schedule is not None:
             self.ahead_program = gpu_program(job.data.lookahead_schedule, run.groups, run.enc_tp)
-            self.rows_group = self._rows_group()
+            # The rows' broadcast is left pending across the update: on a group of its own it
+            # pairs with nothing else.
+            self.rows_group = new_replica_mp_groups(job.backbone, run.groups.coords.dp)
         # Look-ahead: (step, chosen rows), rows None until they arrive (stages before the last).
         self.pending: tuple[int, list[int] | None] | None = None
         self._deferred: tuple | None = None  # (step, what the last stage selects from, or None)
@@ -94,10 +98,9 @@ class CoresetSteps:
         """Look-ahead: every rank holds the pending rows (collective over the rows' group:
         before a save, an evaluation and the run's end, and when a step first needs them)."""
         if self.pending is not None and self.pending[1] is None:
-            buf = torch.empty(self.job.data.coreset.batch_size, dtype=torch.long,
-                              device=self.run.device)  # fmt: skip
-            dist.broadcast(buf, src=self._last_rank(), group=self.rows_group)
-            self.pending = (self.pending[0], buf.tolist())
+            size, src = self.job.data.coreset.batch_size, self._last_rank()
+            rows = broadcast_selection(None, size, self.rows_group, src, self.run.device)
+            self.pending = (self.pending[0], rows.tolist())
         self._wait_posted()
 
     def _wait_posted(self) -> None:
@@ -107,26 +110,8 @@ class CoresetSteps:
 
     def _last_rank(self) -> int:
         """This replica's last-stage rank (TP rank 0): the rows' source."""
-        from megatron_mllm.parallel.groups import backbone_rank
-
         plan = self.job.backbone
         return backbone_rank(plan, 0, self.run.groups.coords.dp, plan.pp - 1)
-
-    def _rows_group(self):
-        """A group per replica's pipeline (TP x PP ranks) that carries only the look-ahead's
-        rows, so that their broadcast, left pending across the update, pairs with nothing else
-        (collective: every rank creates every replica's, in one order)."""
-        from megatron_mllm.parallel.groups import backbone_rank
-
-        plan, mine = self.job.backbone, None
-        for dp in range(plan.dp):
-            ranks = sorted(
-                backbone_rank(plan, tp, dp, s) for tp in range(plan.tp) for s in range(plan.pp)
-            )
-            group = dist.new_group(ranks)
-            if dp == self.run.groups.coords.dp:
-                mine = group
-        return mine
 
     def data(self, step: int) -> Callable[..., MicroBatch]:
         """Coreset: `get(mb, dp)` over the B samples step `step` trains on: chosen one step
@@ -204,14 +189,9 @@ class CoresetSteps:
 
     def _share(self, picked: torch.Tensor | None) -> list[int]:
         """The last stage's rows on every rank of the pipeline (collective)."""
-        from megatron_mllm.data.sampler import broadcast_selection
-        from megatron_mllm.parallel.groups import backbone_rank
-
-        job, groups = self.job, self.run.groups
-        group, size = groups.backbone.mp, job.data.coreset.batch_size
+        group, size = self.run.groups.backbone.mp, self.job.data.coreset.batch_size
         if dist.get_world_size(group) > 1:
-            last = backbone_rank(job.backbone, 0, groups.coords.dp, job.backbone.pp - 1)
-            picked = broadcast_selection(picked, size, group, last, self.run.device)
+            picked = broadcast_selection(picked, size, group, self._last_rank(), self.run.device)
         return picked.tolist()
 
     def _chosen(self, batches: list[MicroBatch], rows: list[int]) -> Callable[..., MicroBatch]:
