@@ -124,3 +124,6 @@ def test_candidate_steps_train_as_one_run():
     assert all(len(r["timed"]) == 1 and r["predicted_s"] > 0 for r in rows), rows
     assert kept[0]["measured_s"] == min(r["measured_s"] for r in rows)
     assert outs[0]["candidate_layouts"] == 2
+    calibration = outs[0]["candidate_calibration"]  # measured between the stages, not fitted
+    assert 0 < calibration["message_s"] < 1 and calibration["latency_s"] >= 0
+    assert abs(calibration["unexplained_s"]) < 1

@@ -8,8 +8,10 @@ and the one that measured fastest trains on.
 * The first `warmup` steps run on the planner's first choice. Then every candidate's schedule
   is planned again for its modules from the unit times measured in the job's last warm-up steps
   (both ranks, its dtype, DDP and optimizer), the cost model's per-action overhead is the one
-  measured there and its message latency is fitted to the measured steps; each candidate's
-  step is predicted before it runs.
+  measured there, its message latency is what a backbone activation's exchange between two
+  stages measured beyond the model's figure (`runtime.planning.link_probe`), and what the
+  warm-up plan's steps took beyond its simulated step is added to every candidate's; each
+  candidate's step is predicted before it runs.
 * Candidates run in order of that prediction, `steps_each` steps each (the first warms the
   candidate up; the rest are timed); the fastest median is kept.
 * Every step is a training step of the one run: a switch between layouts carries parameters,
@@ -356,7 +358,7 @@ class CandidateRun:
 
     def _plan_in_job(self) -> None:
         """After warm-up (collective): every candidate re-planned and predicted from the job's
-        measured unit times, overhead and fitted latency; run in that order."""
+        measured unit times, overhead and message latency; run in that order."""
         t0 = time.perf_counter()
         try:
             self._plan_from_measured()
@@ -364,30 +366,18 @@ class CandidateRun:
             self.plan_s = time.perf_counter() - t0
 
     def _plan_from_measured(self) -> None:
-        from megatron_mllm.runtime.planning.replan import (
-            calibrated,
-            fitted_latency,
-            measured_workload,
-        )
+        from megatron_mllm.runtime.planning.replan import calibrated, measured_workload
         from megatron_mllm.schedule.simulator import simulate
 
-        run, n = self.run, self.phase.calibration_steps
-        gathered = run.gathered_unit_times()
-        last = [None] * dist.get_world_size()
-        steps = zip(run.seconds[-n:], run.breakdowns[-n:], strict=True)
-        mine = [(s, b.overhead_per_action_s) for s, b in steps]
-        dist.all_gather_object(last, mine)
-        measured_s = statistics.median(max(r[i][0] for r in last) for i in range(n))
-        overhead = statistics.median(o for r in last for _, o in r)
-        ran = measured_workload(run.job, gathered)
-        latency = fitted_latency(run.job.schedule, ran, overhead, measured_s) if ran else 0.0
-        self.calibration = {"overhead_s": overhead, "latency_s": latency}
+        gathered = self.run.gathered_unit_times()
+        cal = self.calibration = self._calibration(gathered)
         for i, cand_job in enumerate(self.jobs):
             self.jobs[i] = cand_job = self._replanned(cand_job, gathered)
             workload = measured_workload(cand_job, gathered)
             if workload is not None:
-                calib = calibrated(workload, overhead, latency)
-                self.rows[i].predicted_s = simulate(cand_job.schedule, calib).step_time_s
+                calib = calibrated(workload, cal["overhead_s"], cal["latency_s"])
+                simulated = simulate(cand_job.schedule, calib).step_time_s
+                self.rows[i].predicted_s = simulated + cal["unexplained_s"]
         # Re-planned for the same modules, candidates may meet in one schedule: it runs once.
         first: dict[tuple, int] = {}
         for i, cand_job in enumerate(self.jobs):
@@ -397,6 +387,39 @@ class CandidateRun:
         unique = [i for i in range(len(self.jobs)) if self.rows[i].same_as is None]
         self.order = sorted(unique, key=lambda i: (self.rows[i].predicted_s, i))
         self.phase_end = self.phase.warmup + self.phase.steps_each * len(self.order)
+
+    def _calibration(self, gathered: list[dict]) -> dict:
+        """The cost model's terms measured on the warm-up plan (collective): the host overhead
+        per action, a backbone activation's one-way time and the latency it adds beyond the
+        model's figure, and the seconds its steps took beyond its simulated step (charged to
+        every candidate alike: what no action holds, and the model's error on this job)."""
+        from megatron_mllm.runtime.planning.link_probe import message_latency, message_seconds
+        from megatron_mllm.runtime.planning.replan import calibrated, measured_workload
+        from megatron_mllm.schedule.simulator import simulate
+
+        run, n = self.run, self.phase.calibration_steps
+        last = [None] * dist.get_world_size()
+        steps = zip(run.seconds[-n:], run.breakdowns[-n:], strict=True)
+        dist.all_gather_object(last, [(s, b.overhead_per_action_s) for s, b in steps])
+        measured_s = statistics.median(max(r[i][0] for r in last) for i in range(n))
+        overhead = statistics.median(o for r in last for _, o in r)
+        one_way = message_seconds(run.job, run.device, run.job.model.dtype)
+        ran = measured_workload(run.job, gathered)
+        if ran is None:
+            return {
+                "overhead_s": overhead,
+                "latency_s": 0.0,
+                "message_s": one_way,
+                "unexplained_s": 0.0,
+            }
+        latency = message_latency(one_way, ran.transfer_s.get("act", 0.0))
+        simulated = simulate(run.job.schedule, calibrated(ran, overhead, latency)).step_time_s
+        return {
+            "overhead_s": overhead,
+            "latency_s": latency,
+            "message_s": one_way,
+            "unexplained_s": measured_s - simulated,
+        }
 
     def _replanned(self, job: RuntimeJob, gathered: list[dict]) -> RuntimeJob:
         """An Optimus candidate planned again for its modules from the measured times."""

@@ -1,0 +1,71 @@
+"""What one pipeline message really costs in the running job, measured, for the cost model.
+
+The plan candidates used to fit one latency per message so that the warm-up plan's simulated
+step equalled its measured one. That number absorbed whatever else the warm-up steps held
+(they still run slower than the steps after them) and charged it to every message, so a plan
+that sends more messages was predicted too slow. Here the first pipeline's stages 0 and 1
+exchange a backbone activation (its shape and dtype) a few times while nothing else runs, and
+the one-way time beyond the cost model's own figure for that tensor is the latency the
+calibrated workload adds to every message.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+import torch.distributed as dist
+
+from megatron_mllm.parallel.groups import backbone_rank
+from megatron_mllm.runtime.engine.clock import StepClock
+
+
+def probe_pair(job) -> tuple[int, int] | None:
+    """The two ranks a backbone activation travels between (the first pipeline's stages 0 and
+    1); None in a pipeline of one, where no backbone message is sent."""
+    plan = job.backbone
+    if plan.pp < 2:
+        return None
+    return backbone_rank(plan, 0, 0, 0), backbone_rank(plan, 0, 0, 1)
+
+
+def activation_shape(job) -> tuple[int, int, int]:
+    """A backbone activation message's shape ([s/tp, b, h] with sequence parallelism)."""
+    split = job.backbone.tp if job.plans.sequence_parallel else 1
+    return (job.cfg.seq_len // split, job.micro_batch, job.cfg.llm_hidden)
+
+
+def message_seconds(job, device: torch.device, dtype: torch.dtype, rounds: int = 5) -> float:
+    """The median one-way time of a backbone activation between the probe pair's ranks, half a
+    round trip (collective: every rank calls it; the result is every rank's); 0.0 where no
+    backbone message is sent."""
+    pair = probe_pair(job)
+    seconds = torch.zeros(1, dtype=torch.float64, device=device)
+    if pair is not None and dist.get_rank() in pair:
+        me, peer = (0, pair[1]) if dist.get_rank() == pair[0] else (1, pair[0])
+        buf = torch.zeros(activation_shape(job), dtype=dtype, device=device)
+        clock, marks = StepClock(device), []
+        for _ in range(rounds + 1):  # the first round sets the pair's connection up
+            marks.append(clock.mark())
+            _round_trip(buf, peer, first=me == 0)
+        marks.append(clock.mark())
+        clock.finish()
+        times = [clock.between(a, b) / 2 for a, b in zip(marks[1:-1], marks[2:], strict=True)]
+        seconds[0] = statistics.median(times) if me == 0 else 0.0
+    dist.all_reduce(seconds)  # only the first stage's figure is non-zero
+    return float(seconds.item())
+
+
+def _round_trip(buf: torch.Tensor, peer: int, first: bool) -> None:
+    if first:
+        dist.send(buf, peer)
+        dist.recv(buf, peer)
+    else:
+        dist.recv(buf, peer)
+        dist.send(buf, peer)
+
+
+def message_latency(measured_one_way_s: float, modelled_act_s: float) -> float:
+    """The latency to add to every modelled message: the measured activation's one-way time
+    beyond what the cost model already charges for it (never below 0)."""
+    return max(measured_one_way_s - modelled_act_s, 0.0)
