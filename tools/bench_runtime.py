@@ -166,6 +166,8 @@ RATIOS = (
     "candidates_vs_optimus",
     "candidates_vs_megatron_core",
     "candidate_prediction_error",
+    "candidate_prediction_error_fitted",
+    "candidate_prediction_error_drift_corrected",
     "kept_prediction_error",
     "optimus_vs_executor_megatron",
     "optimus_vs_megatron_core",
@@ -241,7 +243,9 @@ def plan_runs(args, cfg, dtype) -> dict:
     jobs["optimus_candidates"] = job(PlanParts(plan, schedule=phase.candidates[0].schedule))
     predicted["optimus_candidates"] = float("nan")  # the kept candidate's, from the run
     makers = {"optimus_candidates": partial(CandidateRun, phase=phase)}
-    lead = {"optimus_candidates": phase.steps}
+    # The Megatron schedule's run takes its steps in turn with the phase's: the machine's drift
+    # between the warm-up (what the predictions are made from) and each candidate's window.
+    lead = {"optimus_candidates": phase.steps, "executor_megatron": phase.steps}
     planned = {
         "megatron_core_1f1b": even,
         "balanced": balanced,
@@ -259,7 +263,31 @@ def plan_runs(args, cfg, dtype) -> dict:
         predicted=predicted,
         makers=makers,
         lead=lead,
+        phase=phase,
     )
+
+
+def worst_error(rows: list[dict], key: str) -> float:
+    """The largest |predicted - measured| / measured over the candidates that ran."""
+    return max(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows)
+
+
+def drift_corrected(rows: list[dict], outs: dict, phase) -> list[dict]:
+    """The candidates' rows with each prediction scaled by the machine's drift from the
+    calibration steps to that candidate's timed steps, as the Megatron schedule's run (stepping
+    in turn with the phase) measured it: what the prediction would be on the machine as it
+    was when the candidate ran."""
+    ref = [max(o["seconds"][s] for o in outs["executor_megatron"]) for s in range(phase.steps)]
+    which = outs["optimus_candidates"][0]["candidate_of_step"][: phase.steps]
+    calib = range(phase.warmup - phase.calibration_steps, phase.warmup)
+    base = statistics.median(ref[s] for s in calib)
+    out = []
+    for i, row in enumerate(rows):
+        ran = [s for s in range(phase.warmup + 1, phase.steps) if which[s] == i == which[s - 1]]
+        steps = ran[: phase.steps_each - 1]  # its window's timed steps (the first warmed it)
+        drift = statistics.median(ref[s] for s in steps) / base if steps else float("nan")
+        out.append({**row, "predicted_s": row["predicted_s"] * drift, "drift": drift})
+    return out
 
 
 def one_repeat(setup: dict, args) -> dict:
@@ -304,8 +332,11 @@ def one_repeat(setup: dict, args) -> dict:
         "candidates_vs_executor_megatron": m["executor_megatron"] / m["optimus_candidates"],
         "candidates_vs_optimus": m["optimus"] / m["optimus_candidates"],
         "candidates_vs_megatron_core": m["megatron_core_1f1b"] / m["optimus_candidates"],
-        "candidate_prediction_error": max(
-            abs(r["predicted_s"] - r["measured_s"]) / r["measured_s"] for r in out["candidates"]
+        "candidate_prediction_error": worst_error(out["candidates"], "predicted_s"),
+        # the ablation: one latency per message fitted to the warm-up steps, as before
+        "candidate_prediction_error_fitted": worst_error(out["candidates"], "predicted_fitted_s"),
+        "candidate_prediction_error_drift_corrected": worst_error(
+            drift_corrected(out["candidates"], outs, setup["phase"]), "predicted_s"
         ),
         "kept_prediction_error": (kept["predicted_s"] - m["optimus_candidates"])
         / m["optimus_candidates"],

@@ -176,6 +176,8 @@ class Row:
     label: str
     predicted_startup_s: float
     predicted_s: float = float("nan")  # in the job, after warm-up, before it ran
+    # The same with one latency per message fitted to the warm-up steps (the ablation)
+    predicted_fitted_s: float = float("nan")
     measured_s: float = float("nan")
     kept: bool = False
     timed: list[float] = field(default_factory=list)
@@ -378,6 +380,8 @@ class CandidateRun:
                 calib = calibrated(workload, cal["overhead_s"], cal["latency_s"])
                 simulated = simulate(cand_job.schedule, calib).step_time_s
                 self.rows[i].predicted_s = simulated + cal["unexplained_s"]
+                fitted = calibrated(workload, cal["overhead_s"], cal["fitted_latency_s"])
+                self.rows[i].predicted_fitted_s = simulate(cand_job.schedule, fitted).step_time_s
         # Re-planned for the same modules, candidates may meet in one schedule: it runs once.
         first: dict[tuple, int] = {}
         for i, cand_job in enumerate(self.jobs):
@@ -394,7 +398,11 @@ class CandidateRun:
         model's figure, and the seconds its steps took beyond its simulated step (charged to
         every candidate alike: what no action holds, and the model's error on this job)."""
         from megatron_mllm.runtime.planning.link_probe import message_latency, message_seconds
-        from megatron_mllm.runtime.planning.replan import calibrated, measured_workload
+        from megatron_mllm.runtime.planning.replan import (
+            calibrated,
+            fitted_latency,
+            measured_workload,
+        )
         from megatron_mllm.schedule.simulator import simulate
 
         run, n = self.run, self.phase.calibration_steps
@@ -405,20 +413,16 @@ class CandidateRun:
         overhead = statistics.median(o for r in last for _, o in r)
         one_way = message_seconds(run.job, run.device, run.job.model.dtype)
         ran = measured_workload(run.job, gathered)
+        out = {"overhead_s": overhead, "latency_s": 0.0, "message_s": one_way}
         if ran is None:
-            return {
-                "overhead_s": overhead,
-                "latency_s": 0.0,
-                "message_s": one_way,
-                "unexplained_s": 0.0,
-            }
+            return {**out, "unexplained_s": 0.0, "fitted_latency_s": 0.0}
         latency = message_latency(one_way, ran.transfer_s.get("act", 0.0))
         simulated = simulate(run.job.schedule, calibrated(ran, overhead, latency)).step_time_s
         return {
-            "overhead_s": overhead,
+            **out,
             "latency_s": latency,
-            "message_s": one_way,
             "unexplained_s": measured_s - simulated,
+            "fitted_latency_s": fitted_latency(run.job.schedule, ran, overhead, measured_s),
         }
 
     def _replanned(self, job: RuntimeJob, gathered: list[dict]) -> RuntimeJob:

@@ -60,15 +60,19 @@ def run_interleaved(
     """Several jobs in the same processes, taking steps in turn (A B C A B C ...): the fairest
     comparison on a noisy machine. Returns each job's result. `makers`: per job, what builds
     its run from (rank, world, job, device), None for `make_run`; `lead`: per job, steps it
-    takes alone before the others start (its later steps are interleaved with theirs)."""
+    takes before the runs without a lead start (runs with one take theirs in turn; their later
+    steps are interleaved with everyone's)."""
     for job in jobs:
         check_job(job, world)
     device = init_rank(rank, world, jobs[0].data.seed, jobs[0].timeout_s)
     makers = makers or [None] * len(jobs)
     runs = [(m or make_run)(rank, world, job, device) for job, m in zip(jobs, makers, strict=True)]
     lead = lead or [0] * len(jobs)
-    for run, extra in zip(runs, lead, strict=True):
-        for step in range(extra):
+    for step in range(max(lead)):
+        leading = [run for run, extra in zip(runs, lead, strict=True) if step < extra]
+        for run in leading:
+            if len(leading) > 1:
+                dist.barrier()
             run.step(step)
     for step in range(steps):
         for job, run, extra in zip(jobs, runs, lead, strict=True):

@@ -128,3 +128,27 @@ def calibrated(workload: Workload, overhead_s: float, latency_s: float) -> Workl
         encoder_overhead_s=overhead_s,
         message_latency_s=latency_s,
     )
+
+
+def fitted_latency(
+    schedule: Schedule, workload: Workload, overhead_s: float, measured_s: float
+) -> float:
+    """The per-message latency at which the simulated `schedule` (with `overhead_s` before
+    each action) takes the `measured_s` it measured; 0 where it is predicted slower already.
+    The plan candidates' calibration before the latency was measured, kept as its ablation:
+    it charges whatever the model misses per message.
+    Step time grows monotonically with latency, so bisection finds it."""
+    from megatron_mllm.schedule.simulator import simulate
+
+    def step(latency: float) -> float:
+        return simulate(schedule, calibrated(workload, overhead_s, latency)).step_time_s
+
+    if step(0.0) >= measured_s:
+        return 0.0
+    lo, hi = 0.0, measured_s / max(len(schedule.ranks[0]), 1)
+    while step(hi) < measured_s and hi < measured_s:
+        hi *= 2
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if step(mid) < measured_s else (lo, mid)
+    return (lo + hi) / 2
