@@ -60,6 +60,7 @@ def pipeline_jobs(args) -> dict:
         "B": job(step, n),
         "2B_accumulation": job(double, 2 * n),
         "coreset": job(step, n, coreset=coreset, pool_schedule=pool),
+        "coreset_whole_pool": job(step, n, coreset=coreset, pool_schedule=pool),
         "coreset_lookahead": job(
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merged
         ),
@@ -118,6 +119,7 @@ def timed_phases(run) -> dict:
     run.executor_for = executor_for
     coreset.pool_rows = timer(coreset.pool_rows, "pool_pass_s")
     coreset._pick = timer(coreset._pick, "selection_s")
+    coreset._pick_scored = timer(coreset._pick_scored, "selection_s")
     return spent
 
 
@@ -141,6 +143,8 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
     for name, run in runs.items():
         if name.endswith("_select_before"):  # the ablation: selected before the update
             run.coreset.defer = False
+        if name == "coreset_whole_pool":  # the ablation: every pool row goes forward
+            run.coreset.score_only = False
     spent = {name: timed_phases(run) for name, run in runs.items()}
     times = {name: [] for name in runs}
     phases = {name: [] for name in runs}
@@ -173,6 +177,8 @@ def pipeline_section(args) -> dict:
     steps = {name: [] for name in built["jobs"]}
     phases = {name: [[], []] for name in built["jobs"]}
     ratios = {name: [] for name in LOOKAHEADS}
+    # Against the same-step selection forwarding the whole pool, as the look-ahead does
+    whole = {name: [] for name in ("coreset", *LOOKAHEADS)}
     logs = {name: ([], []) for name in LOOKAHEADS}  # every measured step's log seconds, paired
     for _ in range(args.repeats):
         ranks = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)
@@ -186,6 +192,9 @@ def pipeline_section(args) -> dict:
             ratios[name].append(statistics.median(pairs))
             logs[name][0].extend(math.log(t) for t in times[name])
             logs[name][1].extend(math.log(t) for t in times["coreset"])
+        for name, r in whole.items():
+            pairs = [a / c for a, c in zip(times[name], times["coreset_whole_pool"], strict=True)]
+            r.append(statistics.median(pairs))
     out = {"describe": built["describe"], "predicted": built["predicted"], "runs": {}}
     acc = statistics.median(steps["2B_accumulation"])
     for name, ts in steps.items():
@@ -199,6 +208,9 @@ def pipeline_section(args) -> dict:
         name: (statistics.median(r), min(r), max(r)) for name, r in ratios.items()
     }
     out["lookahead_vs_coreset_interval"] = {name: ratio_interval(*logs[name]) for name in logs}
+    out["vs_coreset_whole_pool"] = {
+        name: (statistics.median(r), min(r), max(r)) for name, r in whole.items()
+    }
     out["repeats"] = args.repeats
     return out
 
@@ -237,3 +249,6 @@ def print_pipeline(p: dict) -> None:
               f"{p['repeats']} repeats (each repeat's median); over every step {geo:.3f} "
               f"(95% interval {low:.3f}-{high:.3f}); the planner predicted "
               f"{pred['step_s'] / alone:.3f}")  # fmt: skip
+    for name, (med, lo, hi) in p["vs_coreset_whole_pool"].items():
+        print(f"  {name} / same-step coreset forwarding the whole pool (the ablation): "
+              f"{med:.3f} ({lo:.3f}-{hi:.3f}) over {p['repeats']} repeats")  # fmt: skip

@@ -45,6 +45,10 @@ class CoresetSteps:
         # Look-ahead: select after the update (True) or before it, the rows shared at once (the
         # benchmark's ablation).
         self.defer = True
+        self._passes: dict[int, tuple] = {}  # pool passes of fewer micro-batches, by count
+        # Same-step selection: only the scored rows go forward (False: the whole pool, the
+        # benchmark's ablation; look-ahead always forwards the whole pool).
+        self.score_only = True
 
     @property
     def job(self):
@@ -146,23 +150,93 @@ class CoresetSteps:
 
     def pool_rows(self, batches: list[MicroBatch]) -> list[int]:
         """The rows of the pool `batches` to train on, chosen now with the current weights
-        (collective: a forward-only pass through the pipeline, then `_choose`)."""
+        (collective). Only the rows the selection scores go forward through the pipeline
+        (without gradients); the rows of sources kept whole do not (`score_only`)."""
+        from megatron_mllm.data.batch import collate
+
+        if not self.score_only:  # the ablation: every pool row goes forward
+            return self._share(self._pick(batches, self._forward(batches)))
+        whole = collate(batches)
+        scored = self.selector.scored_rows(torch.tensor(whole.sources)).tolist()
+        hidden_of = self._forward(self._scored_batches(whole, scored))
+        return self._share(self._pick_scored(whole, scored, hidden_of))
+
+    def _forward(self, batches: list[MicroBatch]) -> dict:
+        """The output layer's inputs per micro-batch after a forward-only pass of `batches`
+        through the pipeline (collective; empty on other stages and for no batches)."""
+        if not batches:
+            return {}
         run = self.run
         run.sync_params()  # the pool pass has no AG actions
+        program, meta, ordered = self._pool_pass(len(batches))
         executor = run.executor_for(
-            self.pool_program,
-            self.job.data.pool_schedule.meta,
-            batches.__getitem__,
-            kind=PassKind.POOL,
-            ordered=run.pool_ordered,
+            program, meta, batches.__getitem__, kind=PassKind.POOL, ordered=ordered
         )
         executor.run_step()
-        return self._choose(batches, executor.last_layer_inputs)
+        return executor.last_layer_inputs
 
-    def _choose(self, batches: list[MicroBatch], hidden_of: dict) -> list[int]:
-        """The pool's rows to train on (collective over the backbone's model-parallel group):
-        the last stage selects (`_pick`), every stage gets the rows (`_share`)."""
-        return self._share(self._pick(batches, hidden_of))
+    def _scored_batches(self, whole: MicroBatch, scored: list[int]) -> list[MicroBatch]:
+        """The scored rows in micro-batches of the job's size, the last one filled up with
+        copies of the last row (their outputs are dropped)."""
+        mb = self.job.micro_batch
+        padded = scored + scored[-1:] * (-len(scored) % mb)
+        return [whole.select(padded[m : m + mb]) for m in range(0, len(padded), mb)]
+
+    def _pool_pass(self, n: int) -> tuple:
+        """(program, schedule metadata, receive orders) of a pool pass of `n` micro-batches:
+        the job's own pool schedule for the whole pool, else one planned alike for `n` (made
+        once per count)."""
+        run, job = self.run, self.job
+        if n == job.data.pool_schedule.meta.num_microbatches:
+            return self.pool_program, job.data.pool_schedule.meta, run.pool_ordered
+        if n not in self._passes:
+            self._passes[n] = self._planned_pass(n)
+        return self._passes[n]
+
+    def _planned_pass(self, n: int) -> tuple:
+        from megatron_mllm.runtime.engine.program import all_programs, receive_orders
+        from megatron_mllm.runtime.job import encoder_plan_of
+        from megatron_mllm.runtime.planning.schedules import pool_plan
+
+        run, job = self.run, self.job
+        schedule, _ = pool_plan(
+            job.schedule,
+            job.cfg,
+            job.backbone,
+            job.micro_batch,
+            n,
+            unit=job.plans.encoder_units,
+            frozen_encoder=job.model.frozen_encoder,
+        )
+        ordered = None
+        if run.pool_ordered is not None:  # the whole pool's message pairs hold the fewer's
+            enc_plan, _ = encoder_plan_of(schedule, job.backbone)
+            programs = all_programs(schedule, job.backbone, enc_plan, run.enc_tp)
+            programs = {r: forward_only_program(p) for r, p in programs.items()}
+            ordered = (receive_orders(programs, run.rank), run.pool_ordered[1])
+        program = forward_only_program(gpu_program(schedule, run.groups, run.enc_tp))
+        return program, schedule.meta, ordered
+
+    def _pick_scored(
+        self, whole: MicroBatch, scored: list[int], hidden_of: dict
+    ) -> torch.Tensor | None:
+        """On the last stage (collective over its TP group): the rows selected from the
+        scored rows' output-layer inputs `hidden_of[mb]` (in `_scored_batches`' order); None
+        on other stages."""
+        backbone = self.run.backbone
+        if not backbone.post_process:
+            return None
+        weight = backbone.gpt.output_layer.weight.detach().float()
+        hidden = torch.cat([hidden_of[m] for m in range(len(hidden_of))]) if hidden_of else None
+        hidden = None if hidden is None else self._whole_sequence(hidden[: len(scored)].float())
+        index = torch.tensor(scored, dtype=torch.long, device=whole.labels.device)
+        return self.selector.select_scored(
+            torch.tensor(whole.sources, device="cpu"),
+            self._replay(weight.shape[0]),
+            hidden,
+            whole.labels[index].to(self.run.device),
+            weight,
+        ).to(self.run.device)
 
     def _pick(
         self, batches: list[MicroBatch], hidden_of: dict, weight: torch.Tensor | None = None
