@@ -26,7 +26,7 @@ from megatron_mllm.runtime.job import (
 from megatron_mllm.runtime.modes.reference import make_full_state
 from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
 from megatron_mllm.schedule.actions import B, F
-from megatron_mllm.schedule.lookahead import with_lookahead
+from megatron_mllm.schedule.lookahead import with_fewer_ahead, with_lookahead
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.simulator import simulate
 from megatron_mllm.schedule.validator import ScheduleError, validate
@@ -78,6 +78,22 @@ def test_shifts_zero_keeps_the_whole_pool_first_on_every_rank():
         assert ahead == list(range(lead, lead + len(ahead)))  # one block, after the gathers
         assert [a for a in after if a in mine] == before
     assert first.lookahead_times.step_s == pytest.approx(simulate(first, workload).step_time_s)
+
+
+def test_a_merge_with_fewer_pool_micro_batches_keeps_the_rest_in_order():
+    """Only the scored rows go forward: the merge keeps its first k pool micro-batches."""
+    step, workload, pool = schedules("optimus")
+    merged = with_lookahead(step, pool, workload)
+    fewer = with_fewer_ahead(merged, 3)  # validated inside
+    assert fewer.meta.lookahead == 3 and fewer.meta.num_microbatches == N
+    acts = [a for rank in fewer.ranks for a in rank]
+    assert {a.mb for a in acts if a.kind in ("F", "EF") and a.mb >= N} == set(range(N, N + 3))
+    for before, after in zip(merged.ranks, fewer.ranks, strict=True):
+        kept = set(after)
+        assert [a for a in before if a in kept] == after  # the merge's order
+    assert with_fewer_ahead(merged, 0).meta.lookahead == 0
+    with pytest.raises(ConfigError, match="the merge holds 8"):
+        with_fewer_ahead(merged, POOL + 1)
 
 
 def test_look_ahead_micro_batches_are_forward_only_in_the_validator_and_hold_no_memory():
@@ -142,7 +158,8 @@ def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
         saved.coreset.selector.load_state_dict(selector)
         updated.append(saved.coreset.pool_rows(pool))
     return {"rows": rows[1:], "expected": expected, "updated": updated,
-            "ahead": ahead.history, "plain": plain.history}  # fmt: skip
+            "ahead": ahead.history, "plain": plain.history,
+            "fewer": sorted(ahead.coreset._aheads)}  # fmt: skip
 
 
 def _copy_weights(to, source) -> None:
@@ -164,6 +181,7 @@ def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same():
         assert out["rows"] == out["expected"] == outs[1]["rows"]
         assert len(set(out["rows"][0])) == N
         assert out["updated"] != out["expected"]  # the test can tell the weights apart
+        assert out["fewer"] and all(k < POOL for k in out["fewer"])  # only scored rows went
     last = outs[1]  # the losses live on the last stage
     assert last["ahead"][0] == last["plain"][0]
 

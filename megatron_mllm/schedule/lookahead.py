@@ -168,3 +168,25 @@ def with_lookahead(
             best, best_time = candidate, t
     best.lookahead_times = LookaheadTimes(best_time, alone.step_time_s, pool_end)
     return best
+
+
+def with_fewer_ahead(merged: Schedule, keep: int) -> Schedule:
+    """`merged` (a look-ahead schedule) going forward with only its first `keep` look-ahead
+    micro-batches: every other one's actions dropped, each rank's order otherwise unchanged
+    (look-ahead micro-batches are forward-only and independent of each other)."""
+    meta = merged.meta
+    if not 0 <= keep <= meta.lookahead:
+        raise ConfigError(f"{keep} look-ahead micro-batches: the merge holds {meta.lookahead}")
+    last = meta.num_microbatches + keep
+
+    def kept(a: Action) -> bool:
+        if a.kind in COMPUTE_KINDS:
+            return a.mb < last
+        if a.kind in ("SEND", "RECV"):
+            return TensorKey.parse(a.key).mb < last
+        return True
+
+    out = Schedule(replace(meta, lookahead=keep), [[a for a in r if kept(a)] for r in merged.ranks])
+    out.origin, out.lookahead_times = merged.origin, merged.lookahead_times
+    validate(out)
+    return out

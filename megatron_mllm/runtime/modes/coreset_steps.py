@@ -46,8 +46,9 @@ class CoresetSteps:
         # benchmark's ablation).
         self.defer = True
         self._passes: dict[int, tuple] = {}  # pool passes of fewer micro-batches, by count
+        self._aheads: dict[int, tuple] = {}  # look-ahead steps of fewer pool micro-batches
         # Same-step selection: only the scored rows go forward (False: the whole pool, the
-        # benchmark's ablation; look-ahead always forwards the whole pool).
+        # benchmark's ablation; look-ahead always forwards only the scored rows).
         self.score_only = True
 
     @property
@@ -62,15 +63,20 @@ class CoresetSteps:
         """Look-ahead: (program, meta, receive orders, get, the next pool, its picker) of step
         `step` with step + 1's pool (read now) going forward in its bubbles: micro-batch m is
         the step's own below n, the pool's from there."""
+        from megatron_mllm.data.batch import collate
+
         n = self.job.num_microbatches
         pool = self.pool_list(self.run.data.prefetch_pool(step + 1))
+        whole = collate(pool)
+        scored = self.selector.scored_rows(torch.tensor(whole.sources)).tolist()
+        forward = self._scored_batches(whole, scored)  # only the rows the selection scores
 
         def with_pool(m: int) -> MicroBatch:
-            return get(m) if m < n else pool[m - n]
+            return get(m) if m < n else forward[m - n]
 
-        meta = self.job.data.lookahead_schedule.meta
-        picker = self._picker(pool, n)
-        return self.ahead_program, meta, self.run.ahead_ordered, with_pool, pool, picker
+        program, meta, ordered = self._ahead_pass(len(forward))
+        picker = self._picker(whole, scored, n)
+        return program, meta, ordered, with_pool, pool, picker
 
     def keep(self, step: int, kept: tuple | None) -> None:
         """Look-ahead: what the last stage selects `step`'s rows from (`_picker`'s), after the
@@ -78,7 +84,7 @@ class CoresetSteps:
         if self.defer:
             self._deferred = (step, kept)
             return
-        self.pending = (step, self._share(self._pick(*kept) if kept is not None else None))
+        self.pending = (step, self._share(self._pick_scored(*kept) if kept is not None else None))
 
     def after_update(self) -> None:
         """Look-ahead, after the optimizer step: the last stage selects (with the weights the
@@ -89,7 +95,7 @@ class CoresetSteps:
         if kept is None:
             self.pending = (step, None)
             return
-        rows = self._pick(*kept)
+        rows = self._pick_scored(*kept)
         self._wait_posted()
         buf = rows.to(self.run.device, dtype=torch.long, copy=True)
         work = None
@@ -217,16 +223,43 @@ class CoresetSteps:
         program = forward_only_program(gpu_program(schedule, run.groups, run.enc_tp))
         return program, schedule.meta, ordered
 
+    def _ahead_pass(self, n: int) -> tuple:
+        """(program, schedule metadata, receive orders) of the look-ahead step with `n` pool
+        micro-batches going forward: the job's merge for the whole pool, else that merge with
+        its first `n` (made once per count)."""
+        from megatron_mllm.runtime.engine.program import all_programs, receive_orders
+        from megatron_mllm.runtime.job import encoder_plan_of
+        from megatron_mllm.schedule.lookahead import with_fewer_ahead
+
+        run, job = self.run, self.job
+        merged = job.data.lookahead_schedule
+        if n == merged.meta.lookahead:
+            return self.ahead_program, merged.meta, run.ahead_ordered
+        if n not in self._aheads:
+            schedule = with_fewer_ahead(merged, n)
+            ordered = None
+            if run.ahead_ordered is not None:  # a subset of the whole merge's message pairs
+                enc_plan, _ = encoder_plan_of(schedule, job.backbone)
+                programs = all_programs(schedule, job.backbone, enc_plan, run.enc_tp)
+                ordered = (receive_orders(programs, run.rank), run.ahead_ordered[1])
+            program = gpu_program(schedule, run.groups, run.enc_tp)
+            self._aheads[n] = (program, schedule.meta, ordered)
+        return self._aheads[n]
+
     def _pick_scored(
-        self, whole: MicroBatch, scored: list[int], hidden_of: dict
+        self,
+        whole: MicroBatch,
+        scored: list[int],
+        hidden_of: dict,
+        weight: torch.Tensor | None = None,
     ) -> torch.Tensor | None:
         """On the last stage (collective over its TP group): the rows selected from the
-        scored rows' output-layer inputs `hidden_of[mb]` (in `_scored_batches`' order); None
-        on other stages."""
+        scored rows' output-layer inputs `hidden_of[mb]` (in `_scored_batches`' order) and the
+        output layer's weight (`weight`, or the current one); None on other stages."""
         backbone = self.run.backbone
         if not backbone.post_process:
             return None
-        weight = backbone.gpt.output_layer.weight.detach().float()
+        weight = (backbone.gpt.output_layer.weight if weight is None else weight).detach().float()
         hidden = torch.cat([hidden_of[m] for m in range(len(hidden_of))]) if hidden_of else None
         hidden = None if hidden is None else self._whole_sequence(hidden[: len(scored)].float())
         index = torch.tensor(scored, dtype=torch.long, device=whole.labels.device)
@@ -276,16 +309,17 @@ class CoresetSteps:
         chosen = [whole.select(rows[m : m + mb]) for m in range(0, len(rows), mb)]
         return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
 
-    def _picker(self, pool: list[MicroBatch], n: int) -> Callable | None:
+    def _picker(self, whole: MicroBatch, scored: list[int], n: int) -> Callable | None:
         """Look-ahead, last stage: once its program is done, keep what the selection needs
-        after the update: the pool, its output-layer inputs and the output layer's weight."""
+        after the update: the pool, its scored rows, their output-layer inputs and the output
+        layer's weight."""
         if not self.run.backbone.post_process:
             return None
 
         def kept(executor) -> tuple:
             hidden_of = {m - n: h for m, h in executor.last_layer_inputs.items()}
             weight = self.run.backbone.gpt.output_layer.weight.detach().clone()  # its dtype
-            return pool, hidden_of, weight
+            return whole, scored, hidden_of, weight
 
         return kept
 
