@@ -68,7 +68,7 @@ class CoresetSteps:
         n = self.job.num_microbatches
         pool = self.pool_list(self.run.data.prefetch_pool(step + 1))
         whole = collate(pool)
-        scored = self.selector.scored_rows(torch.tensor(whole.sources)).tolist()
+        scored = self.selector.scored_rows(torch.tensor(whole.sources, device="cpu")).tolist()
         forward = self._scored_batches(whole, scored)  # only the rows the selection scores
 
         def with_pool(m: int) -> MicroBatch:
@@ -163,7 +163,7 @@ class CoresetSteps:
         if not self.score_only:  # the ablation: every pool row goes forward
             return self._share(self._pick(batches, self._forward(batches)))
         whole = collate(batches)
-        scored = self.selector.scored_rows(torch.tensor(whole.sources)).tolist()
+        scored = self.selector.scored_rows(torch.tensor(whole.sources, device="cpu")).tolist()
         hidden_of = self._forward(self._scored_batches(whole, scored))
         return self._share(self._pick_scored(whole, scored, hidden_of))
 
