@@ -192,59 +192,54 @@ class CoresetSteps:
         """(program, schedule metadata, receive orders) of a pool pass of `n` micro-batches:
         the job's own pool schedule for the whole pool, else one planned alike for `n` (made
         once per count)."""
+        from megatron_mllm.runtime.planning.schedules import pool_plan
+
         run, job = self.run, self.job
         if n == job.data.pool_schedule.meta.num_microbatches:
             return self.pool_program, job.data.pool_schedule.meta, run.pool_ordered
         if n not in self._passes:
-            self._passes[n] = self._planned_pass(n)
+            schedule, _ = pool_plan(
+                job.schedule,
+                job.cfg,
+                job.backbone,
+                job.micro_batch,
+                n,
+                unit=job.plans.encoder_units,
+                frozen_encoder=job.model.frozen_encoder,
+            )
+            self._passes[n] = self._built(schedule, run.pool_ordered, forward_only=True)
         return self._passes[n]
-
-    def _planned_pass(self, n: int) -> tuple:
-        from megatron_mllm.runtime.engine.program import all_programs, receive_orders
-        from megatron_mllm.runtime.job import encoder_plan_of
-        from megatron_mllm.runtime.planning.schedules import pool_plan
-
-        run, job = self.run, self.job
-        schedule, _ = pool_plan(
-            job.schedule,
-            job.cfg,
-            job.backbone,
-            job.micro_batch,
-            n,
-            unit=job.plans.encoder_units,
-            frozen_encoder=job.model.frozen_encoder,
-        )
-        ordered = None
-        if run.pool_ordered is not None:  # the whole pool's message pairs hold the fewer's
-            enc_plan, _ = encoder_plan_of(schedule, job.backbone)
-            programs = all_programs(schedule, job.backbone, enc_plan, run.enc_tp)
-            programs = {r: forward_only_program(p) for r, p in programs.items()}
-            ordered = (receive_orders(programs, run.rank), run.pool_ordered[1])
-        program = forward_only_program(gpu_program(schedule, run.groups, run.enc_tp))
-        return program, schedule.meta, ordered
 
     def _ahead_pass(self, n: int) -> tuple:
         """(program, schedule metadata, receive orders) of the look-ahead step with `n` pool
         micro-batches going forward: the job's merge for the whole pool, else that merge with
         its first `n` (made once per count)."""
-        from megatron_mllm.runtime.engine.program import all_programs, receive_orders
-        from megatron_mllm.runtime.job import encoder_plan_of
         from megatron_mllm.schedule.lookahead import with_fewer_ahead
 
-        run, job = self.run, self.job
-        merged = job.data.lookahead_schedule
+        run, merged = self.run, self.job.data.lookahead_schedule
         if n == merged.meta.lookahead:
             return self.ahead_program, merged.meta, run.ahead_ordered
         if n not in self._aheads:
-            schedule = with_fewer_ahead(merged, n)
-            ordered = None
-            if run.ahead_ordered is not None:  # a subset of the whole merge's message pairs
-                enc_plan, _ = encoder_plan_of(schedule, job.backbone)
-                programs = all_programs(schedule, job.backbone, enc_plan, run.enc_tp)
-                ordered = (receive_orders(programs, run.rank), run.ahead_ordered[1])
-            program = gpu_program(schedule, run.groups, run.enc_tp)
-            self._aheads[n] = (program, schedule.meta, ordered)
+            fewer = with_fewer_ahead(merged, n)
+            self._aheads[n] = self._built(fewer, run.ahead_ordered, forward_only=False)
         return self._aheads[n]
+
+    def _built(self, schedule, whole_ordered: tuple | None, forward_only: bool) -> tuple:
+        """(program, metadata, receive orders) of `schedule` on this rank; with ordered
+        messages they go on the groups of `whole_ordered` (the whole pool's pass, whose
+        message pairs hold these)."""
+        from megatron_mllm.runtime.engine.program import all_programs, receive_orders
+        from megatron_mllm.runtime.job import encoder_plan_of
+
+        run, plan = self.run, self.job.backbone
+        only = forward_only_program if forward_only else (lambda program: program)
+        ordered = None
+        if whole_ordered is not None:
+            enc_plan, _ = encoder_plan_of(schedule, plan)
+            programs = all_programs(schedule, plan, enc_plan, run.enc_tp)
+            orders = receive_orders({r: only(p) for r, p in programs.items()}, run.rank)
+            ordered = (orders, whole_ordered[1])
+        return only(gpu_program(schedule, run.groups, run.enc_tp)), schedule.meta, ordered
 
     def _pick_scored(
         self,
