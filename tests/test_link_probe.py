@@ -25,7 +25,9 @@ def _probe(rank: int, world: int, jobs: list[RuntimeJob]) -> list[float]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo")
-    return [message_seconds(j, torch.device("cpu"), torch.bfloat16, rounds=3) for j in jobs]
+    out = [message_seconds(j, torch.device("cpu"), torch.bfloat16, rounds=3) for j in jobs]
+    pair = {(0, 1): dist.new_group([0, 1])}  # ordered messages: the pair's own group
+    return [*out, message_seconds(jobs[0], torch.device("cpu"), torch.bfloat16, 3, pair)]
 
 
 def test_the_latency_is_what_the_model_does_not_already_charge():
@@ -41,8 +43,9 @@ def test_the_pair_and_message_are_a_backbone_activation_between_stages_0_and_1()
 
 
 def test_every_rank_gets_the_first_stage_measurement():
-    (pp2, dp2), (pp2_, dp2_) = spawn(
+    (pp2, dp2, own), (pp2_, dp2_, own_) = spawn(
         _probe, 2, [_job(ParallelPlan(1, 1, 2)), _job(ParallelPlan(1, 2, 1))]
     )
     assert pp2 == pp2_ and 0 < pp2 < 1.0
     assert dp2 == dp2_ == 0.0
+    assert own == own_ and 0 < own < 1.0

@@ -411,7 +411,7 @@ class CandidateRun:
         dist.all_gather_object(last, [(s, b.overhead_per_action_s) for s, b in steps])
         measured_s = statistics.median(max(r[i][0] for r in last) for i in range(n))
         overhead = statistics.median(o for r in last for _, o in r)
-        one_way = message_seconds(run.job, run.device, run.job.model.dtype)
+        one_way = message_seconds(run.job, run.device, run.job.model.dtype, groups=run.pair_groups)
         ran = measured_workload(run.job, gathered)
         out = {"overhead_s": overhead, "latency_s": 0.0, "message_s": one_way}
         if ran is None:

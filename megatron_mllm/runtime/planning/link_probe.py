@@ -35,10 +35,13 @@ def activation_shape(job) -> tuple[int, int, int]:
     return (job.cfg.seq_len // split, job.micro_batch, job.cfg.llm_hidden)
 
 
-def message_seconds(job, device: torch.device, dtype: torch.dtype, rounds: int = 5) -> float:
+def message_seconds(
+    job, device: torch.device, dtype: torch.dtype, rounds: int = 5, groups: dict | None = None
+) -> float:
     """The median one-way time of a backbone activation between the probe pair's ranks, half a
     round trip (collective: every rank calls it; the result is every rank's); 0.0 where no
-    backbone message is sent."""
+    backbone message is sent. `groups`: the run's message groups by (src, dst) (ordered
+    messages, as on NCCL): the pair's own carries the probe, so no other communicator is made."""
     pair = probe_pair(job)
     seconds = torch.zeros(1, dtype=torch.float64, device=device)
     if pair is not None and dist.get_rank() in pair:
@@ -47,7 +50,7 @@ def message_seconds(job, device: torch.device, dtype: torch.dtype, rounds: int =
         clock, marks = StepClock(device), []
         for _ in range(rounds + 1):  # the first round sets the pair's connection up
             marks.append(clock.mark())
-            _round_trip(buf, peer, first=me == 0)
+            _round_trip(buf, peer, me == 0, (groups or {}).get(pair))
         marks.append(clock.mark())
         clock.finish()
         times = [clock.between(a, b) / 2 for a, b in zip(marks[1:-1], marks[2:], strict=True)]
@@ -56,13 +59,13 @@ def message_seconds(job, device: torch.device, dtype: torch.dtype, rounds: int =
     return float(seconds.item())
 
 
-def _round_trip(buf: torch.Tensor, peer: int, first: bool) -> None:
+def _round_trip(buf: torch.Tensor, peer: int, first: bool, group=None) -> None:
     if first:
-        dist.send(buf, peer)
-        dist.recv(buf, peer)
+        dist.send(buf, peer, group=group)
+        dist.recv(buf, peer, group=group)
     else:
-        dist.recv(buf, peer)
-        dist.send(buf, peer)
+        dist.recv(buf, peer, group=group)
+        dist.send(buf, peer, group=group)
 
 
 def message_latency(measured_one_way_s: float, modelled_act_s: float) -> float:
