@@ -11,9 +11,10 @@ against the step's, and each rank's two lists are merged in time order, each kee
 order. Shifts run from "the whole pool first" to "the whole pool last"; the validator checks
 every candidate (a merge can deadlock where the two timelines disagree) and the fastest valid
 one in simulation is kept (`--coreset-lookahead-order simulated`, the default), or the whole
-pool first without a search (`pool-first`: measured faster at PP 2 on our executor than the
-interleaves the simulator prefers there, while at PP 8 the simulator predicts the interleaves
-far ahead; docs/performance.md).
+pool first without a search (`pool-first`: at PP 2 on our executor measured no slower than
+the interleaves the simulator prefers in most invocations, slower in the latest, while at PP 8
+the simulator predicts the interleaves far ahead; docs/performance.md). `with_fewer_ahead`
+keeps a merge's first k pool micro-batches (only the rows the selection scores go forward).
 """
 
 from __future__ import annotations
