@@ -1,14 +1,16 @@
 """Coreset look-ahead (--coreset-lookahead): the next step's pool goes forward in this step's
 bubbles. The IR (forward-only look-ahead micro-batches through validator and simulator), the
 merge, and at run time: selection with the step's own weights (checked against a saved copy)
-and training that is unchanged by the pool work merged into it."""
+and training that is unchanged by the pool work merged into it. And the pool pass of either
+mode: only the rows the selection scores go forward."""
 
 import copy
 import warnings
 
 import pytest
+import torch
 
-from megatron_mllm.data.coreset import CoresetConfig
+from megatron_mllm.data.coreset import CoresetConfig, CoresetSelector
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
@@ -243,3 +245,48 @@ def test_a_look_ahead_run_resumes_exactly(tmp_path):
     assert "coreset look-ahead: the next pool's forward in this step's bubbles (simulated)" in (
         straight.stdout
     )
+
+
+def _scored_and_whole(rank: int, world: int, job: RuntimeJob) -> list:
+    """Per step: the rows chosen after forwarding only the scored rows, the rows chosen after
+    forwarding the whole pool (the same selector state), and the pool's sources; then the
+    counts of the fewer-micro-batch passes made."""
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.modes.executor_run import ExecutorRun
+
+    run = ExecutorRun(rank, world, job, init_rank(rank, world, 0, 60))
+    coreset, out = run.coreset, []
+    for step in range(4):
+        batches = coreset.pool_list(run.data.pool(step))
+        state = copy.deepcopy(coreset.selector.state_dict())
+        scored = coreset.pool_rows(batches)
+        coreset.selector.load_state_dict(state)  # the same directions and moments again
+        coreset.score_only = False  # every pool row goes forward
+        whole = coreset.pool_rows(batches)
+        coreset.score_only = True
+        out.append((scored, whole, [s for b in batches for s in b.sources]))
+    return [*out, sorted(coreset._passes)]
+
+
+def test_only_scored_rows_go_forward_and_the_choice_is_the_whole_pools():
+    """PP=2 Optimus, ordered messages: on imbalanced pools (the synthetic classes), the pass
+    forwards the scored rows' micro-batches only, and every stage gets the rows a pass over
+    the whole pool would choose."""
+    state = spawn(make_full_state, 1, TINY, 0)[0]
+    step, workload, pool = schedules("optimus")
+    job = _job(state, step, workload, pool, False)
+    ranks = spawn(_scored_and_whole, 2, job)
+    *steps, passes = ranks[0]
+    assert ranks[1][-1] == passes and passes and all(0 < n < POOL for n in passes)
+    for r, results in enumerate(ranks):
+        for scored, whole, _ in results[:-1]:
+            assert scored == whole and len(scored) == N, (r, scored, whole)
+    # the rows that did not go forward (their sources kept whole) are all chosen
+    selector = CoresetSelector(job.data.coreset)
+    skipped = 0
+    for scored, _, sources in steps:
+        forwarded = set(selector.scored_rows(torch.tensor(sources)).tolist())
+        whole = {i for i in range(len(sources)) if i not in forwarded}
+        assert whole <= set(scored)
+        skipped += len(whole)
+    assert skipped > 0

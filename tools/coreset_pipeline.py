@@ -118,7 +118,6 @@ def timed_phases(run) -> dict:
 
     run.executor_for = executor_for
     coreset.pool_rows = timer(coreset.pool_rows, "pool_pass_s")
-    coreset._pick = timer(coreset._pick, "selection_s")
     coreset._pick_scored = timer(coreset._pick_scored, "selection_s")
     return spent
 

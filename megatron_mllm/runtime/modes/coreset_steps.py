@@ -68,7 +68,7 @@ class CoresetSteps:
         n = self.job.num_microbatches
         pool = self.pool_list(self.run.data.prefetch_pool(step + 1))
         whole = collate(pool)
-        scored = self.selector.scored_rows(torch.tensor(whole.sources, device="cpu")).tolist()
+        scored = self._scored(whole)
         forward = self._scored_batches(whole, scored)  # only the rows the selection scores
 
         def with_pool(m: int) -> MicroBatch:
@@ -160,12 +160,17 @@ class CoresetSteps:
         (without gradients); the rows of sources kept whole do not (`score_only`)."""
         from megatron_mllm.data.batch import collate
 
-        if not self.score_only:  # the ablation: every pool row goes forward
-            return self._share(self._pick(batches, self._forward(batches)))
         whole = collate(batches)
-        scored = self.selector.scored_rows(torch.tensor(whole.sources, device="cpu")).tolist()
-        hidden_of = self._forward(self._scored_batches(whole, scored))
-        return self._share(self._pick_scored(whole, scored, hidden_of))
+        scored = self._scored(whole)
+        if self.score_only:
+            hidden_of, take = self._forward(self._scored_batches(whole, scored)), None
+        else:  # the ablation: every pool row goes forward, the scored ones are read
+            hidden_of, take = self._forward(batches), scored
+        return self._share(self._pick_scored(whole, scored, hidden_of, take=take))
+
+    def _scored(self, whole: MicroBatch) -> list[int]:
+        """The pool rows the selection scores (its sources' ids are host data)."""
+        return self.selector.scored_rows(torch.tensor(whole.sources, device="cpu")).tolist()
 
     def _forward(self, batches: list[MicroBatch]) -> dict:
         """The output layer's inputs per micro-batch after a forward-only pass of `batches`
@@ -247,45 +252,27 @@ class CoresetSteps:
         scored: list[int],
         hidden_of: dict,
         weight: torch.Tensor | None = None,
+        take: list[int] | None = None,
     ) -> torch.Tensor | None:
         """On the last stage (collective over its TP group): the rows selected from the
-        scored rows' output-layer inputs `hidden_of[mb]` (in `_scored_batches`' order) and the
-        output layer's weight (`weight`, or the current one); None on other stages."""
+        scored rows' output-layer inputs, rows `take` of `hidden_of[mb]` concatenated (default:
+        the first ones, `_scored_batches`' order), and the output layer's weight (`weight`, or
+        the current one); None on other stages."""
         backbone = self.run.backbone
         if not backbone.post_process:
             return None
         weight = (backbone.gpt.output_layer.weight if weight is None else weight).detach().float()
-        hidden = torch.cat([hidden_of[m] for m in range(len(hidden_of))]) if hidden_of else None
-        hidden = None if hidden is None else self._whole_sequence(hidden[: len(scored)].float())
+        hidden = None
+        if hidden_of:  # the replay runs in fp32 on what the pipeline computed
+            hidden = torch.cat([hidden_of[m] for m in range(len(hidden_of))])
+            rows = slice(len(scored)) if take is None else torch.tensor(take, device=hidden.device)
+            hidden = self._whole_sequence(hidden[rows].float())
         index = torch.tensor(scored, dtype=torch.long, device=whole.labels.device)
         return self.selector.select_scored(
             torch.tensor(whole.sources, device="cpu"),
             self._replay(weight.shape[0]),
             hidden,
             whole.labels[index].to(self.run.device),
-            weight,
-        ).to(self.run.device)
-
-    def _pick(
-        self, batches: list[MicroBatch], hidden_of: dict, weight: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        """On the last stage (collective over its TP group): the rows selected from the output
-        layer's inputs `hidden_of[mb]` and its weight (`weight`, or the current one); None on
-        other stages."""
-        from megatron_mllm.data.batch import collate
-
-        backbone = self.run.backbone
-        if not backbone.post_process:
-            return None
-        whole = collate(batches)
-        # The replay runs in fp32 on what the pipeline computed (bf16 inputs and weights).
-        hidden = torch.cat([hidden_of[m] for m in range(len(batches))]).float()
-        weight = (backbone.gpt.output_layer.weight if weight is None else weight).detach().float()
-        return self.selector.select(
-            torch.tensor(whole.sources, device="cpu"),
-            self._replay(weight.shape[0]),
-            self._whole_sequence(hidden),
-            whole.labels.to(hidden.device),
             weight,
         ).to(self.run.device)
 
