@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import bench_runtime
 import pytest
 
+from megatron_mllm.training.plan_candidates import CandidatePhase
+
 
 def test_each_prediction_is_scaled_by_the_reference_runs_drift_over_its_timed_steps():
-    phase = SimpleNamespace(steps=10, warmup=4, calibration_steps=2, steps_each=3)
-    # the reference run's seconds: calibration steps 2-3; windows 4-6 (candidate 0), 7-9 (1)
-    ref = [9.0, 9.0, 1.0, 1.0, 5.0, 1.2, 1.2, 5.0, 2.0, 2.0]
+    phase = CandidatePhase(candidates=(None, None), steps_each=3, warmup=4)
+    # the reference run's seconds: calibration steps 2-3; windows 4-5 (candidate 0), 6-8 (1),
+    # 9-10 (0 again); each window's first step is not timed
+    ref = [9.0, 9.0, 1.0, 1.0, 5.0, 1.0, 5.0, 2.0, 2.0, 5.0, 1.4]
     outs = {
-        "executor_megatron": [{"seconds": ref}, {"seconds": [0.5] * 10}],  # the slowest rank's
-        "optimus_candidates": [{"candidate_of_step": [0] * 7 + [1] * 3}],
+        "executor_megatron": [{"seconds": ref}, {"seconds": [0.5] * 11}],  # the slowest rank's
+        "optimus_candidates": [{"candidate_order": [0, 1]}],
     }
     rows = [{"predicted_s": 1.0, "measured_s": 1.5}, {"predicted_s": 0.5, "measured_s": 1.25}]
     got = bench_runtime.drift_corrected(rows, outs, phase)

@@ -33,6 +33,7 @@ from megatron_mllm.training.plan_candidates import (
     fastest,
     layout_key,
     plan_candidates,
+    windows,
 )
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
@@ -56,16 +57,32 @@ def test_plan_candidates_are_the_k_best_and_the_megatron_schedule():
 
 
 def test_the_fastest_recorded_candidate_is_kept(tmp_path):
-    """From a recorded file of per-step seconds: candidate 2 ran first after warm-up and its
-    timed steps (not its warm-up step) are the fastest; ties go to the earlier candidate."""
+    """From a recorded file of per-step seconds: candidate 2 ran first after warm-up, in windows
+    mirrored around the phase's middle, and its timed steps (not its windows' warm-up steps) are
+    the fastest; ties go to the earlier candidate."""
     phase = CandidatePhase(candidates=(None, None, None), steps_each=3, warmup=2)
     record = tmp_path / "steps.json"
-    # warm-up 2 steps | candidate 2: 9.0 (warm-up), 1.0, 1.2 | 0: 1.1, 1.3, 1.4 | 1: 0.5, 2, 2
-    record.write_text(json.dumps([5.0, 5.0, 9.0, 1.0, 1.2, 1.1, 1.3, 1.4, 0.5, 2.0, 2.0]))
+    # warm-up | 2: 9.0 (warm-up), 1.0 | 0: 1.1, 1.3 | 1: 0.5, 2, 2 | 0: 1.2, 1.4 | 2: 3.0, 1.2
+    steps = [5.0, 5.0, 9.0, 1.0, 1.1, 1.3, 0.5, 2.0, 2.0, 1.2, 1.4, 3.0, 1.2]
+    record.write_text(json.dumps(steps))
+    assert phase.end([2, 0, 1]) == phase.steps == len(steps)
     best, timed = fastest(json.loads(record.read_text()), [2, 0, 1], phase)
     assert best == 2 and timed == {2: [1.0, 1.2], 0: [1.3, 1.4], 1: [2.0, 2.0]}
-    tie = [0.0, 0.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 1.0]
+    tie = [0.0, 0.0, 0.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0]
     assert fastest(tie, [2, 0, 1], phase)[0] == 0
+
+
+def test_mirrored_windows_keep_the_faster_plan_while_the_machine_slows():
+    """Candidate 1 is 3% faster while every step takes 4% longer than the one before: the
+    mirrored windows see it; one window each (no timed step to mirror) keeps the one run first."""
+    true = {0: 1.00, 1: 0.97}
+    for steps_each, kept in ((3, 1), (5, 1), (2, 0)):
+        phase = CandidatePhase(candidates=(None, None), steps_each=steps_each, warmup=2)
+        of_step = [0, 0] + [i for i, n in windows([0, 1], steps_each) for _ in range(n)]
+        seconds = [true[c] * 1.04**s for s, c in enumerate(of_step)]
+        assert fastest(seconds, [0, 1], phase)[0] == kept, steps_each
+    assert windows([3, 1, 2], 4) == [(3, 3), (1, 3), (2, 4), (1, 2), (3, 2)]
+    assert windows([0], 3) == [(0, 3)] and windows([0, 1], 2) == [(0, 2), (1, 2)]
 
 
 def _job(state, schedule=None, **kw):
@@ -91,11 +108,12 @@ def test_refusals_in_one_line():
 def test_candidate_steps_train_as_one_run():
     """Two candidates on two module layouts (Optimus with its encoder replicated on both ranks,
     the Megatron schedule with it on stage 0): every step's losses, in and after the phase,
-    equal the one-process reference's; the first switch carried the state across layouts."""
+    equal the one-process reference's; the switches carried the state across layouts and back
+    (the first candidate's mirrored window runs on modules that trained before)."""
     costs = JobCosts(job_of(TINY, PLAN, 1, N), unit="layer")
     cands = tuple(plan_candidates(costs, 1))
     assert [c.label for c in cands][-1] == "megatron" and len(cands) == 2
-    phase = CandidatePhase(cands, steps_each=2, warmup=2)  # calibrated on step 1
+    phase = CandidatePhase(cands, steps_each=3, warmup=2)  # calibrated on step 1
     steps = phase.steps + 1
     state = spawn(make_full_state, 1, TINY, 0)[0]
     ref_job = RuntimeJob(
@@ -117,11 +135,12 @@ def test_candidate_steps_train_as_one_run():
         assert mine.keys() == losses.keys()
         assert all(mine[k] == pytest.approx(v, abs=1e-5) for k, v in losses.items()), step
     ran = outs[0]["candidate_of_step"]
-    assert set(ran) == {0, 1} and ran[: phase.warmup] == [0, 0]
+    first, second = outs[0]["candidate_order"]
+    assert ran[: phase.steps] == [0, 0] + [first] * 2 + [second] * 3 + [first] * 2
     rows = outs[0]["candidates"]
     kept = [r for r in rows if r["kept"]]
     assert len(kept) == 1 and ran[-1] == rows.index(kept[0])
-    assert all(len(r["timed"]) == 1 and r["predicted_s"] > 0 for r in rows), rows
+    assert all(len(r["timed"]) == 2 and r["predicted_s"] > 0 for r in rows), rows
     assert kept[0]["measured_s"] == min(r["measured_s"] for r in rows)
     assert outs[0]["candidate_layouts"] == 2
     calibration = outs[0]["candidate_calibration"]  # measured between the stages, not fitted

@@ -277,14 +277,15 @@ def drift_corrected(rows: list[dict], outs: dict, phase) -> list[dict]:
     calibration steps to that candidate's timed steps, as the Megatron schedule's run (stepping
     in turn with the phase) measured it: what the prediction would be on the machine as it
     was when the candidate ran."""
+    from megatron_mllm.training.plan_candidates import timed_steps
+
     ref = [max(o["seconds"][s] for o in outs["executor_megatron"]) for s in range(phase.steps)]
-    which = outs["optimus_candidates"][0]["candidate_of_step"][: phase.steps]
+    timed = timed_steps(outs["optimus_candidates"][0]["candidate_order"], phase)
     calib = range(phase.warmup - phase.calibration_steps, phase.warmup)
     base = statistics.median(ref[s] for s in calib)
     out = []
     for i, row in enumerate(rows):
-        ran = [s for s in range(phase.warmup + 1, phase.steps) if which[s] == i == which[s - 1]]
-        steps = ran[: phase.steps_each - 1]  # its window's timed steps (the first warmed it)
+        steps = timed.get(i, [])
         drift = statistics.median(ref[s] for s in steps) / base if steps else float("nan")
         out.append({**row, "predicted_s": row["predicted_s"] * drift, "drift": drift})
     return out

@@ -105,7 +105,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         "--plan-candidate-steps",
         type=int,
         default=3,
-        help="with --plan-candidates: steps per candidate (the first warms it up)",
+        help="with --plan-candidates: timed steps per candidate plus one (split into two windows "
+        "mirrored around the phase's middle, each with one warm-up step)",
     )
     g.add_argument(
         "--coreset-lookahead",

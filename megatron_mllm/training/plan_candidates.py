@@ -12,8 +12,10 @@ and the one that measured fastest trains on.
   stages measured beyond the model's figure (`runtime.planning.link_probe`), and what the
   warm-up plan's steps took beyond its simulated step is added to every candidate's; each
   candidate's step is predicted before it runs.
-* Candidates run in order of that prediction, `steps_each` steps each (the first warms the
-  candidate up; the rest are timed); the fastest median is kept.
+* Candidates run in order of that prediction, `steps_each - 1` timed steps each, in windows
+  mirrored around the phase's middle (A B C C B A, the middle one's two merged; each window's
+  first step warms its candidate up and is not timed), so that a drift of the machine's speed
+  over the phase weighs every candidate alike; the fastest median is kept.
 * Every step is a training step of the one run: a switch between layouts carries parameters,
   Adam moments and fp32 main values through a checkpoint in a scratch folder (the resume path:
   training/checkpointing.py), and every candidate reads the same data stream, so no sample is
@@ -66,7 +68,34 @@ class CandidatePhase:
     def steps(self) -> int:
         """Steps until the kept plan runs alone (at most: candidates that re-planning makes one
         run once)."""
-        return self.warmup + self.steps_each * len(self.candidates)
+        return self.end(range(len(self.candidates)))
+
+    def end(self, order) -> int:
+        """The step after the phase when its candidates run in `order`."""
+        return self.warmup + sum(n for _, n in windows(list(order), self.steps_each))
+
+
+def windows(order: list[int], steps_each: int) -> list[tuple[int, int]]:
+    """(candidate, steps) in the order they run after warm-up: each candidate's
+    `steps_each - 1` timed steps split into two windows mirrored around the phase's middle
+    (A B C C B A, the middle candidate's two merged), each window one warm-up step longer."""
+    timed = steps_each - 1
+    first, second = timed - timed // 2, timed // 2
+    if not second:
+        return [(i, 1 + timed) for i in order]
+    head = [(i, 1 + first) for i in order[:-1]]
+    return head + [(order[-1], 1 + timed)] + [(i, 1 + second) for i in reversed(order[:-1])]
+
+
+def timed_steps(order: list[int], phase: CandidatePhase) -> dict[int, list[int]]:
+    """Each candidate's timed steps (indices from the run's first step) when the phase's
+    candidates run in `order`."""
+    out: dict[int, list[int]] = {i: [] for i in order}
+    start = phase.warmup
+    for i, n in windows(order, phase.steps_each):
+        out[i] += range(start + 1, start + n)
+        start += n
+    return out
 
 
 def check_counts(k: int, steps_each: int) -> None:
@@ -274,7 +303,7 @@ class CandidateRun:
             f" > plan candidates: {len(p.candidates)} ({names}) on {self.layouts} module "
             f"layout(s), built in {self.build_s:.1f} s with {self.extra_state_bytes / 1e6:.1f} "
             f"MB of model states beside the first's; {p.warmup} warm-up steps, then "
-            f"{p.steps_each} each (iterations 1-{p.steps} at most)"
+            f"{p.steps_each - 1} timed each in mirrored windows (iterations 1-{p.steps} at most)"
         )
 
     def table(self) -> str:
@@ -297,6 +326,7 @@ class CandidateRun:
             breakdowns=[s["breakdown"].as_dict() for s in self.steps],
             candidates=[vars(r) for r in self.rows],
             candidate_of_step=[s["candidate"] for s in self.steps],
+            candidate_order=list(self.order),
             candidate_build_s=self.build_s,
             candidate_layouts=self.layouts,
             candidate_extra_state_bytes=self.extra_state_bytes,
@@ -313,9 +343,12 @@ class CandidateRun:
             return self.kept
         if step < self.phase.warmup:
             return 0
-        return self.order[
-            min((step - self.phase.warmup) // self.phase.steps_each, len(self.order) - 1)
-        ]
+        start, plan = self.phase.warmup, windows(self.order, self.phase.steps_each)
+        for i, n in plan:
+            if step < start + n:
+                return i
+            start += n
+        return plan[-1][0]
 
     def _switch(self, want: int, iteration: int) -> None:
         """Train on candidate `want` from step `iteration` (collective)."""
@@ -390,7 +423,7 @@ class CandidateRun:
                 self.rows[i].same_as = self.rows[same].label
         unique = [i for i in range(len(self.jobs)) if self.rows[i].same_as is None]
         self.order = sorted(unique, key=lambda i: (self.rows[i].predicted_s, i))
-        self.phase_end = self.phase.warmup + self.phase.steps_each * len(self.order)
+        self.phase_end = self.phase.end(self.order)
 
     def _calibration(self, gathered: list[dict]) -> dict:
         """The cost model's terms measured on the warm-up plan (collective): the host overhead
@@ -454,13 +487,9 @@ class CandidateRun:
 
 def fastest(seconds: list[float], order: list[int], phase: CandidatePhase) -> tuple[int, dict]:
     """The candidate kept and each one's timed step seconds, from every step's seconds (the
-    slowest rank's) in the phase: candidates ran in `order`, each `steps_each` steps after
-    `warmup`; a window's first step warms its candidate up and is not timed. Ties go to the
+    slowest rank's) in the phase, its candidates run in `order` (`windows`). Ties go to the
     earlier candidate."""
-    timed = {}
-    for n, i in enumerate(order):
-        start = phase.warmup + n * phase.steps_each
-        timed[i] = seconds[start + 1 : start + phase.steps_each]
+    timed = {i: [seconds[s] for s in steps] for i, steps in timed_steps(order, phase).items()}
     best = min(order, key=lambda i: (statistics.median(timed[i]), i))
     return best, timed
 
