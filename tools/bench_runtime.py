@@ -291,6 +291,15 @@ def drift_corrected(rows: list[dict], outs: dict, phase) -> list[dict]:
     return out
 
 
+def phase_steps(outs: dict, phase) -> dict:
+    """Every step of the candidate phase (the slowest rank's seconds), which candidate took it,
+    and the Megatron schedule's run's step taken beside it: where the phase's time went."""
+    return {
+        name: [max(o["seconds"][s] for o in outs[name]) for s in range(phase.steps)]
+        for name in ("optimus_candidates", "executor_megatron")
+    } | {"candidate_of_step": outs["optimus_candidates"][0]["candidate_of_step"][: phase.steps]}
+
+
 def one_repeat(setup: dict, args) -> dict:
     """One whole comparison: every run in the same 2-process job, steps taken in turn."""
     from megatron_mllm.runtime.assembly.launch import spawn
@@ -320,6 +329,7 @@ def one_repeat(setup: dict, args) -> dict:
     out["candidates"] = outs["optimus_candidates"][0]["candidates"]
     out["candidate_build_s"] = outs["optimus_candidates"][0]["candidate_build_s"]
     out["calibration"] = outs["optimus_candidates"][0]["candidate_calibration"]
+    out["phase_steps"] = phase_steps(outs, setup["phase"])
     replanned = outs["optimus_replanned"][0]["replan_predicted_s"]
     out["replan_predicted_s"] = replanned if replanned is not None else float("nan")
     # The limit from the same measured steps as the medians: each step's compute on every rank.
@@ -387,6 +397,7 @@ def summarise(setup: dict, repeats: list[dict], memory: dict, args) -> dict:
     result["candidates"] = [r["candidates"] for r in repeats]
     result["candidate_build_s"] = statistics.median(r["candidate_build_s"] for r in repeats)
     result["calibration"] = [r["calibration"] for r in repeats]
+    result["phase_steps"] = [r["phase_steps"] for r in repeats]
     result["kept_candidate"] = [
         next(c["label"] for c in r["candidates"] if c["kept"]) for r in repeats
     ]
