@@ -1,4 +1,5 @@
-"""tools/bench_runtime.py's arithmetic on fixed inputs (the benchmark itself is not a test)."""
+"""tools/bench_runtime.py's arithmetic, and its varying-load benchmark's, on fixed inputs (the
+benchmarks themselves are not tests)."""
 
 from __future__ import annotations
 
@@ -23,3 +24,11 @@ def test_each_prediction_is_scaled_by_the_reference_runs_drift_over_its_timed_st
     assert got[1]["predicted_s"] == pytest.approx(1.0)
     assert bench_runtime.worst_error(got, "predicted_s") == pytest.approx(0.2)
     assert bench_runtime.worst_error(rows, "predicted_s") == pytest.approx(0.6)
+
+
+def test_the_balancing_bound_is_each_steps_time_over_its_even_compute():
+    """tools/bench_varying_load.py: a run's step over its zero-bubble limit, per step, median."""
+    import bench_varying_load
+
+    repeat = {"times": {"optimus": [2.0, 3.0, 1.0]}, "limit": {"optimus": [1.0, 2.0, 1.0]}}
+    assert bench_varying_load._over_limit(repeat, "optimus") == pytest.approx(1.5)

@@ -182,10 +182,15 @@ def _one_repeat(setup: dict, args) -> dict:
 
     jobs, steps = setup["jobs"], args.steps + 1
     per_rank = spawn(run_interleaved, setup["plan"].world_size, list(jobs.values()), steps)
-    out: dict = {"times": {}, "losses": {}}
+    out: dict = {"times": {}, "losses": {}, "limit": {}}
     for i, name in enumerate(jobs):
         ranks = [rank_results[i] for rank_results in per_rank]
         out["times"][name] = [max(o["seconds"][s] for o in ranks) for s in range(1, steps)]
+        if "compute_seconds" in ranks[0]:  # our executor's runs: their zero-bubble limit,
+            # every rank's compute in the step spread evenly over the ranks. No assignment of
+            # the step's samples and no schedule changes that sum.
+            out["limit"][name] = [sum(o["compute_seconds"][s] for o in ranks) / len(ranks)
+                                  for s in range(1, steps)]  # fmt: skip
         if setup["per_token"]:  # samples change micro-batches: the step's per-token mean
             out["losses"][name] = [{"step": v} for v in ranks[0]["mean_losses"]]
         else:
@@ -203,6 +208,12 @@ def _one_repeat(setup: dict, args) -> dict:
 def _paired(times: dict, a: str, b: str) -> float:
     """The median over steps of run a's step time over run b's (the same step's data)."""
     return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
+
+
+def _over_limit(repeat: dict, name: str) -> float:
+    """The median over steps of run `name`'s step over its zero-bubble limit (the same step)."""
+    pairs = zip(repeat["times"][name], repeat["limit"][name], strict=True)
+    return statistics.median(t / lim for t, lim in pairs)
 
 
 def _summary(setup: dict, repeats: list[dict], args) -> dict:
@@ -236,6 +247,11 @@ def _summary(setup: dict, repeats: list[dict], args) -> dict:
         med, lo, hi = over([_paired(r["times"], a, b) for r in repeats])
         result[key], result[f"{key}_min"], result[f"{key}_max"] = med, lo, hi
         result[f"{key}_range"] = (lo, hi)
+    # The most any balancing or per-step plan can gain over each run, as measured.
+    over_limit = {"optimus": "static_over_limit", "optimus_adaptive": "adaptive_over_limit"}
+    for name, key in over_limit.items():
+        med, lo, hi = over([_over_limit(r, name) for r in repeats])
+        result[key], result[f"{key}_min"], result[f"{key}_max"] = med, lo, hi
     for key in ("planned_steps", "fallbacks", "reordered_steps"):
         result[key] = sum(r[key] for r in repeats)
     secs = [x for r in repeats for x in r["plan_seconds"]]
@@ -296,6 +312,13 @@ def _print(result: dict, setup: dict, args) -> None:
             f"{result['balanced_samples_vs_static_min']:.3f}-"
             f"{result['balanced_samples_vs_static_max']:.3f})"
         )
+    print(
+        "the bound: static Optimus's step over its zero-bubble limit (every rank's compute "
+        "spread evenly; no balancing or plan gains more), paired per step: "
+        f"{result['static_over_limit']:.3f}x (min-max {result['static_over_limit_min']:.3f}-"
+        f"{result['static_over_limit_max']:.3f}); optimus_adaptive's "
+        f"{result['adaptive_over_limit']:.3f}x"
+    )
 
 
 def predicted(planner, jobs: dict, steps, n: int, per_token: bool, cfg) -> dict:
