@@ -57,6 +57,12 @@ def main() -> int:
         "each train real steps, the fastest measured is kept (pretrain_mllm.py's flag)",
     )
     ap.add_argument(
+        "--plan-candidate-steps",
+        type=int,
+        default=3,
+        help="with --plan-candidates: timed steps per candidate plus one (pretrain_mllm.py's flag)",
+    )
+    ap.add_argument(
         "--size",
         choices=["tiny", "medium"],
         default="tiny",
@@ -137,6 +143,14 @@ def main() -> int:
 
     if args.data_path is not None and args.images_per_sample is not None:
         print("error: give --data-path or --images-per-sample, not both", file=sys.stderr)
+        return 2
+    from megatron_mllm.errors import ConfigError
+    from megatron_mllm.training.plan_candidates import check_counts
+
+    try:
+        check_counts(args.plan_candidates, args.plan_candidate_steps)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 2
     if args.data_path is not None or args.images_per_sample is not None or args.native_resolution:
         from bench_varying_load import varying_load
@@ -239,7 +253,8 @@ def plan_runs(args, cfg, dtype) -> dict:
     from megatron_mllm.training.plan_candidates import CandidatePhase, CandidateRun
     from megatron_mllm.training.plan_candidates import plan_candidates as candidates_of
 
-    phase = CandidatePhase(tuple(candidates_of(costs, args.plan_candidates)))
+    cands = tuple(candidates_of(costs, args.plan_candidates))
+    phase = CandidatePhase(cands, args.plan_candidate_steps)
     jobs["optimus_candidates"] = job(PlanParts(plan, schedule=phase.candidates[0].schedule))
     predicted["optimus_candidates"] = float("nan")  # the kept candidate's, from the run
     makers = {"optimus_candidates": partial(CandidateRun, phase=phase)}
