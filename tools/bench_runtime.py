@@ -34,6 +34,7 @@ import sys
 import warnings
 
 from megatron_mllm.errors import exit_on_config_error
+from megatron_mllm.training.plan_candidates import STEPS_EACH
 
 warnings.filterwarnings("ignore", message=".*absl.*")
 
@@ -59,7 +60,7 @@ def main() -> int:
     ap.add_argument(
         "--plan-candidate-steps",
         type=int,
-        default=3,
+        default=STEPS_EACH,
         help="with --plan-candidates: timed steps per candidate plus one (pretrain_mllm.py's flag)",
     )
     ap.add_argument(

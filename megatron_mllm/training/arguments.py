@@ -9,6 +9,7 @@ import os
 from megatron_mllm.errors import ConfigError, OneLineParser
 from megatron_mllm.schedule.lookahead import SHIFTS
 from megatron_mllm.training.argument_checks import ENCODER_SPEC_KEYS, MODEL_ARGS, validate_args
+from megatron_mllm.training.plan_candidates import STEPS_EACH
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -104,7 +105,7 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--plan-candidate-steps",
         type=int,
-        default=3,
+        default=STEPS_EACH,
         help="with --plan-candidates: timed steps per candidate plus one (split into two windows "
         "mirrored around the phase's middle, each with one warm-up step)",
     )

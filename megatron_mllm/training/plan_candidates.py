@@ -39,6 +39,10 @@ from megatron_mllm.errors import ConfigError
 from megatron_mllm.runtime.job import RuntimeJob, encoder_plan_of
 from megatron_mllm.schedule.schedule import Schedule
 
+# Steps a candidate trains by default: four timed (two a window), so that one noisy step does
+# not decide; each window's first step warms it up.
+STEPS_EACH = 5
+
 
 @dataclass(frozen=True)
 class Candidate:
@@ -56,7 +60,7 @@ class CandidatePhase:
     """The candidates, in the planner's order, and how long each runs."""
 
     candidates: tuple[Candidate, ...]
-    steps_each: int = 3
+    steps_each: int = STEPS_EACH
     warmup: int = 4
 
     @property
