@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import statistics
 from dataclasses import replace
+from operator import truediv
 
 # --native-resolution: images per conversation, and each image's side in pixels (patches of 4:
 # 16 to 576 an image, 36x), conversations packed into rows of NATIVE_SEQ tokens.
@@ -356,13 +357,16 @@ def predicted(planner, jobs: dict, steps, n: int, per_token: bool, cfg) -> dict:
     def adaptive_s(x: list[float]) -> float:
         return planner.plan(x).step_time_s
 
+    static = [step_s(static_s, loads["loader"][s]) for s in steps]
+    adaptive = [step_s(adaptive_s, mine[s]) for s in steps]
     out = {
-        "predicted_adaptive_vs_static": statistics.median(
-            step_s(static_s, loads["loader"][s]) / step_s(adaptive_s, mine[s]) for s in steps
-        )
+        "predicted_adaptive_vs_static": statistics.median(map(truediv, static, adaptive)),
+        # the seconds themselves (medians over the steps), beside the runs' measured ones
+        "predicted_optimus_s": statistics.median(static),
+        "predicted_optimus_adaptive_s": statistics.median(adaptive),
     }
     if per_token:
-        out["predicted_balanced_samples_vs_static"] = statistics.median(
-            step_s(static_s, loads["loader"][s]) / step_s(static_s, mine[s]) for s in steps
-        )
+        dealt = [step_s(static_s, mine[s]) for s in steps]
+        out["predicted_balanced_samples_vs_static"] = statistics.median(map(truediv, static, dealt))
+        out["predicted_optimus_balanced_s"] = statistics.median(dealt)
     return out
