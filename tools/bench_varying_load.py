@@ -299,6 +299,8 @@ def _print(result: dict, setup: dict, args) -> None:
     if "predicted_adaptive_vs_static" in result:
         print(
             "simulator on the measured steps' loads (unit times profiled in this run): "
+            f"static {result['predicted_optimus_s']:.3f} s, adaptive "
+            f"{result['predicted_optimus_adaptive_s']:.3f} s, "
             f"adaptive vs static {result['predicted_adaptive_vs_static']:.3f}x"
             + (
                 f", dealing alone {result['predicted_balanced_samples_vs_static']:.3f}x"
