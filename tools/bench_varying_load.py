@@ -359,16 +359,18 @@ def predicted(planner, jobs: dict, steps, n: int, per_token: bool, cfg) -> dict:
     def adaptive_s(x: list[float]) -> float:
         return planner.plan(x).step_time_s
 
-    static = [step_s(static_s, loads["loader"][s]) for s in steps]
+    as_loaded = [step_s(static_s, loads["loader"][s]) for s in steps]
     adaptive = [step_s(adaptive_s, mine[s]) for s in steps]
     out = {
-        "predicted_adaptive_vs_static": statistics.median(map(truediv, static, adaptive)),
+        "predicted_adaptive_vs_static": statistics.median(map(truediv, as_loaded, adaptive)),
         # the seconds themselves (medians over the steps), beside the runs' measured ones
-        "predicted_optimus_s": statistics.median(static),
+        "predicted_optimus_s": statistics.median(as_loaded),
         "predicted_optimus_adaptive_s": statistics.median(adaptive),
     }
     if per_token:
         dealt = [step_s(static_s, mine[s]) for s in steps]
-        out["predicted_balanced_samples_vs_static"] = statistics.median(map(truediv, static, dealt))
+        out["predicted_balanced_samples_vs_static"] = statistics.median(
+            map(truediv, as_loaded, dealt)
+        )
         out["predicted_optimus_balanced_s"] = statistics.median(dealt)
     return out
