@@ -192,6 +192,12 @@ def test_a_plan_not_ready_in_time_falls_back_to_the_static_schedule(tmp_path):
         assert planner.take(3) == "ready" and planner.stats.planned == 1
         assert "1 planned, 2 static fallback(s)" in planner.stats.line([0.01])
         planner.close()
+        in_step = StepPlanner(Planner(), dist.group.WORLD, in_step=True)  # planned when asked
+        in_step.request(1, "ready")
+        in_step.request(2, "bad")
+        assert in_step.take(1) == "ready" and in_step.take(2) is None
+        assert in_step.stats.failures == ["step 2: no plan"] and in_step.stats.planned == 1
+        in_step.close()
     finally:
         dist.destroy_process_group()
 

@@ -171,6 +171,12 @@ def _setup(args, max_images: int) -> dict:
     }
     if per_token:
         jobs["optimus_balanced"] = job(PlanParts(plan, schedule=best.schedule), balance=True)
+        # the ablation: the next step planned inside the step, not in a background thread
+        jobs["optimus_adaptive_in_step"] = job(
+            PlanParts(plan, schedule=best.schedule),
+            executor=replace(adaptive, plan_in_step=True),
+            balance=True,
+        )
     return dict(cfg=cfg, plan=plan, n=n, mb=mb, load=load, jobs=jobs, best=best,
                 per_token=per_token)  # fmt: skip
 
@@ -244,6 +250,7 @@ def _summary(setup: dict, repeats: list[dict], args) -> dict:
     pairs = [("adaptive_vs_static", "optimus", "optimus_adaptive")]
     if per_token:
         pairs.append(("balanced_samples_vs_static", "optimus", "optimus_balanced"))
+        pairs.append(("adaptive_in_step_vs_static", "optimus", "optimus_adaptive_in_step"))
     for key, a, b in pairs:
         med, lo, hi = over([_paired(r["times"], a, b) for r in repeats])
         result[key], result[f"{key}_min"], result[f"{key}_max"] = med, lo, hi
@@ -314,6 +321,12 @@ def _print(result: dict, setup: dict, args) -> None:
             f"{result['balanced_samples_vs_static']:.3f}x (min-max "
             f"{result['balanced_samples_vs_static_min']:.3f}-"
             f"{result['balanced_samples_vs_static_max']:.3f})"
+        )
+        print(
+            f"optimus_adaptive_in_step (the next step planned in the step, no thread) vs "
+            f"optimus, paired per step: {result['adaptive_in_step_vs_static']:.3f}x (min-max "
+            f"{result['adaptive_in_step_vs_static_min']:.3f}-"
+            f"{result['adaptive_in_step_vs_static_max']:.3f})"
         )
     print(
         "the bound: static Optimus's step over its zero-bubble limit (every rank's compute "

@@ -102,6 +102,9 @@ class ExecutorSettings:
     adaptive: bool = False
     images_per_sample: float = 1.0
     plan_times: dict | None = None  # measured unit times the static plan was made from
+    # False: the next step is planned in a background thread while this one runs; True: at the
+    # start of the step, on its own path (an ablation: a thread competes for a rank's core)
+    plan_in_step: bool = False
 
 
 @dataclass(frozen=True)

@@ -43,8 +43,9 @@ class PlanStats:
 class StepPlanner:
     """Plans step t+1 in a background thread while step t runs (see the module docstring)."""
 
-    def __init__(self, planner: AdaptivePlanner, group) -> None:
+    def __init__(self, planner: AdaptivePlanner, group, in_step: bool = False) -> None:
         self.planner, self.group = planner, group  # group: every rank, on gloo
+        self.in_step = in_step  # plan when requested, on the caller's thread (no thread)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="step-plan")
         self._pending: dict[int, concurrent.futures.Future] = {}
         self.stats = PlanStats()
@@ -52,7 +53,14 @@ class StepPlanner:
     def request(self, step: int, counts: list[float]) -> None:
         """Start planning `step` for its micro-batches' encoder loads (`inputs.batches.
         encoder_load`, slot order as loaded)."""
-        self._pending[step] = self._pool.submit(self.planner.plan, counts)
+        if not self.in_step:
+            self._pending[step] = self._pool.submit(self.planner.plan, counts)
+            return
+        done = self._pending[step] = concurrent.futures.Future()
+        try:
+            done.set_result(self.planner.plan(counts))
+        except Exception as e:  # as a failed background plan: the static schedule runs
+            done.set_exception(e)
 
     def requested(self, step: int) -> bool:
         return step in self._pending
@@ -111,7 +119,8 @@ class AdaptiveSteps:
         group = dist.new_group(backend="gloo")  # every rank, the plans' agreement
         planner = adaptive_planner(job)
         # None where the schedule keeps the encoder on stage 0: nothing to re-plan
-        self.planner = None if planner is None else StepPlanner(planner, group)
+        in_step = job.executor.plan_in_step
+        self.planner = None if planner is None else StepPlanner(planner, group, in_step)
         self.orders: list[list[int] | None] = []  # per step: slot -> micro-batch, if planned
         self._enc_counts = None  # the encoder pipelines' micro-batches DDP's counts are for
         self._built: tuple = (None, None, None)  # the last plan's schedule, program, orders
