@@ -41,7 +41,8 @@ class PlanStats:
 
 
 class StepPlanner:
-    """Plans step t+1 in a background thread while step t runs (see the module docstring)."""
+    """Plans step t+1 in a background thread while step t runs (see the module docstring), or
+    with `in_step` when asked, on the caller's thread."""
 
     def __init__(self, planner: AdaptivePlanner, group, in_step: bool = False) -> None:
         self.planner, self.group = planner, group  # group: every rank, on gloo
