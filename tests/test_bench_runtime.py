@@ -16,10 +16,11 @@ def test_each_prediction_is_scaled_by_the_reference_runs_drift_over_its_timed_st
     ref = [9.0, 9.0, 1.0, 1.0, 5.0, 1.0, 5.0, 2.0, 2.0, 5.0, 1.4]
     outs = {
         "executor_megatron": [{"seconds": ref}, {"seconds": [0.5] * 11}],  # the slowest rank's
-        "optimus_candidates": [{"candidate_order": [0, 1]}],
+        "optimus_candidates": [{"seconds": [1.0] * 11, "candidate_of_step": [0] * 11}],
     }
+    steps = bench_runtime.phase_steps(outs, phase)
     rows = [{"predicted_s": 1.0, "measured_s": 1.5}, {"predicted_s": 0.5, "measured_s": 1.25}]
-    got = bench_runtime.drift_corrected(rows, outs, phase)
+    got = bench_runtime.drift_corrected(rows, steps, [0, 1], phase)
     assert [r["drift"] for r in got] == pytest.approx([1.2, 2.0])
     assert got[1]["predicted_s"] == pytest.approx(1.0)
     assert bench_runtime.worst_error(got, "predicted_s") == pytest.approx(0.2)

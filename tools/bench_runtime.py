@@ -288,21 +288,21 @@ def worst_error(rows: list[dict], key: str) -> float:
     return max(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows)
 
 
-def drift_corrected(rows: list[dict], outs: dict, phase) -> list[dict]:
+def drift_corrected(rows: list[dict], steps: dict, order: list[int], phase) -> list[dict]:
     """The candidates' rows with each prediction scaled by the machine's drift from the
     calibration steps to that candidate's timed steps, as the Megatron schedule's run (stepping
-    in turn with the phase) measured it: what the prediction would be on the machine as it
-    was when the candidate ran."""
+    in turn with the phase; `steps`: `phase_steps`) measured it: what the prediction would be
+    on the machine as it was when the candidate ran. `order`: the order the candidates ran."""
     from megatron_mllm.training.plan_candidates import timed_steps
 
-    ref = [max(o["seconds"][s] for o in outs["executor_megatron"]) for s in range(phase.steps)]
-    timed = timed_steps(outs["optimus_candidates"][0]["candidate_order"], phase)
+    ref = steps["executor_megatron"]
+    timed = timed_steps(order, phase)
     calib = range(phase.warmup - phase.calibration_steps, phase.warmup)
     base = statistics.median(ref[s] for s in calib)
     out = []
     for i, row in enumerate(rows):
-        steps = timed.get(i, [])
-        drift = statistics.median(ref[s] for s in steps) / base if steps else float("nan")
+        mine = timed.get(i, [])
+        drift = statistics.median(ref[s] for s in mine) / base if mine else float("nan")
         out.append({**row, "predicted_s": row["predicted_s"] * drift, "drift": drift})
     return out
 
@@ -355,6 +355,7 @@ def one_repeat(setup: dict, args) -> dict:
     )
     m, limit = out["measured_s"], out["limit_s"]
     kept = next(r for r in out["candidates"] if r["kept"])
+    order = outs["optimus_candidates"][0]["candidate_order"]
     out["ratios"] = {
         "candidates_vs_executor_megatron": m["executor_megatron"] / m["optimus_candidates"],
         "candidates_vs_optimus": m["optimus"] / m["optimus_candidates"],
@@ -363,7 +364,8 @@ def one_repeat(setup: dict, args) -> dict:
         # the ablation: one latency per message fitted to the warm-up steps, as before
         "candidate_prediction_error_fitted": worst_error(out["candidates"], "predicted_fitted_s"),
         "candidate_prediction_error_drift_corrected": worst_error(
-            drift_corrected(out["candidates"], outs, setup["phase"]), "predicted_s"
+            drift_corrected(out["candidates"], out["phase_steps"], order, setup["phase"]),
+            "predicted_s",
         ),
         "kept_prediction_error": (kept["predicted_s"] - m["optimus_candidates"])
         / m["optimus_candidates"],

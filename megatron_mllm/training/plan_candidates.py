@@ -76,7 +76,7 @@ class CandidatePhase:
 
     def end(self, order) -> int:
         """The step after the phase when its candidates run in `order`."""
-        return self.warmup + sum(n for _, n in windows(list(order), self.steps_each))
+        return self.warmup + len(after_warmup(list(order), self.steps_each))
 
 
 def windows(order: list[int], steps_each: int) -> list[tuple[int, int]]:
@@ -91,14 +91,18 @@ def windows(order: list[int], steps_each: int) -> list[tuple[int, int]]:
     return head + [(order[-1], 1 + timed)] + [(i, 1 + second) for i in reversed(order[:-1])]
 
 
+def after_warmup(order: list[int], steps_each: int) -> list[tuple[int, bool]]:
+    """(candidate, timed) of every step after warm-up, its `windows` laid out step by step."""
+    return [(i, k > 0) for i, n in windows(order, steps_each) for k in range(n)]
+
+
 def timed_steps(order: list[int], phase: CandidatePhase) -> dict[int, list[int]]:
     """Each candidate's timed steps (indices from the run's first step) when the phase's
     candidates run in `order`."""
     out: dict[int, list[int]] = {i: [] for i in order}
-    start = phase.warmup
-    for i, n in windows(order, phase.steps_each):
-        out[i] += range(start + 1, start + n)
-        start += n
+    for s, (i, timed) in enumerate(after_warmup(order, phase.steps_each), phase.warmup):
+        if timed:
+            out[i].append(s)
     return out
 
 
@@ -243,7 +247,7 @@ class CandidateRun:
         self.extra_state_bytes = sum(  # beyond one layout's: what the others hold meanwhile
             sum(_state_bytes(run).values()) for run in list(built.values())[1:]
         )
-        self.order = list(range(len(self.runs)))  # candidates in the order they run
+        self._set_order(list(range(len(self.runs))))
         self.current, self.kept = 0, None
         self.phase_end = phase.steps  # fewer once re-planned candidates meet in one schedule
         self.steps: list[dict] = []  # per step: what it measured and computed
@@ -347,12 +351,12 @@ class CandidateRun:
             return self.kept
         if step < self.phase.warmup:
             return 0
-        start, plan = self.phase.warmup, windows(self.order, self.phase.steps_each)
-        for i, n in plan:
-            if step < start + n:
-                return i
-            start += n
-        return plan[-1][0]
+        return self._ran[min(step - self.phase.warmup, len(self._ran) - 1)][0]
+
+    def _set_order(self, order: list[int]) -> None:
+        """Candidates run in `order` (each step's candidate laid out once, not per step)."""
+        self.order = order
+        self._ran = after_warmup(order, self.phase.steps_each)
 
     def _switch(self, want: int, iteration: int) -> None:
         """Train on candidate `want` from step `iteration` (collective)."""
@@ -426,7 +430,7 @@ class CandidateRun:
             if same != i:
                 self.rows[i].same_as = self.rows[same].label
         unique = [i for i in range(len(self.jobs)) if self.rows[i].same_as is None]
-        self.order = sorted(unique, key=lambda i: (self.rows[i].predicted_s, i))
+        self._set_order(sorted(unique, key=lambda i: (self.rows[i].predicted_s, i)))
         self.phase_end = self.phase.end(self.order)
 
     def _calibration(self, gathered: list[dict]) -> dict:
