@@ -141,6 +141,25 @@ def test_per_step_plans_on_images_of_their_own_sizes_keep_the_references_losses(
     assert any(o is not None and o != sorted(o) for o in orders), orders  # slots really moved
 
 
+def test_the_profile_times_the_whole_tower_from_half_the_nominal_image_to_a_full_micro_batch():
+    """`profile_units` on a native tower also times its forward + backward on one image of each
+    profiled side (half the nominal's, doubling, up to every row's positions as images): the
+    measured times the per-step plans weigh micro-batches by (`inputs.batches.tower_cost`)."""
+    from megatron_mllm.runtime.inputs.batches import tower_cost
+    from megatron_mllm.runtime.planning.profile_units import profile_units, tower_sides
+
+    sides = tower_sides(CFG, 2)
+    side = CFG.image_size // CFG.patch_size
+    most = int((2 * CFG.seq_len) ** 0.5) * CFG.vit_merge
+    assert sides[0] == side // 2 and side in sides and sides[-1] == most
+    assert all(s % CFG.vit_merge == 0 for s in sides)
+    times = spawn(profile_units, 1, CFG, 2, 1)[0]
+    tower = times["vit"]["tower"]
+    assert [n for n, _ in tower] == [s * s for s in sides]
+    assert all(seconds > 0 for _, seconds in tower)
+    assert tower_cost(CFG, times).profile_factor(side * side) == pytest.approx(1.0)
+
+
 # Qwen2.5-VL's tower: RMSNorm, gated SiLU MLP, windows of 1 x 1 merged tokens (8 px) but in
 # layer 1, so that the windows cut every image of more than one backbone token.
 CFG25 = replace(CFG, vit_normalization="RMSNorm", vit_swiglu=True, vit_activation="silu",

@@ -136,3 +136,63 @@ def test_a_calibrated_tower_recovers_its_fixed_work_and_attention_scale():
         )
     # Ratios no positive fixed work and scale explain: the plain shape back.
     assert calibrated(plain, nominal, {(8, 8): 0.01, (16, 48): 3.0}) == plain
+
+
+def test_a_profiled_tower_costs_what_was_measured_at_each_size_and_between():
+    """The tower's seconds at a few patch counts (the nominal's among them) give each count's
+    ratio to the flop count: a micro-batch of a profiled count costs its measured multiple of
+    the nominal image, one between two counts the interpolated ratio, one beyond the last the
+    last ratio; the expected load follows the profile."""
+    from megatron_mllm.schedule.patch_loads import profiled
+
+    plain, nominal = TowerShape(256, 1024, 4), (8, 8)
+    flops = plain.masked_cost
+    # 20% over the flop count at 16 patches (dispatch), exact at 64, 1.5x at 1024 (caches)
+    seconds = {16: 1.2 * flops(16), 64: flops(64), 1024: 1.5 * flops(1024)}
+    got = profiled(plain, nominal, {n: 1e-9 * s for n, s in seconds.items()})
+    assert [n for n, _ in got.profile] == [16, 64, 1024]
+    assert [f for _, f in got.profile] == pytest.approx([1.2, 1.0, 1.5])
+    for n, s in seconds.items():
+        side = int(math.sqrt(n))
+        assert microbatch_load(got, [[(side, side)]], nominal) == pytest.approx(s / flops(64))
+    middle = 64 + (1024 - 64) // 2  # halfway: the ratio halfway, 1.25
+    assert got.masked_cost(middle) == pytest.approx(1.25 * flops(middle))
+    assert got.masked_cost(4096) == pytest.approx(1.5 * flops(4096))
+    assert got.masked_cost(4) == pytest.approx(1.2 * flops(4))
+    records = [[(8, 8)], [(32, 32)], [], [(4, 4), (8, 8)]]
+    drawn = expected_load(got, records, 2, nominal)
+    flat = expected_load(plain, records, 2, nominal)
+    assert drawn > flat  # the large images cost 1.5x their flops
+    exact = math.fsum(got.microbatch_cost([a, b]) for a in records for b in records) / (
+        16 * 2 * got.nominal_cost(nominal)
+    )
+    assert drawn == pytest.approx(exact, rel=0.03)  # the mean over drawn micro-batches
+    with pytest.raises(ValueError, match="nominal image's 64 patches"):
+        profiled(plain, nominal, {16: 1.0, 1024: 2.0})
+
+
+def test_encoder_loads_follow_the_towers_profile_in_the_measured_times():
+    """`encoder_load` reads the tower's profile from the measured unit times where there is
+    one: a micro-batch is weighed by the profiled cost, else by the flop count."""
+    from megatron_mllm.data.synthetic import native_microbatch
+    from megatron_mllm.runtime.inputs.batches import encoder_load, tower_cost
+
+    cfg = replace(TINY, vit_native=True, patch_size=4, image_size=16, llm_mrope_section=(2, 3, 3))
+    shape, side = cfg.tower_shape(), cfg.image_size // cfg.patch_size
+
+    def patches(batch) -> int:
+        return sum(h * w for row in batch.row_grids() for h, w in row)
+
+    # a micro-batch heavier than the nominal image (where the profile weighs it)
+    batch = next(b for i in range(50) if patches(b := native_microbatch(cfg, i, 2, 0)) > 16)
+    grids = batch.row_grids()
+    flat = encoder_load(batch, cfg)
+    assert flat == pytest.approx(shape.microbatch_cost(grids) / shape.nominal_cost((side, side)))
+    n0 = side * side
+    # at 4x the batch's patches the tower took twice its flop count's share
+    most = 4 * patches(batch)
+    twice = 2 * shape.masked_cost(most) / shape.masked_cost(n0)
+    times = {"vit": {"forward": {}, "tower": [[n0, 1.0], [most, twice]]}}
+    assert tower_cost(cfg, times).profile_factor(most) == pytest.approx(2.0)
+    assert flat < encoder_load(batch, cfg, times) < 2 * flat
+    assert encoder_load(batch, cfg, {"vit": {"forward": {}}}) == flat

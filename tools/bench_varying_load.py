@@ -79,7 +79,12 @@ def _varying_load(args, max_images: int) -> int:
     planner = adaptive_planner(setup["jobs"]["optimus_adaptive"])
     if planner is not None:
         steps, n, cfg = range(1, args.steps + 1), setup["n"], setup["cfg"]
-        result.update(predicted(planner, setup["jobs"], steps, n, setup["per_token"], cfg))
+        times = setup["jobs"]["optimus_adaptive"].executor.plan_times
+        result.update(predicted(planner, setup["jobs"], steps, n, setup["per_token"], cfg, times))
+        if cfg.vit_native:  # the same, the micro-batches weighed by the flop count alone
+            flops = predicted(planner, setup["jobs"], steps, n, setup["per_token"], cfg, None)
+            result["predicted_adaptive_vs_static_flops"] = flops["predicted_adaptive_vs_static"]
+            result["tower_profile"] = times["vit"]["tower"]
     if args.json:
         print(json.dumps(result))
         return 0
@@ -132,11 +137,11 @@ def _setup(args, max_images: int) -> dict:
     cfg, data = _model(args, max_images, vocab)
     plan = ParallelPlan(2, 1, 1) if args.dp == 2 else ParallelPlan(1, 1, 2)
     n, mb = args.microbatches, max(args.micro_batch, 2)
-    loaded = argparse.Namespace(data_path=args.data_path, micro_batch_size=mb, **NATIVE_PIXELS)
-    load = encoder_load(loaded, cfg)
     state = spawn(make_full_state, 1, cfg, 0)[0]
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype)[0]
+    loaded = argparse.Namespace(data_path=args.data_path, micro_batch_size=mb, **NATIVE_PIXELS)
+    load = encoder_load(loaded, cfg, measured)  # a native tower's as profiled
     per_token = args.calculate_per_token_loss or args.native_resolution  # packed rows need it
     run = bench_run(cfg, args, plan, n, mb, *(["--calculate-per-token-loss"] * per_token))
     costs = JobCosts(replace(run.planning_job(), images_per_sample=load), measured, unit="layer")
@@ -156,7 +161,8 @@ def _setup(args, max_images: int) -> dict:
             plans=parts,
             data=replace(base.data, balance_samples=balance),
             mode=mode,
-            executor=executor or ExecutorSettings(),
+            # the measured times weigh the samples a native tower deals (its profile)
+            executor=executor or ExecutorSettings(plan_times=measured),
             optimizer=replace(base.optimizer, **knobs),
         )
 
@@ -310,6 +316,12 @@ def _print(result: dict, setup: dict, args) -> None:
             f"{result['predicted_optimus_adaptive_s']:.3f} s, "
             f"adaptive vs static {result['predicted_adaptive_vs_static']:.3f}x"
             + (
+                f" ({result['predicted_adaptive_vs_static_flops']:.3f}x with the loads by flops "
+                "alone, not the tower's profile)"
+                if "predicted_adaptive_vs_static_flops" in result
+                else ""
+            )
+            + (
                 f", dealing alone {result['predicted_balanced_samples_vs_static']:.3f}x"
                 if setup["per_token"]
                 else ""
@@ -337,11 +349,12 @@ def _print(result: dict, setup: dict, args) -> None:
     )
 
 
-def predicted(planner, jobs: dict, steps, n: int, per_token: bool, cfg) -> dict:
+def predicted(planner, jobs: dict, steps, n: int, per_token: bool, cfg, times) -> dict:
     """The simulator's step-time ratios on the measured steps' real micro-batch loads (medians
-    over the steps; a step is its slowest replica): static Optimus on the loader's
-    micro-batches against the per-step plan (on the dealt ones with a per-token loss) and,
-    with a per-token loss, against the static plan on the dealt ones."""
+    over the steps; a step is its slowest replica; a native tower's loads weighed by the
+    profile in the measured `times`, by the flop count without): static Optimus on the
+    loader's micro-batches against the per-step plan (on the dealt ones with a per-token loss)
+    and, with a per-token loss, against the static plan on the dealt ones."""
     from megatron_mllm.runtime.inputs.batches import StepData, encoder_load
     from megatron_mllm.schedule.adaptive import timed_step
     from megatron_mllm.schedule.loads import loader_assignment
@@ -361,7 +374,9 @@ def predicted(planner, jobs: dict, steps, n: int, per_token: bool, cfg) -> dict:
     for step in range(max(steps) + 1):
         for k, reader in readers.items():
             get = reader.step(step)
-            loads[k].append([[encoder_load(get(m, dp), cfg) for m in range(n)] for dp in replicas])
+            loads[k].append(
+                [[encoder_load(get(m, dp), cfg, times) for m in range(n)] for dp in replicas]
+            )
     for reader in readers.values():
         reader.close()
     mine = loads["dealt" if per_token else "loader"]

@@ -19,6 +19,7 @@ import random
 from dataclasses import dataclass, replace
 
 Grid = tuple[int, int]  # an image's patch rows and columns
+PROFILE_DRAWS = 4096  # micro-batches drawn for a profiled tower's expected load
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,11 @@ class TowerShape:
     # cost over its multiply-adds (the scores' mask and softmax are element-wise work).
     fixed: float = 0.0
     attention_scale: float = 1.0
+    # Profiled on the machine (`profiled`): under the mask, the measured cost's ratio to the
+    # flop count at these patch counts (ascending); between them it is interpolated linearly,
+    # beyond them the nearest one holds. What no two terms capture: a long sequence's scores
+    # leaving the caches, a short one's per-op dispatch.
+    profile: tuple[tuple[int, float], ...] = ()
 
     @property
     def per_patch(self) -> float:
@@ -72,7 +78,24 @@ class TowerShape:
     def nominal_cost(self, nominal: Grid) -> float:
         """One nominal image, computed apart: a sample's cost at load 1."""
         n = nominal[0] * nominal[1]
-        return self.fixed + self.per_patch * n + self.attention(n)
+        return self.masked_cost(n)
+
+    def masked_cost(self, patches: int) -> float:
+        """Multiply-adds of the tower on one masked sequence of `patches` patches."""
+        flops = self.fixed + self.per_patch * patches + self.attention(patches)
+        return flops * self.profile_factor(patches)
+
+    def profile_factor(self, patches: int) -> float:
+        """The profiled cost's ratio to the flop count at `patches` (1 unprofiled)."""
+        points = self.profile
+        if not points:
+            return 1.0
+        if patches <= points[0][0]:
+            return points[0][1]
+        for (n0, f0), (n1, f1) in zip(points, points[1:], strict=False):
+            if patches <= n1:
+                return f0 + (f1 - f0) * (patches - n0) / (n1 - n0)
+        return points[-1][1]
 
     def microbatch_cost(self, samples: list[list[Grid]]) -> float:
         """Multiply-adds of the tower on a micro-batch (each sample: its images' grids)."""
@@ -81,7 +104,7 @@ class TowerShape:
             return 0.0
         patches = sum(h * w for h, w in grids)
         if self.masked:
-            return self.fixed + self.per_patch * patches + self.attention(patches)
+            return self.masked_cost(patches)
         images = math.fsum(self.image_attention(g) for g in grids)
         return self.fixed + self.per_patch * patches + images
 
@@ -109,6 +132,19 @@ def calibrated(shape: TowerShape, nominal: Grid, measured: dict[Grid, float]) ->
     return replace(shape, fixed=fixed, attention_scale=scale)
 
 
+def profiled(shape: TowerShape, nominal: Grid, seconds: dict[int, float]) -> TowerShape:
+    """`shape` with the profile of a masked sequence's measured `seconds` at each patch count
+    (the nominal image's among them): at each count, the ratio of its seconds to the nominal's
+    over the ratio of their flop counts."""
+    plain = replace(shape, fixed=0.0, attention_scale=1.0, profile=())
+    n0 = nominal[0] * nominal[1]
+    if n0 not in seconds or seconds[n0] <= 0:
+        raise ValueError(f"the profile needs the nominal image's {n0} patches timed")
+    base = seconds[n0] / plain.masked_cost(n0)
+    factors = ((n, s / base / plain.masked_cost(n)) for n, s in sorted(seconds.items()))
+    return replace(plain, profile=tuple(factors))
+
+
 def microbatch_load(shape: TowerShape, samples: list[list[Grid]], nominal: Grid) -> float:
     """A micro-batch's load per sample: its cost over as many nominal samples'."""
     return shape.microbatch_cost(samples) / (len(samples) * shape.nominal_cost(nominal))
@@ -119,13 +155,18 @@ def expected_load(
 ) -> float:
     """The expected load per sample of a micro-batch of `micro_batch` samples drawn at random
     from `records` (each: its images' grids; 1.0 for none): under the mask the attention is
-    quadratic in the micro-batch's patches, E[(sum S)^2] = b E[S^2] + b (b - 1) E[S]^2."""
+    quadratic in the micro-batch's patches, E[(sum S)^2] = b E[S^2] + b (b - 1) E[S]^2; a
+    profiled tower's mean is taken over PROFILE_DRAWS micro-batches drawn with a fixed seed."""
     if not records:
         return 1.0
     b, count = micro_batch, len(records)
     patches = [sum(h * w for h, w in r) for r in records]
     mean = math.fsum(patches) / count
-    if shape.masked:
+    if shape.masked and shape.profile:  # not quadratic: the mean over drawn micro-batches
+        rng = random.Random(0)
+        draws = (rng.choices(patches, k=b) for _ in range(PROFILE_DRAWS))
+        total = math.fsum(shape.masked_cost(sum(d)) for d in draws) / PROFILE_DRAWS
+    elif shape.masked:
         square = math.fsum(p * p for p in patches) / count
         pairs = b * square + b * (b - 1) * mean**2  # E[(patches of the micro-batch)^2]
         total = shape.per_patch * b * mean + shape.attention(1) * pairs

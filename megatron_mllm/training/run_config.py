@@ -204,13 +204,14 @@ def parse_run(argv: list[str], world_size: int | None = None) -> RunConfig:
     return RunConfig.from_args(parse_args(argv, world_size))
 
 
-def encoder_load(args, cfg: MLLMConfig) -> float:
+def encoder_load(args, cfg: MLLMConfig, times: dict | None = None) -> float:
     """The encoders' mean load per sample the plan is made for, in nominal images: the data
     set's images per sample (1.0 for synthetic data); for a native-resolution tower a
-    micro-batch's expected cost at its images' resized sizes (`schedule.patch_loads`) over as
-    many nominal --img-h images', from the records' sizes the conversion sampled."""
+    micro-batch's expected cost at its images' resized sizes (`schedule.patch_loads`, profiled
+    where the measured unit `times` carry the tower's profile) over as many nominal --img-h
+    images', from the records' sizes the conversion sampled."""
     if cfg.vit_native:
-        return _native_load(args, cfg)
+        return _native_load(args, cfg, times)
     if not args.data_path:
         return 1.0
     from megatron_mllm.data.energon_llava import images_per_sample
@@ -218,12 +219,13 @@ def encoder_load(args, cfg: MLLMConfig) -> float:
     return images_per_sample(args.data_path)
 
 
-def _native_load(args, cfg: MLLMConfig) -> float:
+def _native_load(args, cfg: MLLMConfig, times: dict | None) -> float:
     from dataclasses import replace
 
+    from megatron_mllm.runtime.inputs.batches import tower_cost
     from megatron_mllm.schedule.patch_loads import expected_load
 
-    shape, side, b = cfg.tower_shape(), cfg.image_size // cfg.patch_size, args.micro_batch_size
+    shape, side, b = tower_cost(cfg, times), cfg.image_size // cfg.patch_size, args.micro_batch_size
     if not args.data_path:
         from megatron_mllm.data.synthetic import native_records
 

@@ -26,14 +26,27 @@ def batches(job, step: int) -> Callable[..., MicroBatch]:
     return synthetic
 
 
-def encoder_load(batch: MicroBatch, cfg) -> float:
+def encoder_load(batch: MicroBatch, cfg, times: dict | None = None) -> float:
     """A micro-batch's encoder work in the plan's units, what optimus-adaptive plans a step
     from: its image count, or for a native-resolution tower its nominal images (each row's
-    images weighed by their cost at their own sizes, `schedule.patch_loads`)."""
+    images weighed by their cost at their own sizes, `schedule.patch_loads`, as the tower's
+    profile in the measured `times` has it where there is one)."""
     if not batch.native:
         return batch.num_images
-    side, shape = cfg.image_size // cfg.patch_size, cfg.tower_shape()
+    side, shape = cfg.image_size // cfg.patch_size, tower_cost(cfg, times)
     return shape.microbatch_cost(batch.row_grids()) / shape.nominal_cost((side, side))
+
+
+def tower_cost(cfg, times: dict | None = None):
+    """The native tower's `TowerShape`, profiled where the measured unit `times` carry the
+    tower's seconds by patch count (`profile_units`)."""
+    from megatron_mllm.schedule.patch_loads import profiled
+
+    shape, points = cfg.tower_shape(), ((times or {}).get("vit") or {}).get("tower")
+    if not points:
+        return shape
+    side = cfg.image_size // cfg.patch_size
+    return profiled(shape, (side, side), {int(n): s for n, s in points})
 
 
 def pool_batches(job, step: int) -> Callable[..., MicroBatch]:
@@ -110,7 +123,7 @@ class StepData:
 
     def _load(self, sample: MicroBatch) -> float:
         """A one-row micro-batch's encoder load (what dealing balances)."""
-        return encoder_load(sample, self.job.cfg)
+        return encoder_load(sample, self.job.cfg, self.job.executor.plan_times)
 
     def _dealt(self, taken: dict[int, list[MicroBatch]]) -> dict[int, list[MicroBatch]]:
         """The step's samples dealt by encoder load over every replica (see the class
@@ -151,8 +164,8 @@ class StepData:
         """Read `step`'s micro-batches now, one step ahead; each replica's encoder load per
         micro-batch (`encoder_load`)."""
         get = self._read_ahead(step, self.step)
-        n, cfg = self.job.num_microbatches, self.job.cfg
-        return [[encoder_load(get(m, dp), cfg) for m in range(n)] for dp in self.replicas]
+        n, cfg, times = self.job.num_microbatches, self.job.cfg, self.job.executor.plan_times
+        return [[encoder_load(get(m, dp), cfg, times) for m in range(n)] for dp in self.replicas]
 
     def cut(self) -> tuple[int, int, int, int]:
         """Samples cut to the sequence length so far, those of them left without an answer

@@ -111,6 +111,36 @@ def profile_units(
         fwd, bwd = _fwd_bwd(fn, make, repeats, device)
         out[model]["forward"][name] = fwd
         out[model]["backward"][name + "_b"] = bwd
+    if cfg.vit_native:
+        out["vit"]["tower"] = profile_tower(enc, cfg, micro_batch, min(repeats, 3), device, dtype)
+    return out
+
+
+def tower_sides(cfg: MLLMConfig, micro_batch: int) -> list[int]:
+    """Square patch grids' sides a native tower is profiled at: half the nominal image's,
+    doubling, to the most patches a micro-batch's rows can hold (each merged token one
+    sequence position), sides multiples of the merge."""
+    m, side = cfg.vit_merge, cfg.image_size // cfg.patch_size
+    most = int((micro_batch * cfg.seq_len) ** 0.5) * m
+    sides = [max(m, side // 2 // m * m)]
+    while sides[-1] * 2 < most:
+        sides.append(sides[-1] * 2)
+    return sorted({*sides, side, most})
+
+
+def profile_tower(enc, cfg: MLLMConfig, micro_batch: int, repeats: int, device, dtype):
+    """[patches, seconds] of the whole native tower's forward + backward on one image of each
+    of `tower_sides` (a masked sequence of that many patches): `patch_loads.profiled` reads
+    them."""
+    out = []
+    for side in tower_sides(cfg, micro_batch):
+        grids = torch.tensor([[1, side, side]])
+        patches = torch.randn(side * side, cfg.patch_dim, device=device, dtype=dtype)
+
+        def both(patches=patches, grids=grids):
+            enc(patches, grids).float().sum().backward()
+
+        out.append([side * side, median_seconds(both, repeats, device)])
     return out
 
 

@@ -164,9 +164,8 @@ class AdaptiveSteps:
         """`step`'s plan where every rank has it; the next one requested."""
         planner, run, n = self.planner, self.run, self.run.job.num_microbatches
         if not planner.requested(step):  # the first step: nothing planned it ahead
-            dp = run.groups.coords.dp
-            cfg = run.job.cfg
-            planner.request(step, [encoder_load(data(m, dp), cfg) for m in range(n)])
+            dp, cfg, times = run.groups.coords.dp, run.job.cfg, run.job.executor.plan_times
+            planner.request(step, [encoder_load(data(m, dp), cfg, times) for m in range(n)])
             planner.wait(step)
         plan = planner.take(step)
         planner.request(step + 1, run.data.prefetch(step + 1)[0])
