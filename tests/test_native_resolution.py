@@ -152,7 +152,9 @@ def test_the_profile_times_the_whole_tower_from_half_the_nominal_image_to_a_full
     side = CFG.image_size // CFG.patch_size
     most = int((2 * CFG.seq_len) ** 0.5) * CFG.vit_merge
     assert sides[0] == side // 2 and side in sides and sides[-1] == most
-    assert all(s % CFG.vit_merge == 0 for s in sides)
+    m = CFG.vit_merge
+    assert all(s % m == 0 for s in sides)
+    assert all(b <= -(-int(1.5 * a) // m) * m for a, b in zip(sides, sides[1:], strict=False))
     times = spawn(profile_units, 1, CFG, 2, 1)[0]
     tower = times["vit"]["tower"]
     assert [n for n, _ in tower] == [s * s for s in sides]

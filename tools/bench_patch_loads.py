@@ -26,6 +26,8 @@ sys.path.insert(0, str(ROOT))
 CASES = {  # name -> each sample's images' patch grids
     "nominal": [[(16, 16)]],
     "small": [[(8, 8)]],
+    "12x12": [[(12, 12)]],
+    "24x24": [[(24, 24)]],
     "large": [[(32, 32)]],
     "wide": [[(16, 48)]],
     "two images": [[(16, 16), (16, 16)]],
@@ -34,6 +36,9 @@ CASES = {  # name -> each sample's images' patch grids
 
 
 FIT = ("small", "wide")  # the cases the calibrated load is fitted on
+# the cases the profiled load is measured on, as a job profiles its tower (`profile_units`:
+# from half the nominal image's side, each 1.5x the last)
+PROFILE = ("small", "12x12", "nominal", "24x24", "large")
 
 
 def _scaled(nominal: int) -> dict:
@@ -81,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.schedule.patch_loads import TowerShape, microbatch_load
     from megatron_mllm.schedule.patch_loads import calibrated as calibrated_shape
+    from megatron_mllm.schedule.patch_loads import profiled as profiled_shape
 
     shape = TowerShape(a.hidden, 4 * a.hidden, a.layers)
     nominal = (a.nominal, a.nominal)
@@ -93,6 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     fit = {cases[n][0][0]: statistics.median(times[n]) / base for n in FIT}
     fitted = calibrated_shape(shape, nominal, fit)
     calibrated = {n: len(s) * microbatch_load(fitted, s, nominal) for n, s in cases.items()}
+    seconds = {cases[n][0][0][0] * cases[n][0][0][1]: statistics.median(times[n]) for n in PROFILE}
+    shaped = profiled_shape(shape, nominal, seconds)
+    profile = {n: len(s) * microbatch_load(shaped, s, nominal) for n, s in cases.items()}
     rows = {}
     for name, samples in cases.items():
         median = statistics.median(times[name])
@@ -107,20 +116,24 @@ def main(argv: list[str] | None = None) -> int:
             "prediction_error": predicted[name] / measured - 1,
             "calibrated_vs_nominal": calibrated[name],
             "calibrated_error": calibrated[name] / measured - 1,
+            "profiled_vs_nominal": profile[name],
+            "profiled_error": profile[name] / measured - 1,
         }
     fixed_share = fitted.fixed / fitted.nominal_cost(nominal)
     if a.json:
         out = {"repeats": a.repeats, "hidden": a.hidden, "fixed_share": fixed_share,
-               "attention_scale": fitted.attention_scale, "cases": rows}  # fmt: skip
+               "attention_scale": fitted.attention_scale, "profile": shaped.profile,
+               "cases": rows}  # fmt: skip
         print(json.dumps(out, indent=1))
         return 0
     print(f"{'case':12} {'grids':28} {'median ms (min-max)':24} {'measured':>9} {'predicted':>9}"
-          f" {'calibrated':>11}")  # fmt: skip
+          f" {'calibrated':>11} {'profiled':>9}")  # fmt: skip
     for name, r in rows.items():
         spread = f"{1e3 * r['median_s']:.1f} ({1e3 * r['min_s']:.1f}-{1e3 * r['max_s']:.1f})"
         grids = str(r["grids"])
         print(f"{name:12} {grids:28} {spread:24} {r['measured_vs_nominal']:9.2f} "
-              f"{r['predicted_vs_nominal']:9.2f} {r['calibrated_vs_nominal']:11.2f}")  # fmt: skip
+              f"{r['predicted_vs_nominal']:9.2f} {r['calibrated_vs_nominal']:11.2f} "
+              f"{r['profiled_vs_nominal']:9.2f}")  # fmt: skip
     worst = max(abs(r["prediction_error"]) for r in rows.values())
     checked = {n: r for n, r in rows.items() if n not in ("nominal", *FIT)}
     worst_fit = max(abs(r["calibrated_error"]) for r in checked.values())
@@ -130,6 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         f"fitted on {' and '.join(FIT)} (fixed work {fixed_share:.1%} of a nominal micro-batch, "
         f"attention x{fitted.attention_scale:.2f} its multiply-adds): worst error "
         f"{worst_fit:.1%} over {', '.join(checked)}"
+    )
+    between = {n: r for n, r in rows.items() if n not in PROFILE}
+    worst_profile = max(abs(r["profiled_error"]) for r in between.values())
+    print(
+        f"profiled on {', '.join(PROFILE)} (as a job profiles its tower), interpolated between: "
+        f"worst error {worst_profile:.1%} over {', '.join(between)}"
     )
     return 0
 
