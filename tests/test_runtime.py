@@ -814,3 +814,34 @@ def test_bf16_trains_close_to_fp32(layout):
         assert all(mine[k] == pytest.approx(v, rel=2e-2) for k, v in losses.items()), step
     with pytest.raises(ConfigError, match="distributed optimizer for now"):
         check_job(replace(job, optimizer=train["optimizer"]), plan.world_size)
+
+
+TURNS: list[tuple[int, int]] = []  # (run, step), in the order the runs stepped (one process)
+
+
+class _RecordedRun:
+    """A run that only records when it steps (`run_interleaved`'s `makers`)."""
+
+    def __init__(self, index: int, rank, world, job, device) -> None:
+        self.index = index
+
+    def step(self, step: int) -> None:
+        TURNS.append((self.index, step))
+
+    def result(self) -> list[tuple[int, int]]:
+        return list(TURNS)
+
+
+def test_interleaved_runs_take_turns_in_an_order_rotated_each_step():
+    """Every run steps once a turn, and each takes every place in the turn: none always follows
+    the same one (a run's step can slow the next one's: benchmarks pair them per step)."""
+    from functools import partial
+
+    from megatron_mllm.runtime.modes.runs import turn_order
+
+    assert [turn_order(3, s) for s in range(4)] == [[0, 1, 2], [1, 2, 0], [2, 0, 1], [0, 1, 2]]
+    job = RuntimeJob(ModelParts(TINY, {}), PlanParts(ParallelPlan(1, 1, 1)), DataParts(1, N),
+                     mode="reference")  # fmt: skip
+    makers = [partial(_RecordedRun, i) for i in range(3)]
+    turns = spawn(run_interleaved, 1, [job] * 3, 3, makers)[0][0]
+    assert turns == [(i, s) for s in range(3) for i in turn_order(3, s)]

@@ -49,6 +49,11 @@ def run_rank(rank: int, world: int, job: RuntimeJob) -> dict:
     return run_interleaved(rank, world, [job], job.steps)[0]
 
 
+def turn_order(runs: int, step: int) -> list[int]:
+    """The runs' order in `step`'s turn: 0 .. runs - 1 rotated left by `step`."""
+    return [(step + i) % runs for i in range(runs)]
+
+
 def run_interleaved(
     rank: int,
     world: int,
@@ -57,10 +62,12 @@ def run_interleaved(
     makers: list | None = None,
     lead: list[int] | None = None,
 ) -> list[dict]:
-    """Several jobs in the same processes, taking steps in turn (A B C A B C ...): the fairest
-    comparison on a noisy machine. Returns each job's result. `makers`: per job, what builds
-    its run from (rank, world, job, device), None for `make_run`; `lead`: per job, steps it
-    takes before the runs without a lead start (runs with one take theirs in turn; their later
+    """Several jobs in the same processes, taking steps in turn, the turn's order rotated by
+    one each step (A B C, B C A, C A B, ...): the fairest comparison on a noisy machine, with
+    no run always following the same one (a run's step can leave the next one slower: freed
+    memory faulted in again). Returns each job's result. `makers`: per job, what builds its
+    run from (rank, world, job, device), None for `make_run`; `lead`: per job, steps it takes
+    before the runs without a lead start (runs with one take theirs in turn; their later
     steps are interleaved with everyone's)."""
     for job in jobs:
         check_job(job, world)
@@ -75,7 +82,8 @@ def run_interleaved(
                 dist.barrier()
             run.step(step)
     for step in range(steps):
-        for job, run, extra in zip(jobs, runs, lead, strict=True):
+        for i in turn_order(len(jobs), step):
+            job, run, extra = jobs[i], runs[i], lead[i]
             if len(jobs) > 1:  # every rank starts it together, not skewed by the run before
                 dist.barrier()
             run.step(step + extra)
