@@ -119,8 +119,9 @@ def profile_units(
 def tower_sides(cfg: MLLMConfig, micro_batch: int) -> list[int]:
     """Square patch grids' sides a native tower is profiled at: half the nominal image's,
     each next 1.5x the last (rounded up to a multiple of the merge), to the most patches a
-    micro-batch's rows can hold (each merged token one sequence position). Steps of 2x miss
-    the cost's bends by up to 20% between them, steps of 1.5x by 5% (tools/bench_patch_loads.py)."""
+    micro-batch's rows can hold (each merged token one sequence position). Between sizes 2x
+    apart the interpolated cost missed by up to 20%, 1.5x apart by up to 10%
+    (tools/bench_patch_loads.py)."""
     m, side = cfg.vit_merge, cfg.image_size // cfg.patch_size
     most = int((micro_batch * cfg.seq_len) ** 0.5) * m
     sides = [max(m, side // 2 // m * m)]
