@@ -2,7 +2,8 @@
 """How well the planner's native-tower load (schedule/patch_loads.py) predicts what the tower
 measures: the Qwen2-VL tower's forward + backward on micro-batches of different images, timed
 against the nominal micro-batch (one image of the nominal size), and the load's prediction of
-that ratio made before the run.
+that ratio made before the run; beside it the two-term fit (FIT) and the profile a job makes
+(PROFILE: five sizes 1.5x apart), each checked on the cases it was not made from.
 
     python tools/bench_patch_loads.py [--hidden 256] [--layers 4] [--nominal 16] [--repeats 5]
         [--json]
