@@ -368,3 +368,50 @@ def test_the_tiny_qwen_vl_example_trains(tmp_path):
     )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert "iteration        4/       4" in out.stdout and "packed samples:" in out.stdout
+
+
+@pytest.mark.slow  # the runtime on native packed rows; make test runs each part above
+def test_per_step_plans_on_native_packed_rows_keep_the_references_losses(llava_dataset):
+    """optimus-adaptive on the native tower with packed conversations and a per-token loss:
+    the rows dealt by their patches' cost and each step planned for its micro-batches; step
+    0's losses and gradients and the later steps' losses are the one-process reference's,
+    which deals the rows the same way."""
+    from megatron_mllm.data.llava_source import LlavaData
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.inputs.batches import StepData
+    from megatron_mllm.runtime.job import (
+        DataParts,
+        ExecutorSettings,
+        ModelParts,
+        PlanParts,
+        RuntimeJob,
+    )
+    from megatron_mllm.runtime.modes.reference import make_full_state
+    from megatron_mllm.runtime.modes.runs import run_rank
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
+    from tests.test_runtime import TRAIN, check_against, check_later_losses
+
+    seq, mb, n = 96, 2, 3
+    train = dict(TRAIN, steps=3)
+    cfg = replace(CFG, text_len=seq - CFG.image_tokens, vocab_size=384)
+    path, tokenizer = llava_dataset
+    data = LlavaData(str(path), str(tokenizer), seq, num_workers=1, min_pixels=64,
+                     max_pixels=2304, packing_buffer_size=8)  # fmt: skip
+    parts = DataParts(mb, n, llava=data, per_token_loss=True, balance_samples=True)
+    state = spawn(make_full_state, 1, cfg, 0)[0]
+    reference = RuntimeJob(ModelParts(cfg, state), PlanParts(ParallelPlan(1, 1, 1)), parts,
+                           mode="reference", **train)  # fmt: skip
+    ref = spawn(run_rank, 1, reference)[0]
+    stream = StepData(reference, [0])
+    rows = [stream.step(0)(m) for m in range(n)]
+    stream.close()
+    assert all(b.native for b in rows) and any(b.segments is not None for b in rows)  # packed
+    plan = ParallelPlan(1, 1, 2)
+    schedule = runtime_schedule(cfg, plan, mb, n, "optimus", encoder_plan=ParallelPlan(2, 1, 1))
+    job = RuntimeJob(ModelParts(cfg, state), PlanParts(plan, schedule=schedule), parts,
+                     executor=ExecutorSettings(adaptive=True), **train)  # fmt: skip
+    outs = spawn(run_rank, 2, job)
+    check_against((state, ref), outs, {"encoder": 1, "projector": 1, "backbone": 1})
+    check_later_losses((state, ref), outs)
+    stats = outs[0]["step_plans"]
+    assert stats.planned == 3 and not stats.failures

@@ -223,6 +223,27 @@ def test_packed_training_resumes_bit_exactly(tmp_path, llava_dataset, schedule):
     assert len(packed) == 4 and packed == sorted(packed) and packed[-1] > 16
 
 
+@pytest.mark.slow  # two pretrain runs
+def test_native_packed_adaptive_training_resumes_bit_exactly(tmp_path, llava_dataset):
+    """The native-resolution tower on packed LLaVA digits, each step planned for its rows'
+    patches and the rows dealt by them (bf16 + distributed optimizer, per-token loss): a run
+    resumed at iteration 2 continues with the uninterrupted run's losses and tensors."""
+    from tests.test_native_resolution import QWEN_ARGS
+    from tests.test_training import LLAVA, resumed_at_2_is_bit_exact
+
+    data, tokenizer = llava_dataset
+    args = [*LLAVA, *QWEN_ARGS, "--data-path", str(data), "--tokenizer-model", str(tokenizer),
+            "--train-iters", "4", "--seq-length", "128", "--packing-buffer-size", "8",
+            "--min-pixels", "64", "--max-pixels", "2304", "--calculate-per-token-loss", "--bf16",
+            "--use-distributed-optimizer", "--bubble-schedule", "optimus-adaptive",
+            "--encoder-tensor-model-parallel-size", "1",
+            "--encoder-pipeline-model-parallel-size", "1"]  # fmt: skip
+    straight, _, _ = resumed_at_2_is_bit_exact(tmp_path, args)
+    assert "packed: " in straight.stdout and "nominal 16x16 images (by patches)" in straight.stdout
+    assert "its samples dealt by encoder load" in straight.stdout
+    assert re.search(r"step plans: [1-4] planned, \d+ static fallback", straight.stdout)
+
+
 @pytest.mark.parametrize(
     "extra, msg",
     [(["--packing-buffer-size", "0"], "give a buffer of 1 or more"),
