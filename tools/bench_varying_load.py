@@ -80,9 +80,10 @@ def _varying_load(args, max_images: int) -> int:
     if planner is not None:
         steps, n, cfg = range(1, args.steps + 1), setup["n"], setup["cfg"]
         times = setup["jobs"]["optimus_adaptive"].executor.plan_times
-        result.update(predicted(planner, setup["jobs"], steps, n, setup["per_token"], cfg, times))
+        read = step_batches(setup["jobs"], max(steps) + 1, n, setup["per_token"])
+        result.update(predicted(planner, read, steps, cfg, times))
         if cfg.vit_native:  # the same, the micro-batches weighed by the flop count alone
-            flops = predicted(planner, setup["jobs"], steps, n, setup["per_token"], cfg, None)
+            flops = predicted(planner, read, steps, cfg, None)
             result["predicted_adaptive_vs_static_flops"] = flops["predicted_adaptive_vs_static"]
             result["tower_profile"] = times["vit"]["tower"]
     if args.json:
@@ -349,36 +350,49 @@ def _print(result: dict, setup: dict, args) -> None:
     )
 
 
-def predicted(planner, jobs: dict, steps, n: int, per_token: bool, cfg, times) -> dict:
-    """The simulator's step-time ratios on the measured steps' real micro-batch loads (medians
-    over the steps; a step is its slowest replica; a native tower's loads weighed by the
-    profile in the measured `times`, by the flop count without): static Optimus on the
-    loader's micro-batches against the per-step plan (on the dealt ones with a per-token loss)
-    and, with a per-token loss, against the static plan on the dealt ones."""
-    from megatron_mllm.runtime.inputs.batches import StepData, encoder_load
+def step_batches(jobs: dict, steps: int, n: int, per_token: bool) -> dict:
+    """The first `steps` steps' micro-batches, [step][replica][micro-batch], as the loader
+    gives them ("loader") and, with a per-token loss, as the adaptive run deals them
+    ("dealt")."""
+    from megatron_mllm.runtime.inputs.batches import StepData
+
+    replicas = list(range(jobs["optimus"].backbone.dp))
+    readers = {"loader": StepData(jobs["optimus"], replicas)}
+    if per_token:
+        readers["dealt"] = StepData(jobs["optimus_adaptive"], replicas)
+    out: dict = {k: [] for k in readers}
+    for step in range(steps):
+        for k, reader in readers.items():
+            get = reader.step(step)
+            out[k].append([[get(m, dp) for m in range(n)] for dp in replicas])
+    for reader in readers.values():
+        reader.close()
+    return out
+
+
+def predicted(planner, batches: dict, steps, cfg, times) -> dict:
+    """The simulator's step-time ratios on the measured steps' real micro-batch loads
+    (`step_batches`; medians over the steps; a step is its slowest replica; a native tower's
+    loads weighed by the profile in the measured `times`, by the flop count without): static
+    Optimus on the loader's micro-batches against the per-step plan (on the dealt ones with a
+    per-token loss) and, with a per-token loss, against the static plan on the dealt ones."""
+    from megatron_mllm.runtime.inputs.batches import encoder_load
     from megatron_mllm.schedule.adaptive import timed_step
     from megatron_mllm.schedule.loads import loader_assignment
 
-    static, one = planner.static, loader_assignment(n, 1, 1)
-    replicas = list(range(jobs["optimus"].backbone.dp))
+    per_token = "dealt" in batches
+    static = planner.static
+    one = loader_assignment(len(batches["loader"][0][0]), 1, 1)
 
     def static_s(loads: list[float]) -> float:
         return timed_step(static.schedule, static.workload, loads, one, planner.costed)[
             1
         ].step_time_s
 
-    readers = {"loader": StepData(jobs["optimus"], replicas)}
-    if per_token:
-        readers["dealt"] = StepData(jobs["optimus_adaptive"], replicas)
-    loads = {k: [] for k in readers}  # [step][replica] -> micro-batch loads
-    for step in range(max(steps) + 1):
-        for k, reader in readers.items():
-            get = reader.step(step)
-            loads[k].append(
-                [[encoder_load(get(m, dp), cfg, times) for m in range(n)] for dp in replicas]
-            )
-    for reader in readers.values():
-        reader.close()
+    loads = {  # [step][replica] -> micro-batch loads
+        k: [[[encoder_load(b, cfg, times) for b in r] for r in step] for step in read]
+        for k, read in batches.items()
+    }
     mine = loads["dealt" if per_token else "loader"]
 
     def step_s(time, per_replica) -> float:

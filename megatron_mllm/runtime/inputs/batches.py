@@ -4,6 +4,7 @@ DP replica the process runs, its position saved in checkpoints)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 from megatron_mllm.data.batch import MicroBatch, image_then_text
@@ -40,13 +41,19 @@ def encoder_load(batch: MicroBatch, cfg, times: dict | None = None) -> float:
 def tower_cost(cfg, times: dict | None = None):
     """The native tower's `TowerShape`, profiled where the measured unit `times` carry the
     tower's seconds by patch count (`profile_units`)."""
+    points = ((times or {}).get("vit") or {}).get("tower") or ()
+    return _tower_cost(cfg, tuple((int(n), s) for n, s in points))
+
+
+@functools.lru_cache(maxsize=8)
+def _tower_cost(cfg, points: tuple[tuple[int, float], ...]):
+    """`tower_cost`, made once per config and profile (it is asked per micro-batch)."""
     from megatron_mllm.schedule.patch_loads import profiled
 
-    shape, points = cfg.tower_shape(), ((times or {}).get("vit") or {}).get("tower")
     if not points:
-        return shape
+        return cfg.tower_shape()
     side = cfg.image_size // cfg.patch_size
-    return profiled(shape, (side, side), {int(n): s for n, s in points})
+    return profiled(cfg.tower_shape(), (side, side), dict(points))
 
 
 def pool_batches(job, step: int) -> Callable[..., MicroBatch]:
