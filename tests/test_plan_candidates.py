@@ -146,3 +146,4 @@ def test_candidate_steps_train_as_one_run():
     calibration = outs[0]["candidate_calibration"]  # measured between the stages, not fitted
     assert 0 < calibration["message_s"] < 1 and calibration["latency_s"] >= 0
     assert abs(calibration["unexplained_s"]) < 1
+    assert set(calibration["dp_gbps"]) == {"reduce_scatter", "all_gather"}  # timed in the job

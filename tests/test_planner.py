@@ -128,11 +128,15 @@ def test_measured_times_replace_the_analytic_ones(tmp_path):
     assert [k.compute_s for k in slow.fwd if k.name == "fc1"] == [0.5]
     fast = JobCosts(job).encoder_layer(0, 1)
     assert next(k.compute_s for k in fast.fwd if k.name == "fc1") < 0.5
+    path.write_text(json.dumps({"dp": {"gbps": {"reduce_scatter": 0.3, "all_gather": 0.6}}}))
+    assert load_measured_times(str(path), ["tiny-vit"])["dp"]["gbps"]["all_gather"] == 0.6
     for bad, msg in (
         ({"other": {}}, "not in this run"),
         ({"tiny-vit": {"forward": {"fc9": 1.0}}}, "unknown forward kernel"),
         ({"tiny-vit": {"sideways": {}}}, "use forward, backward or collectives"),
         ({"tiny-gpt": {"collectives": {"broadcast": 1.0}}}, "unknown collectives kernel"),
+        ({"dp": {"gbps": {"all_reduce": 1.0}}}, '"dp" must be'),
+        ({"dp": {"gbps": {"all_gather": 0}}}, "must be > 0 GB/s"),
     ):
         path.write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=msg):

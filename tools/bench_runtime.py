@@ -211,7 +211,7 @@ def plan_runs(args, cfg, dtype) -> dict:
     plan, n, mb = ParallelPlan(1, 1, 2), args.microbatches, args.micro_batch
     state = spawn(make_full_state, 1, cfg, 0)[0]
     # Both ranks profile at once: the unit times then carry the two-process contention.
-    measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype)[0]
+    measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype, args.ddp_bucket_size)[0]
     run = bench_run(cfg, args, plan, n, mb)
     costs = JobCosts(run.planning_job(), measured, unit="layer")
     even = megatron_schedule(costs, even_split=True)
@@ -280,6 +280,7 @@ def plan_runs(args, cfg, dtype) -> dict:
         makers=makers,
         lead=lead,
         phase=phase,
+        dp_gbps=measured.get("dp", {}).get("gbps", {}),  # what the start-up plans priced DP at
     )
 
 
@@ -442,6 +443,7 @@ def summarise(setup: dict, repeats: list[dict], memory: dict, args) -> dict:
         balanced_first_stage_layers=setup["balanced"][0].meta.backbone_layers[0],
         microbatches=n,
         measured_steps=args.steps,
+        dp_gbps=setup["dp_gbps"],
     )
     return result
 

@@ -140,7 +140,7 @@ def _setup(args, max_images: int) -> dict:
     n, mb = args.microbatches, max(args.micro_batch, 2)
     state = spawn(make_full_state, 1, cfg, 0)[0]
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
-    measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype)[0]
+    measured = spawn(profile_units, plan.world_size, cfg, mb, 5, dtype, args.ddp_bucket_size)[0]
     loaded = argparse.Namespace(data_path=args.data_path, micro_batch_size=mb, **NATIVE_PIXELS)
     load = encoder_load(loaded, cfg, measured)  # a native tower's as profiled
     per_token = args.calculate_per_token_loss or args.native_resolution  # packed rows need it

@@ -20,6 +20,7 @@ FP32 = 4
 FORWARD_KERNELS = ("ln1", "qkv", "attn", "proj", "ln2", "fc1", "act", "fc2")
 BACKWARD_KERNELS = tuple(f"{k}_b" for k in reversed(FORWARD_KERNELS))
 COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # a layer's TP collectives
+DP_COLLECTIVES = ("reduce_scatter", "all_gather")  # the distributed optimizer's, per part
 
 
 @dataclass(frozen=True)
@@ -192,17 +193,20 @@ class CostModel:
     def dp_gather_s(self, params_per_gpu: float, dp: int) -> float:
         """Distributed optimizer: all-gather of the bf16 parameters over the DP group (what
         `AG` will be; the runtime's `AG` is a no-op until it has a distributed optimizer)."""
-        return self._dp_s(params_per_gpu * BF16, dp)
+        return self._dp_s(params_per_gpu * BF16, dp, "all_gather")
 
     def dp_reduce_scatter_s(self, params_per_gpu: float, dp: int) -> float:
         """Distributed optimizer: reduce-scatter of the fp32 gradients over the DP group (what
         `RS` will be; the runtime's `RS` is a full all-reduce until then, about twice this)."""
-        return self._dp_s(params_per_gpu * FP32, dp)
+        return self._dp_s(params_per_gpu * FP32, dp, "reduce_scatter")
 
-    def _dp_s(self, nbytes: float, dp: int) -> float:
+    def _dp_s(self, nbytes: float, dp: int, kind: str) -> float:
+        """A ring collective's seconds over `dp` ranks, at the bandwidth measured in the job
+        for `kind` where given (`measured["dp"]["gbps"]`), else the profile's network."""
         if dp <= 1:
             return 0.0
-        link = self.hw.internode_gbps * 1e9 * self.hw.efficiency
+        gbps = self.measured.get("dp", {}).get("gbps", {}).get(kind)
+        link = gbps * 1e9 if gbps else self.hw.internode_gbps * 1e9 * self.hw.efficiency
         return (dp - 1) / dp * nbytes / link + self.hw.latency_s
 
     def layer_input_bytes(self, spec: TransformerSpec, seq: int, tp: int) -> float:
@@ -226,9 +230,10 @@ def model_state_bytes_per_param(dp: int) -> float:
 def load_measured_times(
     path: str, model_names: list[str]
 ) -> dict[str, dict[str, dict[str, float]]]:
-    """Measured per-kernel times: {model: {"forward"|"backward": {kernel: seconds}}}, and for
+    """Measured per-kernel times: {model: {"forward"|"backward": {kernel: seconds}}}, for
     a model's TP collectives {model: {"collectives": {kind: seconds}}} (the time one blocks its
-    layer; kinds all_reduce, all_gather, reduce_scatter, each also with "_b" for backward)."""
+    layer; kinds all_reduce, all_gather, reduce_scatter, each also with "_b" for backward), and
+    optionally the DP collectives' bandwidth {"dp": {"gbps": {DP_COLLECTIVES kind: GB/s}}}."""
     p = Path(path)
     if not p.is_file():
         what = "is a directory" if p.is_dir() else "does not exist"
@@ -249,7 +254,10 @@ def load_measured_times(
         "backward": set(BACKWARD_KERNELS) | {u + "_b" for u in units},
         "collectives": {k + b for k in COLLECTIVES for b in ("", "_b")},
     }
+    _check_dp_rates(path, raw.get("dp"))
     for model, dirs in raw.items():
+        if model == "dp":
+            continue
         if model not in model_names:
             raise ConfigError(
                 f"{path}: model '{model}' is not in this run; use one of {', '.join(model_names)}"
@@ -271,3 +279,18 @@ def load_measured_times(
                         f"{path}: time of {model} {direction} {k} must be >= 0 seconds"
                     )
     return raw
+
+
+def _check_dp_rates(path: str, dp) -> None:
+    """The optional {"gbps": {kind: GB/s}} entry of a measured-times file."""
+    if dp is None:
+        return
+    rates = dp.get("gbps") if isinstance(dp, dict) and set(dp) == {"gbps"} else None
+    if not isinstance(rates, dict) or set(rates) - set(DP_COLLECTIVES):
+        raise ConfigError(
+            f'{path}: "dp" must be {{"gbps": {{kind: GB/s}}}} with kinds '
+            f"{', '.join(DP_COLLECTIVES)}"
+        )
+    for kind, v in rates.items():
+        if not isinstance(v, (int, float)) or v <= 0:
+            raise ConfigError(f"{path}: dp {kind} bandwidth must be > 0 GB/s, got {v!r}")

@@ -436,8 +436,9 @@ class CandidateRun:
     def _calibration(self, gathered: list[dict]) -> dict:
         """The cost model's terms measured on the warm-up plan (collective): the host overhead
         per action, a backbone activation's one-way time and the latency it adds beyond the
-        model's figure, and the seconds its steps took beyond its simulated step (charged to
-        every candidate alike: what no action holds, and the model's error on this job)."""
+        model's figure, the DP collectives' rates (in `gathered`), and the seconds its steps
+        took beyond its simulated step (charged to every candidate alike: what no action holds,
+        and the model's error on this job)."""
         from megatron_mllm.runtime.planning.link_probe import message_latency, message_seconds
         from megatron_mllm.runtime.planning.replan import (
             calibrated,
@@ -455,6 +456,7 @@ class CandidateRun:
         one_way = message_seconds(run.job, run.device, run.job.model.dtype, groups=run.pair_groups)
         ran = measured_workload(run.job, gathered)
         out = {"overhead_s": overhead, "latency_s": 0.0, "message_s": one_way}
+        out["dp_gbps"] = {key[2]: v[-1] for key, v in gathered[0].items() if key[0] == "dp"}
         if ran is None:
             return {**out, "unexplained_s": 0.0, "fitted_latency_s": 0.0}
         latency = message_latency(one_way, ran.transfer_s.get("act", 0.0))

@@ -206,10 +206,25 @@ class ExecutorRun:
         self.eval_ordered = (receive_orders(evaluation, self.rank), groups)
 
     def gathered_unit_times(self) -> list[dict]:
-        """Every rank's measured unit times (collective)."""
+        """Every rank's measured unit times (collective), with the DP collectives' rates (timed
+        here once, after the unit times were last cleared)."""
+        if not any(key[0] == "dp" for key in self.unit_times):
+            self.probe_dp_rates()
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, self.unit_times)
         return gathered
+
+    def probe_dp_rates(self) -> None:
+        """Time one DDP bucket's reduce-scatter and all-gather over the world (collective) and
+        keep their rates beside the unit times ("dp", "gbps", kind), as the cost model reads
+        them (`link_probe.dp_collective_gbps`)."""
+        from megatron_mllm.runtime.planning.link_probe import dp_collective_gbps
+
+        opt, dtype = self.job.optimizer, self.job.model.dtype
+        grads = torch.float32 if opt.grad_reduce_in_fp32 else dtype
+        rates = dp_collective_gbps(self.device, opt.ddp_bucket_size, dtype, grads)
+        for kind, gbps in rates.items():
+            self.unit_times.setdefault(("dp", "gbps", kind), []).append(gbps)
 
     def replan(self, gathered: list[dict] | None = None) -> bool:
         """Online re-planning (collective unless `gathered`, every rank's unit times, is

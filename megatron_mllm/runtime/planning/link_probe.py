@@ -1,4 +1,5 @@
-"""What one pipeline message really costs in the running job, measured, for the cost model.
+"""What one pipeline message and one DP bucket's collectives really cost in the running job,
+measured, for the cost model.
 
 The plan candidates used to fit one latency per message so that the warm-up plan's simulated
 step equalled its measured one. That number absorbed whatever else the warm-up steps held
@@ -7,6 +8,11 @@ that sends more messages was predicted too slow. Here the first pipeline's stage
 exchange a backbone activation (its shape and dtype) a few times while nothing else runs, and
 the one-way time beyond the cost model's own figure for that tensor is the latency the
 calibrated workload adds to every message.
+
+The DP collectives were priced at the profile's network bandwidth (2 GB/s on the CPU profile);
+over gloo on this machine one bucket's reduce-scatter and all-gather run 5-8x slower than that,
+so a plan that replicates the encoder was predicted far too fast. `dp_collective_gbps` times one
+bucket of each, as megatron-core's DDP and distributed optimizer send them, on the whole world.
 """
 
 from __future__ import annotations
@@ -72,3 +78,53 @@ def message_latency(measured_one_way_s: float, modelled_act_s: float) -> float:
     """The latency to add to every modelled message: the measured activation's one-way time
     beyond what the cost model already charges for it (never below 0)."""
     return max(measured_one_way_s - modelled_act_s, 0.0)
+
+
+DEFAULT_BUCKET_PARAMS = 40_000_000  # megatron-core DDP's bucket size at small DP (0.16.1)
+PROBE_PARAMS_MAX = 8_000_000  # a larger bucket is probed at this size (its rate is the same)
+
+
+def dp_collective_gbps(
+    device: torch.device,
+    bucket_params: int | None,
+    param_dtype: torch.dtype,
+    grad_dtype: torch.dtype = torch.float32,
+    rounds: int = 3,
+) -> dict[str, float]:
+    """The effective bandwidth of the distributed optimizer's collectives over the world, in
+    the cost model's terms ((g - 1) / g of the bytes over the seconds, GB/s): a DDP bucket's
+    gradients reduce-scattered in `grad_dtype` and its parameters all-gathered in `param_dtype`,
+    the median of `rounds` after one warm-up, the slowest rank's (every rank calls it and gets
+    the same figures); {} in a world of one."""
+    world = dist.get_world_size()
+    if world < 2:
+        return {}
+    count = min(bucket_params or DEFAULT_BUCKET_PARAMS, PROBE_PARAMS_MAX) // world * world
+    grads = torch.ones(count, dtype=grad_dtype, device=device)
+    params = torch.zeros(count, dtype=param_dtype, device=device)
+    shard_g = torch.empty(count // world, dtype=grad_dtype, device=device)
+    shard_p = params[: count // world].clone()
+    calls = {
+        "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard_g, grads), grads),
+        "all_gather": (lambda: dist.all_gather_into_tensor(params, shard_p), params),
+    }
+    seconds = torch.zeros(len(calls), dtype=torch.float64, device=device)
+    for i, (call, _) in enumerate(calls.values()):
+        seconds[i] = _median_call(call, rounds, device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    share = (world - 1) / world
+    return {
+        kind: share * buf.numel() * buf.element_size() / (s * 1e9)
+        for (kind, (_, buf)), s in zip(calls.items(), seconds.tolist(), strict=True)
+    }
+
+
+def _median_call(call, rounds: int, device: torch.device) -> float:
+    clock, marks = StepClock(device), []
+    for _ in range(rounds + 1):  # the first call sets the collective up
+        dist.barrier()
+        start = clock.mark()
+        call()
+        marks.append((start, clock.mark()))
+    clock.finish()
+    return statistics.median(clock.between(a, b) for a, b in marks[1:])

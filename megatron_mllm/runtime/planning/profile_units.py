@@ -3,7 +3,8 @@ encoder layer, the projector, one backbone layer, the LM head) for the planner.
 
 Returns the measured-times mapping that `JobCosts(..., unit="layer")` reads:
 {"vit": {"forward": {"embed": s, "layer": s, "projector": s}, "backward": {"embed_b": ...}},
- "llm": {"forward": {"layer": s, "head": s}, "backward": {"layer_b": s, "head_b": s}}}.
+ "llm": {"forward": {"layer": s, "head": s}, "backward": {"layer_b": s, "head_b": s}},
+ "dp": {"gbps": {"reduce_scatter": GB/s, "all_gather": GB/s}}} (the last with several ranks).
 """
 
 from __future__ import annotations
@@ -50,10 +51,13 @@ def profile_units(
     micro_batch: int,
     repeats: int = 5,
     dtype: torch.dtype = torch.float32,
+    bucket_params: int | None = None,
 ) -> dict:
     """Run in fresh processes (see `launch.spawn`). With several ranks they all profile at once,
-    so the times include the contention a real multi-rank step sees on a shared machine.
-    `dtype`: the parameters' and activations' (bf16 runs profile in bf16)."""
+    so the times include the contention a real multi-rank step sees on a shared machine, and
+    a DDP bucket's DP collectives are timed over them (`link_probe.dp_collective_gbps`,
+    `bucket_params`: the job's bucket size). `dtype`: the parameters' and activations' (bf16
+    runs profile in bf16)."""
     from megatron_mllm.data.batch import image_then_text
     from megatron_mllm.data.synthetic import microbatch
     from megatron_mllm.parallel.groups import build_colocated_groups
@@ -64,6 +68,7 @@ def profile_units(
         EncoderPlacement,
         build_rank_model,
     )
+    from megatron_mllm.runtime.planning.link_probe import dp_collective_gbps
 
     device = init_rank(rank, world, 0, 60.0)
     plan = ParallelPlan(world, 1, 1)
@@ -113,6 +118,9 @@ def profile_units(
         out[model]["backward"][name + "_b"] = bwd
     if cfg.vit_native:
         out["vit"]["tower"] = profile_tower(enc, cfg, micro_batch, min(repeats, 3), device, dtype)
+    rates = dp_collective_gbps(device, bucket_params, dtype)
+    if rates:
+        out["dp"] = {"gbps": rates}
     return out
 
 
