@@ -10,7 +10,7 @@ the one-way time beyond the cost model's own figure for that tensor is the laten
 calibrated workload adds to every message.
 
 The DP collectives were priced at the profile's network bandwidth (2 GB/s on the CPU profile);
-over gloo on this machine one bucket's reduce-scatter and all-gather run 5-8x slower than that,
+over gloo on this machine one bucket's reduce-scatter and all-gather run 2-9x slower than that,
 so a plan that replicates the encoder was predicted far too fast. `dp_collective_gbps` times one
 bucket of each, as megatron-core's DDP and distributed optimizer send them, on the whole world.
 """
