@@ -8,7 +8,9 @@ takes marks while it runs and converts them to seconds after `finish()`, never i
 
 from __future__ import annotations
 
+import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -46,3 +48,24 @@ class StepClock:
     def since_start(self, m) -> float:
         """Seconds from the clock's start to mark `m` (after `finish()`)."""
         return self.between(self.start, m)
+
+
+def median_seconds(
+    fn: Callable[[], object],
+    repeats: int,
+    device: torch.device | str,
+    before: Callable[[], object] | None = None,
+) -> float:
+    """The median device time of `fn` over `repeats` runs after one warm-up; `before` runs
+    ahead of each, untimed (a barrier, so every rank starts a collective together)."""
+    samples = []
+    for i in range(repeats + 1):
+        if before is not None:
+            before()
+        clock = StepClock(device)  # device time: CUDA events on a GPU
+        fn()
+        end = clock.mark()
+        clock.finish()
+        if i:  # the first run warms up
+            samples.append(clock.since_start(end))
+    return statistics.median(samples)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mllm.parallel.groups import backbone_rank
-from megatron_mllm.runtime.engine.clock import StepClock
+from megatron_mllm.runtime.engine.clock import StepClock, median_seconds
 
 
 def probe_pair(job) -> tuple[int, int] | None:
@@ -104,27 +104,16 @@ def dp_collective_gbps(
     params = torch.zeros(count, dtype=param_dtype, device=device)
     shard_g = torch.empty(count // world, dtype=grad_dtype, device=device)
     shard_p = params[: count // world].clone()
-    calls = {
-        "reduce_scatter": (lambda: dist.reduce_scatter_tensor(shard_g, grads), grads),
-        "all_gather": (lambda: dist.all_gather_into_tensor(params, shard_p), params),
-    }
-    seconds = torch.zeros(len(calls), dtype=torch.float64, device=device)
-    for i, (call, _) in enumerate(calls.values()):
-        seconds[i] = _median_call(call, rounds, device)
+    calls = (
+        lambda: dist.reduce_scatter_tensor(shard_g, grads),
+        lambda: dist.all_gather_into_tensor(params, shard_p),
+    )
+    times = [median_seconds(call, rounds, device, before=dist.barrier) for call in calls]
+    seconds = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
     share = (world - 1) / world
+    rs_s, ag_s = seconds.tolist()
     return {
-        kind: share * buf.numel() * buf.element_size() / (s * 1e9)
-        for (kind, (_, buf)), s in zip(calls.items(), seconds.tolist(), strict=True)
+        "reduce_scatter": share * count * grads.element_size() / (rs_s * 1e9),
+        "all_gather": share * count * params.element_size() / (ag_s * 1e9),
     }
-
-
-def _median_call(call, rounds: int, device: torch.device) -> float:
-    clock, marks = StepClock(device), []
-    for _ in range(rounds + 1):  # the first call sets the collective up
-        dist.barrier()
-        start = clock.mark()
-        call()
-        marks.append((start, clock.mark()))
-    clock.finish()
-    return statistics.median(clock.between(a, b) for a, b in marks[1:])

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from megatron_mllm.runtime.planning.profile_units import median_seconds
+from megatron_mllm.runtime.engine.clock import median_seconds
 from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 from megatron_mllm.schedule.specs import TransformerSpec
 

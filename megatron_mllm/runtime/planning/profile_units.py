@@ -9,27 +9,11 @@ Returns the measured-times mapping that `JobCosts(..., unit="layer")` reads:
 
 from __future__ import annotations
 
-import statistics
-
 import torch
 
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import causal_mask
-
-
-def median_seconds(fn, repeats: int, device: torch.device) -> float:
-    """The median device time of `fn` over `repeats` runs after one warm-up (StepClock)."""
-    from megatron_mllm.runtime.engine.clock import StepClock
-
-    fn()
-    samples = []
-    for _ in range(repeats):
-        clock = StepClock(device)  # device time: CUDA events on a GPU
-        fn()
-        end = clock.mark()
-        clock.finish()
-        samples.append(clock.since_start(end))
-    return statistics.median(samples)
+from megatron_mllm.runtime.engine.clock import median_seconds
 
 
 def _fwd_bwd(unit, make_input, repeats: int, device: torch.device) -> tuple[float, float]:
