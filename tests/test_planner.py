@@ -119,6 +119,44 @@ def test_encoder_plan_rules():
         colocated_encoder_plan(backbone, 1, 3)
 
 
+def test_encoder_stages_last_first_fill_the_later_stages_warm_up_and_cool_down():
+    """PP_e = PP = 2: the encoder's stage 0 on the last backbone stage, which idles while the
+    first fills the pipeline and drains it; its output is made where the backbone reads it."""
+    from dataclasses import replace
+
+    from megatron_mllm.runtime.job import encoder_plan_of
+
+    costs = JobCosts(tiny_job(gpus=2, tp=1, pp=2, microbatches=8))
+    forward = ParallelPlan(1, 1, 2)
+    last_first = replace(forward, reversed_stages=True)
+    steps = {}
+    for plan in (forward, last_first):
+        planned = run("optimus", optimus_schedule(costs, OptimusOptions(plan)))  # validated
+        steps[plan] = planned.result.step_time_s
+        assert encoder_plan_of(planned.schedule, costs.job.plan) == (plan, False)
+        stages = [lane for lane, _ in planned.schedule.meta.encoders[0].placement[0]]
+        assert stages == ([1, 0] if plan.reversed_stages else [0, 1])
+    assert steps[last_first] < steps[forward]
+    best, candidates, _ = plan_optimus(costs)
+    assert {forward, last_first} <= {c[0].encoder_plan for c in candidates}
+    assert best.options.encoder_plan == last_first
+    assert str(last_first) == "DP1 TP1 PP2 reversed"
+
+
+def test_a_schedule_with_encoder_stages_elsewhere_is_refused_in_one_line():
+    from dataclasses import replace
+
+    from megatron_mllm.runtime.job import encoder_plan_of
+
+    costs = JobCosts(tiny_job(gpus=4, tp=1, pp=4, microbatches=8))
+    schedule, _ = optimus_schedule(costs, OptimusOptions(ParallelPlan(2, 1, 2)))
+    enc = schedule.meta.encoders[0]
+    shuffled = replace(enc, placement=(((1, 0), (2, 0)), ((0, 0), (3, 0))))
+    schedule.meta = replace(schedule.meta, encoders=(shuffled,))
+    with pytest.raises(ConfigError, match=r"encoder stages sit on backbone stages \[1, 2\]"):
+        encoder_plan_of(schedule, costs.job.plan)
+
+
 def test_measured_times_replace_the_analytic_ones(tmp_path):
     job = tiny_job()
     path = tmp_path / "times.json"

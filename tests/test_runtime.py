@@ -110,6 +110,8 @@ LAYOUTS = {  # name: (backbone plan, forced encoder plan, sequence parallelism)
     "tp2": (ParallelPlan(1, 2, 1), None, False),
     "tp2-sp": (ParallelPlan(1, 2, 1), None, True),  # activations split over TP
     "pp2-encoder-dp2": (ParallelPlan(1, 1, 2), ParallelPlan(2, 1, 1), False),
+    # the encoder's stage 0 on the last backbone stage, its output made where it is read
+    "pp2-encoder-reversed": (ParallelPlan(1, 1, 2), ParallelPlan(1, 1, 2, 1, True), False),
     "pp2-vpp2": (ParallelPlan(1, 1, 2, vpp=2), None, False),  # two model chunks per rank
     "pp2-tp2-sp": (ParallelPlan(1, 2, 2), None, True),  # [s/tp, b, h] between the stages
 }
@@ -317,7 +319,8 @@ def test_pairwise_order_check_finds_what_tagless_matching_would_mix_up():
 
     plan = ParallelPlan(1, 1, 2)
     assert pairwise_order_problems(_programs(plan, "megatron")) == []
-    assert pairwise_order_problems(_programs(plan, "optimus"))
+    # The encoder's stages first-first: its output crosses back to stage 0 beside activations.
+    assert pairwise_order_problems(_programs(plan, "optimus", forced=plan))
     programs = _programs(plan, "megatron")
     sends = [i for i, op in enumerate(programs[0]) if op.kind == "send"]
     a, b = programs[0][sends[0]], programs[0][sends[1]]

@@ -7,8 +7,10 @@ module globals. Rank layout (TP fastest, then DP, then PP, like megatron-core's 
     encoder        = t_e + TP_e * (k + g * (d + DP * (r + R * j)))
 
 with g = TP / TP_e slots per backbone stage, R = PP / PP_e rows, encoder pipeline p = r * g + k
-(within backbone replica d) and encoder stage j on backbone stage j * R + r: the placement the
-schedule core uses (`bubble_scheduler.encoder_layouts`).
+(within backbone replica d) and encoder stage j on backbone stage j * R + r, or with the
+encoder's stages reversed on stage (PP_e - 1 - j) * R + r: the placement the schedule core uses
+(`plans.encoder_stage_placement`). The encoder's pipeline group ranks its members by encoder
+stage either way (megatron-core reads a stage's layers from its rank in that group).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ def rank_coords(rank: int, backbone: ParallelPlan, encoder: ParallelPlan) -> Ran
     t, rest = rank % tp, rank // tp
     d, s = rest % dp, rest // dp
     rows = pp // encoder.pp
+    enc_stage = s // rows
     return RankCoords(
         rank,
         t,
@@ -49,7 +52,7 @@ def rank_coords(rank: int, backbone: ParallelPlan, encoder: ParallelPlan) -> Ran
         enc_tp=t % encoder.tp,
         enc_slot=t // encoder.tp,
         enc_row=s % rows,
-        enc_stage=s // rows,
+        enc_stage=encoder.pp - 1 - enc_stage if encoder.reversed_stages else enc_stage,
     )
 
 
@@ -140,7 +143,8 @@ def build_colocated_groups(
         ["tp", "cp", "slot", "dp", "row", "pp"],
     )
     enc = ProcessGroupCollection()
-    enc.tp, enc.cp, enc.pp = (egrid.create_pg(d) for d in ("tp", "cp", "pp"))
+    enc.tp, enc.cp = (egrid.create_pg(d) for d in ("tp", "cp"))
+    enc.pp = _encoder_pipeline_group(egrid, encoder, rank)
     enc.dp = egrid.create_pg(["slot", "dp", "row"])
     enc.mp = egrid.create_pg(["tp", "pp"])
     enc.tp_cp = egrid.create_pg(["tp", "cp"])
@@ -149,6 +153,21 @@ def build_colocated_groups(
 
     solo, _ = dist.new_subgroups_by_enumeration([[r] for r in range(world_size)])
     return ColocatedGroups(backbone, encoder, rank_coords(rank, backbone, encoder), bb, enc, solo)
+
+
+def _encoder_pipeline_group(grid, encoder: ParallelPlan, rank: int):
+    """The encoder's pipeline group, its members ranked by encoder stage: the grid's own, or
+    with the stages reversed one listing them last backbone stage first."""
+    if not encoder.reversed_stages:
+        return grid.create_pg("pp")
+    import torch.distributed as dist
+
+    mine = None
+    for ranks in grid.get_rank_enum("pp"):
+        group = dist.new_group(ranks[::-1], sort_ranks=False)
+        if rank in ranks:
+            mine = group
+    return mine
 
 
 def _stage_edge_group(grid, plan: ParallelPlan, rank: int, both_ends: bool):

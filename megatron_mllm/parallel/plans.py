@@ -9,12 +9,18 @@ from megatron_mllm.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParallelPlan:
-    """Sizes of one model's data, tensor and pipeline parallelism (and virtual pipeline)."""
+    """Sizes of one model's data, tensor and pipeline parallelism (and virtual pipeline).
+
+    `reversed_stages`, for an encoder plan only: its stages sit on the backbone's stages last
+    first (encoder stage 0 on the last backbone stage, its output on backbone stage 0, where
+    the backbone reads it), so the backbone's warm-up and cool-down bubbles on the later
+    stages take the encoder's first forward and last backward."""
 
     dp: int
     tp: int
     pp: int
     vpp: int = 1
+    reversed_stages: bool = False
 
     @property
     def world_size(self) -> int:
@@ -22,7 +28,8 @@ class ParallelPlan:
 
     def __str__(self) -> str:
         vpp = f" VPP{self.vpp}" if self.vpp > 1 else ""
-        return f"DP{self.dp} TP{self.tp} PP{self.pp}{vpp}"
+        order = " reversed" if self.reversed_stages else ""
+        return f"DP{self.dp} TP{self.tp} PP{self.pp}{vpp}{order}"
 
 
 def backbone_plan(world_size: int, tp: int, pp: int, vpp: int = 1) -> ParallelPlan:
@@ -81,6 +88,21 @@ def colocated_encoder_plan(backbone: ParallelPlan, tp: int, pp: int) -> Parallel
     return ParallelPlan(dp=backbone.world_size // (tp * pp), tp=tp, pp=pp)
 
 
+def encoder_stage_placement(
+    backbone: ParallelPlan, encoder: ParallelPlan
+) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """[pipe][stage] -> (backbone stage, slot) of every encoder pipeline within one backbone
+    replica: pipeline p = r * g + k (row r of R = PP/PP_e, slot k of g = TP/TP_e) puts its
+    stage j on backbone stage j * R + r, slot k; with `encoder.reversed_stages` stage j sits
+    where stage PP_e - 1 - j would."""
+    check_colocated(backbone, encoder)
+    rows, slots = backbone.pp // encoder.pp, backbone.tp // encoder.tp
+    order = range(encoder.pp)[::-1] if encoder.reversed_stages else range(encoder.pp)
+    return tuple(
+        tuple((j * rows + p // slots, p % slots) for j in order) for p in range(rows * slots)
+    )
+
+
 def encoder_pipelines_per_backbone_pipeline(backbone: ParallelPlan, encoder: ParallelPlan) -> int:
     """m = DP_e / DP: how many encoder pipelines feed one backbone pipeline."""
     check_colocated(backbone, encoder)
@@ -88,7 +110,8 @@ def encoder_pipelines_per_backbone_pipeline(backbone: ParallelPlan, encoder: Par
 
 
 def enumerate_encoder_plans(backbone: ParallelPlan, encoder_layers: int) -> list[ParallelPlan]:
-    """Every colocated encoder plan: TP_e | TP, PP_e | PP, PP_e <= encoder layers."""
+    """Every colocated encoder plan: TP_e | TP, PP_e | PP, PP_e <= encoder layers; with
+    PP_e > 1 both stage orders (see `ParallelPlan.reversed_stages`)."""
     plans = []
     for tp_e in range(1, backbone.tp + 1):
         if backbone.tp % tp_e:
@@ -98,4 +121,6 @@ def enumerate_encoder_plans(backbone: ParallelPlan, encoder_layers: int) -> list
                 continue
             dp_e = backbone.world_size // (tp_e * pp_e)
             plans.append(ParallelPlan(dp=dp_e, tp=tp_e, pp=pp_e))
+            if pp_e > 1:
+                plans.append(ParallelPlan(dp=dp_e, tp=tp_e, pp=pp_e, reversed_stages=True))
     return plans

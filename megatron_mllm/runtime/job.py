@@ -4,13 +4,13 @@ that must pass before any process group exists (`check_job`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import MLLMConfig
-from megatron_mllm.parallel.plans import ParallelPlan
+from megatron_mllm.parallel.plans import ParallelPlan, encoder_stage_placement
 from megatron_mllm.schedule.config import Recompute
 from megatron_mllm.schedule.schedule import Schedule
 
@@ -202,7 +202,13 @@ def encoder_plan_of(schedule: Schedule, backbone: ParallelPlan) -> tuple[Paralle
             f"schedule's encoder plan DP{meta.encoder_plan[0]} TP{meta.encoder_plan[1]} "
             f"PP{meta.encoder_plan[2]} disagrees with its layout on backbone {backbone} ({plan})"
         )
-    return plan, False
+    for order in (plan, replace(plan, reversed_stages=True)):
+        if all(e.placement == encoder_stage_placement(backbone, order) for e in meta.encoders):
+            return order, False
+    raise ConfigError(
+        f"schedule's encoder stages sit on backbone stages {[s for s, _ in enc.placement[0]]}: "
+        f"the runtime places {plan} first stage first or last stage first"
+    )
 
 
 def check_job(job: RuntimeJob, world: int) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from megatron_mllm.parallel.plans import ParallelPlan, check_colocated
+from megatron_mllm.parallel.plans import ParallelPlan, encoder_stage_placement
 from megatron_mllm.schedule.actions import AG, EB, EF, EW, RS, Action
 from megatron_mllm.schedule.assemble import EncoderLayout, assemble, megatron_backbone
 from megatron_mllm.schedule.blocks import JobCosts, concat
@@ -34,16 +34,11 @@ from megatron_mllm.schedule.workload import Workload, with_weight_split
 def encoder_layouts(costs: JobCosts, enc_plan: ParallelPlan) -> tuple[list[EncoderLayout], int]:
     """Stages and placement of every encoder under `enc_plan`; also the slots per rank.
 
-    Encoder pipeline p = r * g + k (row r of PP/PP_e, slot k of g = TP/TP_e) puts its stage j
-    on backbone rank j * (PP/PP_e) + r, slot k.
+    See `parallel.plans.encoder_stage_placement` for where each stage sits.
     """
     plan = costs.job.plan
-    check_colocated(plan, enc_plan)
-    rows, slots = plan.pp // enc_plan.pp, plan.tp // enc_plan.tp
-    placement = tuple(
-        tuple((j * rows + p // slots, p % slots) for j in range(enc_plan.pp))
-        for p in range(rows * slots)
-    )
+    placement = encoder_stage_placement(plan, enc_plan)
+    slots = plan.tp // enc_plan.tp
     layouts = []
     for e in range(len(costs.job.encoders)):
         blocks = costs.encoder_blocks(e, enc_plan.tp)

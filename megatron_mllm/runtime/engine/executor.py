@@ -142,7 +142,11 @@ class Executor(ComputeActions):
                 hook.remove()
         if self.after_program is not None:
             self.picked = self.after_program(self)
-        self.messages.drain()
+        start = self.clock.mark()
+        self.messages.drain()  # sends still in flight wait for their receivers: a p2p wait
+        self._span_later(
+            "p2p", Action("SEND", key="(in flight at step end)"), "p2p", start, self.clock.mark()
+        )
         for key in sorted(self.grad_sync):  # one order on every rank (see data_parallel.py)
             start = self.clock.mark()
             self.grad_sync[key].finish()  # what of the reduction is not hidden: a DP span
