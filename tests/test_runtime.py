@@ -14,6 +14,7 @@ from megatron_mllm.models.config import CLIP_VIT, LLAMA, TINY, MLLMConfig
 from megatron_mllm.models.weights import assemble_grads
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.assembly.launch import RankFailed, spawn
+from megatron_mllm.runtime.engine.executor import STEP_END_SENDS
 from megatron_mllm.runtime.job import (
     Collect,
     DataParts,
@@ -163,6 +164,10 @@ def test_four_ways_agree(reference, layout):
         ran = {_stripped(s.action) for o in outs for s in o["spans"] if s.stream == "compute"}
         planned = {_stripped(a) for acts in schedule.ranks for a in acts if a.is_compute}
         assert planned <= ran, sorted(planned - ran)[:5]
+        # Sends still in flight when the program ends are waited for as p2p time, not overhead.
+        ends = [s for o in outs for s in o["spans"] if s.action.key == STEP_END_SENDS]
+        assert {s.rank for s in ends} == set(range(plan.world_size))
+        assert all(s.stream == "p2p" for s in ends)
 
 
 def _stripped(action) -> str:

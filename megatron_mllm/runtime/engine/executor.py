@@ -42,6 +42,10 @@ from megatron_mllm.schedule.simulator import Span
 __all__ = ["Executor", "PeerFailure", "StepResult"]
 
 
+# The p2p span of the sends a rank still waits for after its program (breakdown key).
+STEP_END_SENDS = "(in flight at step end)"
+
+
 class Executor(ComputeActions):
     """Executes `program` (from `gpu_program`) once per training step."""
 
@@ -144,9 +148,7 @@ class Executor(ComputeActions):
             self.picked = self.after_program(self)
         start = self.clock.mark()
         self.messages.drain()  # sends still in flight wait for their receivers: a p2p wait
-        self._span_later(
-            "p2p", Action("SEND", key="(in flight at step end)"), "p2p", start, self.clock.mark()
-        )
+        self._span_later("p2p", Action("SEND", key=STEP_END_SENDS), "p2p", start, self.clock.mark())
         for key in sorted(self.grad_sync):  # one order on every rank (see data_parallel.py)
             start = self.clock.mark()
             self.grad_sync[key].finish()  # what of the reduction is not hidden: a DP span
