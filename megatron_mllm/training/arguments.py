@@ -97,8 +97,9 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="K",
-        help="optimus: the planner's K best plans (one per encoder plan and placement) and the "
-        "Megatron schedule each train --plan-candidate-steps real steps after warm-up "
+        help="optimus: the planner's K best plans (one per encoder plan, stage order included, "
+        "and placement) and the Megatron schedule each train --plan-candidate-steps real "
+        "steps after warm-up "
         "(re-planned and predicted from the times this job measured first); the fastest "
         "measured trains on",
     )
