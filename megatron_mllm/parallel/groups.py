@@ -43,7 +43,6 @@ def rank_coords(rank: int, backbone: ParallelPlan, encoder: ParallelPlan) -> Ran
     t, rest = rank % tp, rank // tp
     d, s = rest % dp, rest // dp
     rows = pp // encoder.pp
-    enc_stage = s // rows
     return RankCoords(
         rank,
         t,
@@ -52,7 +51,7 @@ def rank_coords(rank: int, backbone: ParallelPlan, encoder: ParallelPlan) -> Ran
         enc_tp=t % encoder.tp,
         enc_slot=t // encoder.tp,
         enc_row=s % rows,
-        enc_stage=encoder.pp - 1 - enc_stage if encoder.reversed_stages else enc_stage,
+        enc_stage=encoder.stage_block(s // rows),
     )
 
 

@@ -26,6 +26,11 @@ class ParallelPlan:
     def world_size(self) -> int:
         return self.dp * self.tp * self.pp
 
+    def stage_block(self, stage: int) -> int:
+        """Which of its row's PP_e blocks of backbone stages encoder stage `stage` sits in (and,
+        the map being its own inverse, which encoder stage sits in block `stage`)."""
+        return self.pp - 1 - stage if self.reversed_stages else stage
+
     def __str__(self) -> str:
         vpp = f" VPP{self.vpp}" if self.vpp > 1 else ""
         order = " reversed" if self.reversed_stages else ""
@@ -97,9 +102,9 @@ def encoder_stage_placement(
     where stage PP_e - 1 - j would."""
     check_colocated(backbone, encoder)
     rows, slots = backbone.pp // encoder.pp, backbone.tp // encoder.tp
-    order = range(encoder.pp)[::-1] if encoder.reversed_stages else range(encoder.pp)
     return tuple(
-        tuple((j * rows + p // slots, p % slots) for j in order) for p in range(rows * slots)
+        tuple((encoder.stage_block(j) * rows + p // slots, p % slots) for j in range(encoder.pp))
+        for p in range(rows * slots)
     )
 
 
