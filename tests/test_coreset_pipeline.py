@@ -1,3 +1,5 @@
+import dataclasses
+
 import pytest
 import torch
 from bench_data.mixture import VOCAB, build_mixture
@@ -180,6 +182,10 @@ def test_tp2_selection_equals_tp1_selection(features):
                                LossReplay(plain).gradients(hidden, labels, weight))  # fmt: skip
     config = CoresetConfig(batch_size=10, features=features, seed=2)
     tp1_feats = CoresetSelector(config).features(replay, hidden, labels, weight)
+    if features == "zo":  # the closed form is the limit of the generic two-sided perturbation
+        fine = dataclasses.replace(config, epsilon=1e-5)  # its O(eps^2) error below the check's
+        perturbed = CoresetSelector(fine).features(LossReplay(plain), hidden, labels, weight)
+        torch.testing.assert_close(tp1_feats, perturbed, rtol=1e-6, atol=1e-8)
     tp1 = CoresetSelector(config).select(sources, replay, hidden, labels, weight).tolist()
     for picked, feats in spawn(_tp_selection, 2, features):
         torch.testing.assert_close(feats, tp1_feats)

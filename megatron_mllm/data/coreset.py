@@ -196,7 +196,14 @@ def zeroth_order_features(
     """[n, k] directional derivatives of each example's loss along k fresh random directions,
     by two-sided perturbation of `block` (only the last layer is replayed; no autograd). The
     directions go `chunk` at a time, each chunk's 2 x chunk perturbed blocks evaluated together
-    (`replay.losses`), so the replay's memory is a chunk's, not k's."""
+    (`replay.losses`), so the replay's memory is a chunk's, not k's. A replay with a closed
+    form (`projected_gradients`: the MLLM's softmax output layer) gives the derivatives the
+    perturbation approximates, along the same directions, for one replay's compute instead of
+    2 x k."""
+    if hasattr(replay, "projected_gradients"):
+        z = [replay.directions(min(chunk, num_directions - s), block, generator)
+             for s in range(0, num_directions, chunk)]  # fmt: skip
+        return replay.projected_gradients(hidden, targets, block, torch.cat(z).to(block.device))
     out = []
     for start in range(0, num_directions, chunk):
         c = min(chunk, num_directions - start)

@@ -190,13 +190,9 @@ class VocabParallelReplay:
         ce = sum_exp.log() + top - target
         return (ce * keep).sum(-1) / keep.sum(-1).clamp(min=1)
 
-    @torch.no_grad()
-    def gradients(self, hidden, labels, block: torch.Tensor) -> torch.Tensor:
-        """[n, vocab_size * h]: per-example gradients of the loss with respect to the whole
-        output weight, in closed form (softmax minus one-hot, times the inputs), gathered over
-        the vocabulary shards in rank order."""
-        import torch.distributed as dist
-
+    def _logit_grads(self, hidden, labels, block: torch.Tensor):
+        """The labelled positions' inputs [n, m, h] and the loss's gradient with respect to
+        this shard's logits [n, m, v] (softmax minus one-hot, over each example's count)."""
         hidden, labels = labelled_positions(hidden, labels)
         logits, top, sum_exp, _, keep, local, here = self._softmax_parts(
             hidden, labels, block[None]
@@ -204,12 +200,42 @@ class VocabParallelReplay:
         p = (logits[0] - top[0][..., None]).exp() / sum_exp[0][..., None]
         p = p - torch.nn.functional.one_hot(local, block.shape[0]).to(p.dtype) * here[..., None]
         weight = keep / keep.sum(-1, keepdim=True).clamp(min=1)
-        g = torch.einsum("nsv,nsh->nvh", p * weight[..., None], hidden)  # [n, v, h]
+        return hidden, p * weight[..., None]
+
+    @torch.no_grad()
+    def gradients(self, hidden, labels, block: torch.Tensor) -> torch.Tensor:
+        """[n, vocab_size * h]: per-example gradients of the loss with respect to the whole
+        output weight, in closed form (softmax minus one-hot, times the inputs), gathered over
+        the vocabulary shards in rank order."""
+        import torch.distributed as dist
+
+        hidden, dlogits = self._logit_grads(hidden, labels, block)
+        g = torch.einsum("nsv,nsh->nvh", dlogits, hidden)  # [n, v, h]
         if self.group is not None:
             shards = [torch.empty_like(g) for _ in range(dist.get_world_size(self.group))]
             dist.all_gather(shards, g.contiguous(), group=self.group)
             g = torch.cat(shards, dim=1)
         return g.reshape(g.shape[0], -1)
+
+    @torch.no_grad()
+    def projected_gradients(self, hidden, labels, block: torch.Tensor, directions: torch.Tensor):
+        """[n, k]: each example's loss gradient with respect to the whole output weight,
+        projected on the k `directions` [k, v, h] (this shard's rows, `directions`): the
+        directional derivatives that two-sided perturbation approximates, in closed form. The
+        examples go k at a time, so besides the directions it holds k examples' gradients."""
+        import torch.distributed as dist
+
+        hidden, dlogits = self._logit_grads(hidden, labels, block)
+        k = directions.shape[0]
+        flat = directions.reshape(k, -1).T
+        out = []
+        for i in range(0, hidden.shape[0], k):
+            g = torch.einsum("nsv,nsh->nvh", dlogits[i : i + k], hidden[i : i + k])
+            out.append(g.reshape(g.shape[0], -1) @ flat)
+        feats = torch.cat(out)
+        if self.group is not None:  # each shard holds its rows' share of every product
+            dist.all_reduce(feats, group=self.group)
+        return feats
 
     def directions(self, k: int, block: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
         """[k, v, h]: this shard's rows of k standard normal directions over the whole
