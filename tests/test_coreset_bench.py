@@ -164,3 +164,15 @@ def test_pipeline_ratio_interval_is_the_paired_log_interval():
     )
     geo, low, high = ratio_interval([math.log(x) for x in (0.8, 1.0, 0.9)], [0.0, 0.0, 0.0])
     assert geo == pytest.approx((0.8 * 1.0 * 0.9) ** (1 / 3)) and low < geo < high
+
+
+def test_pipeline_top_waits_are_means_per_step_longest_first():
+    """A rank's longest waits: each message's mean seconds per step (a step that did not wait
+    for it counts 0), the longest first, at most `keep`."""
+    from coreset_pipeline import top_waits
+
+    steps = [{"RECV:a": 0.3, "RECV:b": 0.1}, {"RECV:b": 0.3}, {"RECV:c": 0.05}]
+    assert top_waits(steps, keep=2) == {
+        "RECV:b": pytest.approx(0.4 / 3),
+        "RECV:a": pytest.approx(0.1),
+    }

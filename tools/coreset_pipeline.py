@@ -147,6 +147,7 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
     spent = {name: timed_phases(run) for name, run in runs.items()}
     times = {name: [] for name in runs}
     phases = {name: [] for name in runs}
+    waits = {name: [] for name in runs}  # per step: the program's waits by message
     blocks = [(0, 1)] + [(s, min(BLOCK, steps - s)) for s in range(1, steps, BLOCK)]
     for first, count in blocks:
         for name, run in runs.items():
@@ -163,7 +164,8 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
                     "program_s": program.seconds, "compute_s": program.compute_s,
                     "wait_s": program.wait_s,
                 })  # fmt: skip
-    return {"times": times, "phases": phases}
+                waits[name].append(program.wait_by_message)
+    return {"times": times, "phases": phases, "waits": waits}
 
 
 def pipeline_section(args) -> dict:
@@ -175,6 +177,7 @@ def pipeline_section(args) -> dict:
     built = pipeline_jobs(args)
     steps = {name: [] for name in built["jobs"]}
     phases = {name: [[], []] for name in built["jobs"]}
+    waits = {name: [[], []] for name in built["jobs"]}
     ratios = {name: [] for name in LOOKAHEADS}
     # Against the same-step selection forwarding the whole pool, as the look-ahead does
     whole = {name: [] for name in ("coreset", *LOOKAHEADS)}
@@ -186,6 +189,7 @@ def pipeline_section(args) -> dict:
             steps[name] += ts
             for r in range(2):
                 phases[name][r] += ranks[r]["phases"][name][1:]
+                waits[name][r] += ranks[r]["waits"][name][1:]
         for name in LOOKAHEADS:
             pairs = [a / c for a, c in zip(times[name], times["coreset"], strict=True)]
             ratios[name].append(statistics.median(pairs))
@@ -203,6 +207,8 @@ def pipeline_section(args) -> dict:
             "ranks": [{k: statistics.median(p[k] for p in rank) for k in rank[0]}
                       for rank in phases[name]],
         }  # fmt: skip
+        for rank, steps_waits in zip(out["runs"][name]["ranks"], waits[name], strict=True):
+            rank["top_waits"] = top_waits(steps_waits)
     out["lookahead_vs_coreset"] = {
         name: (statistics.median(r), min(r), max(r)) for name, r in ratios.items()
     }
@@ -212,6 +218,16 @@ def pipeline_section(args) -> dict:
     }
     out["repeats"] = args.repeats
     return out
+
+
+def top_waits(steps: list[dict[str, float]], keep: int = 6) -> dict[str, float]:
+    """The `keep` messages a rank waited longest for, in seconds per step (means over
+    `steps`, each a program's waits by message)."""
+    total: dict[str, float] = {}
+    for waits in steps:
+        for key, s in waits.items():
+            total[key] = total.get(key, 0.0) + s / len(steps)
+    return dict(sorted(total.items(), key=lambda kv: -kv[1])[:keep])
 
 
 def ratio_interval(log_a: list[float], log_b: list[float]) -> tuple[float, float, float]:
@@ -240,6 +256,9 @@ def print_pipeline(p: dict) -> None:
             for i, k in enumerate(r["ranks"])
         )
         print(f"  {name:<44}{cells}")
+        for i, k in enumerate(r["ranks"]):
+            top = ", ".join(f"{key} {1000 * v:.0f}" for key, v in k["top_waits"].items())
+            print(f"  {'':<44}rank {i} waited longest for (ms a step): {top}")
     for name, (med, lo, hi) in p["lookahead_vs_coreset"].items():
         pred = p["predicted"][name]
         alone = pred["step_alone_s"] + pred["pool_alone_s"]
