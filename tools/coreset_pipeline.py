@@ -17,8 +17,6 @@ LOOKAHEADS = (
     "coreset_lookahead",
     "coreset_lookahead_pool_first",
     "coreset_lookahead_pool_first_select_before",
-    "coreset_lookahead_stage0",
-    "coreset_lookahead_stage0_pool_first",
 )
 
 
@@ -48,9 +46,6 @@ def pipeline_jobs(args) -> dict:
     coreset = CoresetConfig(batch_size=args.pipeline_batch, pool_ratio=2, features="zo", seed=0)
     merged = with_lookahead(step, pool, workload, SHIFTS["simulated"])
     first = with_lookahead(step, pool, workload, SHIFTS["pool-first"])
-    # The encoder whole on stage 0 (Megatron's layout): every micro-batch crosses once
-    stage0, workload0 = runtime_plan(cfg, plan, mb, n, "megatron", measured=measured)
-    pool0, _ = pool_plan(stage0, cfg, plan, mb, 2 * n, measured=measured)
 
     # fp32: bf16 matrix products are ~65x slower on this CPU
     fp32 = argparse.Namespace(precision="fp32")
@@ -74,21 +69,6 @@ def pipeline_jobs(args) -> dict:
         ),
         "coreset_lookahead_pool_first_select_before": job(
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
-        ),
-        "coreset_stage0": job(stage0, n, coreset=coreset, pool_schedule=pool0),
-        "coreset_lookahead_stage0": job(
-            stage0,
-            n,
-            coreset=coreset,
-            pool_schedule=pool0,
-            lookahead_schedule=with_lookahead(stage0, pool0, workload0, SHIFTS["simulated"]),
-        ),
-        "coreset_lookahead_stage0_pool_first": job(
-            stage0,
-            n,
-            coreset=coreset,
-            pool_schedule=pool0,
-            lookahead_schedule=with_lookahead(stage0, pool0, workload0, SHIFTS["pool-first"]),
         ),
     }
     describe = (
