@@ -4,8 +4,9 @@ acts like the pool's.
 1. Sources with fewer pool examples than the mean per source are kept whole.
 2. The rest of the budget goes to the big sources in proportion to their pool counts.
 3. Each big-source example gets a low-dimensional gradient feature on a small last-layer
-   parameter block: zeroth-order (two-sided perturbations along k fresh random directions,
-   replaying only the last layer, no autograd) or exact (per-example gradient of the block).
+   parameter block: zeroth-order (derivatives along k fresh random directions, by two-sided
+   perturbation replaying only the last layer, no autograd, or in closed form where the replay
+   has one) or exact (per-example gradient of the block).
 4. Features are normalised with the selector's own Adam-style running moments, then sparsified
    to the top-h coordinates by |mean of the source's normalised features|.
 5. Per source, greedy facility location with l1 distance picks the examples (lazy greedy,
