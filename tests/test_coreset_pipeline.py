@@ -1,5 +1,3 @@
-import dataclasses
-
 import pytest
 import torch
 from bench_data.mixture import VOCAB, build_mixture
@@ -139,6 +137,34 @@ def _pool(n=24, s=6, h=8, vocab=16):
     return hidden, labels, sources, weight
 
 
+def _plain_loss(h, t, block):
+    """The replay's loss, written the obvious way."""
+    keep = t != -100
+    ce = torch.nn.functional.cross_entropy(
+        (h @ block.T).transpose(1, 2), t.clamp(min=0), reduction="none"
+    )
+    return (ce * keep).sum(-1) / keep.sum(-1)
+
+
+@pytest.mark.parametrize("shape", [(24, 6, 8), (24, 3, 64)], ids=["held", "regrouped"])
+def test_closed_form_features_are_what_perturbation_approximates(shape):
+    """The MLLM replay's zeroth-order features (closed form) equal the generic replay's
+    two-sided perturbation along the same directions, to its O(eps^2); with the examples'
+    gradients held at once and, where they outgrow a chunk's memory, made in groups."""
+    import dataclasses
+
+    from megatron_mllm.data.coreset import CoresetSelector, LossReplay
+    from megatron_mllm.data.sampler import VocabParallelReplay
+
+    n, s, h = shape
+    hidden, labels, _, weight = _pool(n, s, h)  # s - 2 labelled positions
+    config = CoresetConfig(batch_size=10, seed=2)
+    closed = CoresetSelector(config).features(VocabParallelReplay(), hidden, labels, weight)
+    fine = dataclasses.replace(config, epsilon=1e-5)
+    perturbed = CoresetSelector(fine).features(LossReplay(_plain_loss), hidden, labels, weight)
+    torch.testing.assert_close(closed, perturbed, rtol=1e-6, atol=1e-8)
+
+
 def _tp_selection(rank, world, features):
     """Each TP rank holds half of the output layer's vocabulary rows; selects with them."""
     import torch.distributed as dist
@@ -169,23 +195,13 @@ def test_tp2_selection_equals_tp1_selection(features):
     hidden, labels, sources, weight = _pool()
     replay = VocabParallelReplay()
 
-    def plain(h, t, block):  # the same loss, written the obvious way
-        keep = t != -100
-        ce = torch.nn.functional.cross_entropy(
-            (h @ block.T).transpose(1, 2), t.clamp(min=0), reduction="none"
-        )
-        return (ce * keep).sum(-1) / keep.sum(-1)
-
+    plain = _plain_loss
     torch.testing.assert_close(replay.losses(hidden, labels, weight[None])[0],
                                plain(hidden, labels, weight))  # fmt: skip
     torch.testing.assert_close(replay.gradients(hidden, labels, weight),
                                LossReplay(plain).gradients(hidden, labels, weight))  # fmt: skip
     config = CoresetConfig(batch_size=10, features=features, seed=2)
     tp1_feats = CoresetSelector(config).features(replay, hidden, labels, weight)
-    if features == "zo":  # the closed form is the limit of the generic two-sided perturbation
-        fine = dataclasses.replace(config, epsilon=1e-5)  # its O(eps^2) error below the check's
-        perturbed = CoresetSelector(fine).features(LossReplay(plain), hidden, labels, weight)
-        torch.testing.assert_close(tp1_feats, perturbed, rtol=1e-6, atol=1e-8)
     tp1 = CoresetSelector(config).select(sources, replay, hidden, labels, weight).tolist()
     for picked, feats in spawn(_tp_selection, 2, features):
         torch.testing.assert_close(feats, tp1_feats)

@@ -200,11 +200,11 @@ def zeroth_order_features(
     (`replay.losses`), so the replay's memory is a chunk's, not k's. A replay with a closed
     form (`projected_gradients`: the MLLM's softmax output layer) gives the derivatives the
     perturbation approximates, along the same directions, for one replay's compute instead of
-    2 x k."""
+    2 x k (k / chunk where the examples' gradients do not fit in a chunk's memory)."""
     if hasattr(replay, "projected_gradients"):
-        z = [replay.directions(min(chunk, num_directions - s), block, generator)
-             for s in range(0, num_directions, chunk)]  # fmt: skip
-        return replay.projected_gradients(hidden, targets, block, torch.cat(z).to(block.device))
+        z = (replay.directions(min(chunk, num_directions - s), block, generator)
+             for s in range(0, num_directions, chunk))  # fmt: skip
+        return replay.projected_gradients(hidden, targets, block, z)
     out = []
     for start in range(0, num_directions, chunk):
         c = min(chunk, num_directions - start)

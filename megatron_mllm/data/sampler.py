@@ -218,21 +218,32 @@ class VocabParallelReplay:
         return g.reshape(g.shape[0], -1)
 
     @torch.no_grad()
-    def projected_gradients(self, hidden, labels, block: torch.Tensor, directions: torch.Tensor):
+    def projected_gradients(self, hidden, labels, block: torch.Tensor, directions) -> torch.Tensor:
         """[n, k]: each example's loss gradient with respect to the whole output weight,
-        projected on the k `directions` [k, v, h] (this shard's rows, `directions`): the
-        directional derivatives that two-sided perturbation approximates, in closed form. The
-        examples go k at a time, so besides the directions it holds k examples' gradients."""
+        projected on k directions (`directions`: chunks [c, v, h] of this shard's rows, drawn
+        as they are read): the directional derivatives that two-sided perturbation of the same
+        directions approximates, in closed form. The examples' gradients are held at once
+        where they fit in what perturbing a chunk would hold (2c blocks and 2c x the logits),
+        else made again for each chunk in groups that fit."""
         import torch.distributed as dist
 
         hidden, dlogits = self._logit_grads(hidden, labels, block)
-        k = directions.shape[0]
-        flat = directions.reshape(k, -1).T
-        out = []
-        for i in range(0, hidden.shape[0], k):
-            g = torch.einsum("nsv,nsh->nvh", dlogits[i : i + k], hidden[i : i + k])
-            out.append(g.reshape(g.shape[0], -1) @ flat)
-        feats = torch.cat(out)
+        n, size = hidden.shape[0], block.numel()
+
+        def grads(i: int, j: int) -> torch.Tensor:  # examples i to j (at most n)
+            g = torch.einsum("nsv,nsh->nvh", dlogits[i:j], hidden[i:j])
+            return g.reshape(g.shape[0], size)
+
+        held, cols = None, []
+        for z in directions:
+            flat = z.to(block.device).reshape(z.shape[0], size).T
+            per = max(1, 2 * z.shape[0] * (size + dlogits.numel()) // size)
+            if per >= n:
+                held = grads(0, n) if held is None else held
+                cols.append(held @ flat)
+            else:
+                cols.append(torch.cat([grads(i, i + per) @ flat for i in range(0, n, per)]))
+        feats = torch.cat(cols, dim=1)
         if self.group is not None:  # each shard holds its rows' share of every product
             dist.all_reduce(feats, group=self.group)
         return feats
