@@ -124,8 +124,17 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         "where simulation finds the step shortest (default: simulated), or all of them first "
         "(pool-first)",
     )
-    g.add_argument("--coreset-features", choices=["zo", "exact"], default="zo")
-    g.add_argument("--coreset-directions", type=int, default=16)
+    g.add_argument(
+        "--coreset-features",
+        choices=["zo", "exact"],
+        default="zo",
+        help="zo: each example's loss derivative along --coreset-directions random directions "
+        "of the output weight (in closed form for the softmax output layer); exact: its whole "
+        "per-example gradient",
+    )
+    g.add_argument(
+        "--coreset-directions", type=int, default=16, help="random directions for zo features"
+    )
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
