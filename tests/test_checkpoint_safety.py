@@ -17,7 +17,7 @@ from megatron_mllm_patches.safe_checkpoint_loading import refusal_in
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.training import checkpointing  # installs the safe loading
-from tests.test_training import refused
+from tests.pretrain_runs import refused
 
 # What megatron-core's dist_checkpointing writes beside every checkpoint.
 METADATA_JSON = (

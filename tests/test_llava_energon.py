@@ -363,7 +363,7 @@ def test_corrupted_members_at_training_time_are_counted_and_refused_past_the_fra
     import shutil
     import tarfile
 
-    from tests.test_training import LLAVA, torchrun
+    from tests.pretrain_runs import LLAVA, torchrun
 
     data, tokenizer = llava_dataset
     copy = tmp_path / "data"

@@ -211,9 +211,8 @@ def _data(job, lookahead):
 
 def test_lookahead_arguments_are_checked_in_one_line(monkeypatch, capsys):
     """Without a coreset or with re-planning: refused; on one pipeline stage: a warning line."""
-    from test_training import refused
-
     from megatron_mllm.training.arguments import parse_args
+    from tests.pretrain_runs import refused
 
     refused(["--coreset-lookahead"], "--coreset-lookahead needs --coreset-pool-ratio", monkeypatch)
     pp2 = ["--pipeline-model-parallel-size", "2", "--coreset-pool-ratio", "2"]
@@ -237,7 +236,7 @@ def test_a_look_ahead_run_resumes_exactly(tmp_path):
     """PP=2 with --coreset-lookahead, saved at 2: the checkpoint holds the rows chosen for
     iteration 3 during iteration 2 (and the position before their pool); resumed, iterations
     3 and 4 train exactly as in the uninterrupted run, and iteration 4's tensors are equal."""
-    from test_training import COMMON, resumed_at_2_is_bit_exact
+    from tests.pretrain_runs import COMMON, resumed_at_2_is_bit_exact
 
     args = [*COMMON, "--pipeline-model-parallel-size", "2", "--train-iters", "4",
             "--coreset-pool-ratio", "2", "--coreset-lookahead"]  # fmt: skip

@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from tests.test_training import COMMON, torchrun
+from tests.pretrain_runs import COMMON, torchrun
 
 PP2 = ["--pipeline-model-parallel-size", "2", *COMMON[:2], "--lr", "1e-2"]
 

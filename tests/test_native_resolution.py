@@ -204,7 +204,7 @@ QWEN_ARGS = ["--encoder-arch", "qwen2vl", "--patch-dim", "4", "--img-h", "16", "
 def test_pretrain_trains_the_native_tower_and_resumes_bit_exactly(tmp_path):
     """pretrain_mllm.py --encoder-arch qwen2vl on synthetic images of their own sizes (PP=2
     Optimus, bf16 + distributed optimizer): resumed at iteration 2 it continues bit-exactly."""
-    from tests.test_training import COMMON, resumed_at_2_is_bit_exact
+    from tests.pretrain_runs import COMMON, resumed_at_2_is_bit_exact
 
     args = [*COMMON, *QWEN_ARGS, "--train-iters", "4", "--pipeline-model-parallel-size", "2",
             "--bf16", "--use-distributed-optimizer"]  # fmt: skip
@@ -224,7 +224,7 @@ def test_pretrain_trains_the_native_tower_and_resumes_bit_exactly(tmp_path):
      (["--img-h", "20"], "not a multiple of patch x merge = 8")],
 )  # fmt: skip
 def test_native_arguments_are_refused_in_one_line(extra, msg, monkeypatch):
-    from tests.test_training import refused
+    from tests.pretrain_runs import refused
 
     refused([*QWEN_ARGS, *extra], msg, monkeypatch)
 

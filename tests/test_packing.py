@@ -203,7 +203,7 @@ def test_packed_training_resumes_bit_exactly(tmp_path, llava_dataset, schedule):
     packed rows' images; bf16 with the distributed optimizer, per-token loss): a run resumed
     at iteration 2 (its loader's packing buffer in the checkpoint) continues with the
     uninterrupted run's losses and tensors."""
-    from tests.test_training import LLAVA, resumed_at_2_is_bit_exact
+    from tests.pretrain_runs import LLAVA, resumed_at_2_is_bit_exact
 
     data, tokenizer = llava_dataset
     args = [*LLAVA, "--data-path", str(data), "--tokenizer-model", str(tokenizer),
@@ -228,8 +228,8 @@ def test_native_packed_adaptive_training_resumes_bit_exactly(tmp_path, llava_dat
     """The native-resolution tower on packed LLaVA digits, each step planned for its rows'
     patches and the rows dealt by them (bf16 + distributed optimizer, per-token loss): a run
     resumed at iteration 2 continues with the uninterrupted run's losses and tensors."""
+    from tests.pretrain_runs import LLAVA, resumed_at_2_is_bit_exact
     from tests.test_native_resolution import QWEN_ARGS
-    from tests.test_training import LLAVA, resumed_at_2_is_bit_exact
 
     data, tokenizer = llava_dataset
     args = [*LLAVA, *QWEN_ARGS, "--data-path", str(data), "--tokenizer-model", str(tokenizer),
@@ -252,13 +252,13 @@ def test_native_packed_adaptive_training_resumes_bit_exactly(tmp_path, llava_dat
       "needs --data-path")],
 )  # fmt: skip
 def test_packing_arguments_are_refused_in_one_line(extra, msg, monkeypatch):
-    from tests.test_training import refused
+    from tests.pretrain_runs import refused
 
     refused(extra, msg, monkeypatch)
 
 
 def test_packing_without_a_per_token_loss_is_refused(llava_dataset, monkeypatch):
-    from tests.test_training import refused
+    from tests.pretrain_runs import refused
 
     data, tokenizer = llava_dataset
     hf = ["--data-path", str(data), "--tokenizer-type", "HuggingFaceTokenizer",

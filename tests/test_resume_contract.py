@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from tests.test_training import assert_refused_in_one_line, refused, torchrun
+from tests.pretrain_runs import assert_refused_in_one_line, refused, torchrun
 
 RUN = ["--global-batch-size", "4", "--lr", "1e-2", "--lr-decay-style", "linear"]
 
@@ -150,7 +150,7 @@ def test_consumed_samples_carry_on_from_the_checkpoint_across_a_batch_size_chang
 
 @pytest.mark.slow  # two torchrun jobs
 def test_a_resume_with_another_global_batch_logs_the_carried_count(tmp_path):
-    from tests.test_training import COMMON, torchrun
+    from tests.pretrain_runs import COMMON, torchrun
 
     args = [*COMMON, "--train-iters", "2", "--save", str(tmp_path / "a")]
     first = torchrun(*args)
@@ -171,8 +171,8 @@ def test_a_different_tokenizer_is_refused_on_resume(tmp_path, llava_dataset, mon
     import torch
 
     from megatron_mllm.data.tokenizer import tokenizer_identity
+    from tests.pretrain_runs import refused
     from tests.test_checkpoint_safety import METADATA_JSON
-    from tests.test_training import refused
 
     data, tokenizer = llava_dataset
     other = tmp_path / "other_tokenizer"

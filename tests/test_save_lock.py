@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from megatron_mllm.training.save_lock import LOCK, acquire, release
-from tests.test_training import assert_refused_in_one_line, torchrun
+from tests.pretrain_runs import assert_refused_in_one_line, torchrun
 
 HOLD = """
 import sys, time

@@ -5,7 +5,7 @@ import pytest
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.partition import first_last_split
-from tests.test_training import COMMON, losses, refused, torchrun
+from tests.pretrain_runs import COMMON, losses, refused, torchrun
 
 
 @pytest.mark.parametrize(
