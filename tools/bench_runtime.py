@@ -72,6 +72,13 @@ def main() -> int:
     )
     ap.add_argument("--microbatches", type=int, default=8)
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument(
+        "--fill-granularity",
+        choices=["layer", "kernel"],
+        default="layer",
+        help="the Optimus runs' encoder units (pretrain_mllm.py's flag; the Megatron schedule's "
+        "encoder stays whole layers on stage 0)",
+    )
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument(
         "--ddp-bucket-size", type=int, default=2_000_000, help="parameters per DDP bucket"
@@ -216,7 +223,9 @@ def plan_runs(args, cfg, dtype) -> dict:
     costs = JobCosts(run.planning_job(), measured, unit="layer")
     even = megatron_schedule(costs, even_split=True)
     balanced = megatron_schedule(costs)
-    best, _, _ = plan_optimus(costs)
+    unit = args.fill_granularity
+    fill_costs = JobCosts(run.planning_job(), measured, unit=unit)
+    best, _, _ = plan_optimus(fill_costs)
     predicted = {
         "megatron_core_1f1b": simulate(*even).step_time_s,
         "balanced": simulate(*balanced).step_time_s,
@@ -232,20 +241,19 @@ def plan_runs(args, cfg, dtype) -> dict:
     def job(plans, **kw):
         return replace(base, plans=plans, **kw)
 
+    def optimus(schedule) -> PlanParts:
+        return PlanParts(plan, schedule=schedule, encoder_units=unit)
+
     first = balanced[0].meta.backbone_layers[0]
     jobs = {
         "megatron_core_1f1b": job(PlanParts(plan), mode="megatron_core"),
         "balanced": job(PlanParts(plan, backbone_first_stage_layers=first), mode="megatron_core"),
         "executor_megatron": job(PlanParts(plan, schedule=balanced[0])),
-        "optimus": job(PlanParts(plan, schedule=best.schedule)),
-        "optimus_dynamic": job(
-            PlanParts(plan, schedule=best.schedule), executor=ExecutorSettings(dynamic=True)
-        ),
+        "optimus": job(optimus(best.schedule)),
+        "optimus_dynamic": job(optimus(best.schedule), executor=ExecutorSettings(dynamic=True)),
         # Re-planned after the warm-up step from this run's own measured unit times (both
         # ranks, under the contention they really see): balances the ranks on what they cost.
-        "optimus_replanned": job(
-            PlanParts(plan, schedule=best.schedule), executor=ExecutorSettings(replan_after=1)
-        ),
+        "optimus_replanned": job(optimus(best.schedule), executor=ExecutorSettings(replan_after=1)),
     }
     # Plan candidates (--plan-candidates): the planner's K best and the Megatron schedule each
     # train real steps, the fastest measured is kept; this run's phase goes before the others.
@@ -254,9 +262,12 @@ def plan_runs(args, cfg, dtype) -> dict:
     from megatron_mllm.training.plan_candidates import CandidatePhase, CandidateRun
     from megatron_mllm.training.plan_candidates import plan_candidates as candidates_of
 
-    cands = tuple(candidates_of(costs, args.plan_candidates))
+    cands = tuple(candidates_of(fill_costs, args.plan_candidates, unit))
     phase = CandidatePhase(cands, args.plan_candidate_steps)
-    jobs["optimus_candidates"] = job(PlanParts(plan, schedule=phase.candidates[0].schedule))
+    opening = phase.candidates[0]
+    jobs["optimus_candidates"] = job(
+        PlanParts(plan, schedule=opening.schedule, encoder_units=opening.units)
+    )
     predicted["optimus_candidates"] = float("nan")  # the kept candidate's, from the run
     makers = {"optimus_candidates": partial(CandidateRun, phase=phase)}
     # The Megatron schedule's run takes its steps in turn with the phase's: the machine's drift
