@@ -56,6 +56,20 @@ def test_plan_candidates_are_the_k_best_and_the_megatron_schedule():
     assert len(set(layouts)) == len(layouts)  # one candidate per module layout
 
 
+def test_kernel_fill_candidates_keep_the_megatron_schedule_in_layers():
+    """With --fill-granularity kernel the Optimus candidates plan kernel units, while the
+    Megatron candidate's encoder runs whole layers on stage 0: its schedule is the one layer
+    costs give, which the in-job re-plan rebuilds (it failed in one line before)."""
+    from megatron_mllm.runtime.planning.schedules import plan_job
+
+    job = job_of(TINY, PLAN, 1, N)
+    cands = plan_candidates(JobCosts(job, unit="kernel"), 2, "kernel")
+    megatron = next(c for c in cands if c.label == "megatron")
+    assert megatron.units == "layer"
+    assert {c.units for c in cands if c.label != "megatron"} == {"kernel"}
+    plan_job(job, "balanced", unit="layer")[1].check_matches(megatron.schedule.meta)
+
+
 def test_the_fastest_recorded_candidate_is_kept(tmp_path):
     """From a recorded file of per-step seconds: candidate 2 ran first after warm-up, in windows
     mirrored around the phase's middle, and its timed steps (not its windows' warm-up steps) are

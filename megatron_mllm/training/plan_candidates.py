@@ -139,6 +139,7 @@ def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
     its best schedule, and, where it is not among them, the Megatron schedule (encoder on stage
     0, balanced split) as the last."""
     from megatron_mllm.schedule.baselines import megatron_schedule
+    from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
     from megatron_mllm.schedule.planner import plan_optimus
     from megatron_mllm.schedule.simulator import simulate
@@ -146,6 +147,9 @@ def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
 
     _, options, _ = plan_optimus(costs)
     memory = costs.job.hw.memory_gb
+    # The Megatron schedule's encoder runs whole layers on stage 0 whatever the fill unit
+    # (its candidate's units), so it is built from layer-unit costs.
+    layers = costs if costs.unit == "layer" else JobCosts(costs.job, costs.cm.measured, "layer")
     # One per module layout (encoder plan and placement): its best bubble-schedule variant, as
     # the in-job re-plan makes every candidate of one layout that layout's best anyway.
     best: dict[tuple, tuple] = {}
@@ -157,7 +161,7 @@ def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
     out: list[Candidate] = []
     for seconds, _, opts in ranked[:k]:
         if opts.placement == "stage0":
-            schedule, workload = megatron_schedule(costs)
+            schedule, workload = megatron_schedule(layers)
             out.append(Candidate("megatron", schedule, "layer", seconds, workload))
             continue
         schedule, workload = optimus_schedule(costs, opts)
@@ -166,7 +170,7 @@ def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
         label = f"optimus {opts.encoder_plan} {opts.split} {fine} +{opts.extra_warmup}"
         out.append(Candidate(label, schedule, unit, seconds, workload))
     if not any(c.label == "megatron" for c in out):
-        built = megatron_schedule(costs)
+        built = megatron_schedule(layers)
         seconds = simulate(*built).step_time_s
         out.append(Candidate("megatron", built[0], "layer", seconds, built[1]))
     return out
