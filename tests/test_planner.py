@@ -226,3 +226,24 @@ def test_chrome_trace_has_a_process_per_rank():
     names = {e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "process_name"}
     assert names == {"optimus rank 0", "optimus rank 1"}
     assert all(e["dur"] >= 0 for e in events if e["ph"] == "X")
+
+
+def test_kernel_units_from_a_profile_of_whole_units_add_up_to_it():
+    """Planning at kernel units from a profile of whole layers (`profile_units`): each layer's
+    kernels keep the cost model's proportions and add up to the measured layer; kernels the
+    profile names itself keep their measured seconds."""
+    job = tiny_job(2, 1, 2)
+    name = job.backbone.name
+    analytic = JobCosts(job, unit="kernel").backbone_layer(1)
+    units = {name: {"forward": {"layer": 0.5}, "backward": {"layer_b": 1.5}}}
+    scaled = JobCosts(job, units, unit="kernel").backbone_layer(1)
+    for got, want, seconds in ((scaled.fwd, analytic.fwd, 0.5), (scaled.bwd, analytic.bwd, 1.5)):
+        assert [k.name for k in got] == [k.name for k in want]
+        assert sum(k.compute_s for k in got) == pytest.approx(seconds)
+        ratio = seconds / sum(k.compute_s for k in want)
+        assert [k.compute_s for k in got] == pytest.approx([k.compute_s * ratio for k in want])
+    first = analytic.fwd[0].name
+    named = {name: {"forward": {"layer": 0.5, first: 0.25}}}
+    kept = JobCosts(job, named, unit="kernel").backbone_layer(1)
+    assert kept.fwd[0].compute_s == pytest.approx(0.25)
+    assert sum(k.compute_s for k in kept.fwd) != pytest.approx(0.5)

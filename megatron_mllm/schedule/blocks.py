@@ -80,9 +80,11 @@ class JobCosts:
         self.cm = CostModel(job.hw, job.micro_batch, job.sequence_parallel, measured)
 
     def _as_unit(self, block: Block, model: str, name: str) -> Block:
-        """In "layer" mode a block is one kernel forward and one backward (measured if given)."""
+        """In "layer" mode a block is one kernel forward and one backward (measured if given);
+        in "kernel" mode its kernels, scaled to the measured whole unit where only that is
+        measured (`_scaled_to_unit`)."""
         if self.unit == "kernel":
-            return block
+            return self._scaled_to_unit(block, model, name)
         measured = self.cm.measured.get(model, {})
 
         def one(kernels: list[Kernel], direction: str, unit: str) -> list[Kernel]:
@@ -102,6 +104,29 @@ class JobCosts:
 
         block.fwd = one(block.fwd, "forward", name)
         block.bwd = one(block.bwd, "backward", name + "_b")
+        return block
+
+    def _scaled_to_unit(self, block: Block, model: str, name: str) -> Block:
+        """Kernel mode from a profile of whole units (`profile_units`: a layer's, a
+        projector's seconds, no kernel's): each direction's kernels scaled to add up to the
+        measured unit, in the cost model's proportions; their collectives kept only where
+        measured apart (as in "layer" mode). Kernels measured by name stay as they are."""
+        measured = self.cm.measured.get(model, {})
+        keep_comm = "collectives" in measured
+
+        def scaled(kernels: list[Kernel], direction: str, unit: str) -> list[Kernel]:
+            times = measured.get(direction, {})
+            seconds, total = times.get(unit), sum(k.compute_s for k in kernels)
+            if seconds is None or total <= 0 or any(k.name in times for k in kernels):
+                return kernels
+            factor = seconds / total
+            return [
+                replace(k.timed(k.compute_s * factor), comm_s=k.comm_s if keep_comm else 0.0)
+                for k in kernels
+            ]
+
+        block.fwd = scaled(block.fwd, "forward", name)
+        block.bwd = scaled(block.bwd, "backward", name + "_b")
         return block
 
     def _recomputed(self, block: Block, spec, seq: int, tp: int) -> Block:
