@@ -224,7 +224,7 @@ def plan_runs(args, cfg, dtype) -> dict:
     even = megatron_schedule(costs, even_split=True)
     balanced = megatron_schedule(costs)
     unit = args.fill_granularity
-    fill_costs = JobCosts(run.planning_job(), measured, unit=unit)
+    fill_costs = costs.with_unit(unit)
     best, _, _ = plan_optimus(fill_costs)
     predicted = {
         "megatron_core_1f1b": simulate(*even).step_time_s,

@@ -223,11 +223,9 @@ def pipeline_section(args) -> dict:
 def top_waits(steps: list[dict[str, float]], keep: int = 6) -> dict[str, float]:
     """The `keep` messages a rank waited longest for, in seconds per step (means over
     `steps`, each a program's waits by message)."""
-    total: dict[str, float] = {}
-    for waits in steps:
-        for key, s in waits.items():
-            total[key] = total.get(key, 0.0) + s / len(steps)
-    return dict(sorted(total.items(), key=lambda kv: -kv[1])[:keep])
+    from megatron_mllm.runtime.engine.breakdown import mean_waits
+
+    return dict(list(mean_waits(steps).items())[:keep])
 
 
 def ratio_interval(log_a: list[float], log_b: list[float]) -> tuple[float, float, float]:

@@ -80,54 +80,43 @@ class JobCosts:
         self.cm = CostModel(job.hw, job.micro_batch, job.sequence_parallel, measured)
 
     def _as_unit(self, block: Block, model: str, name: str) -> Block:
-        """In "layer" mode a block is one kernel forward and one backward (measured if given);
-        in "kernel" mode its kernels, scaled to the measured whole unit where only that is
-        measured (`_scaled_to_unit`)."""
-        if self.unit == "kernel":
-            return self._scaled_to_unit(block, model, name)
+        """The block in planning units: one kernel forward and one backward ("layer") or its
+        kernels ("kernel"). Where the profile measured the whole unit (`profile_units`) and no
+        kernel of it by name, its compute takes the measured seconds, shared in the cost
+        model's proportions, and its collectives stay only where measured apart."""
         measured = self.cm.measured.get(model, {})
+        keep_comm = "collectives" in measured
 
         def one(kernels: list[Kernel], direction: str, unit: str) -> list[Kernel]:
             if not kernels:
                 return []
-            whole = Kernel(
-                unit,
-                sum(k.compute_s for k in kernels),
-                sum(k.comm_s for k in kernels),
-                sum(k.wgrad_s for k in kernels),
-            )
-            seconds = measured.get(direction, {}).get(unit)
-            if seconds is not None:  # measured compute; its collectives measured apart, or in it
-                comm = whole.comm_s if "collectives" in measured else 0.0
-                return [replace(whole.timed(seconds), comm_s=comm)]
-            return [whole]
+            if self.unit == "layer":
+                kernels = [
+                    Kernel(
+                        unit,
+                        sum(k.compute_s for k in kernels),
+                        sum(k.comm_s for k in kernels),
+                        sum(k.wgrad_s for k in kernels),
+                    )
+                ]
+            times = measured.get(direction, {})
+            seconds = times.get(unit)
+            if seconds is None or any(k.name != unit and k.name in times for k in kernels):
+                return kernels
+            total = sum(k.compute_s for k in kernels)
+            shares = [k.compute_s / total if total > 0 else 1 / len(kernels) for k in kernels]
+            return [
+                replace(k.timed(seconds * share), comm_s=k.comm_s if keep_comm else 0.0)
+                for k, share in zip(kernels, shares, strict=True)
+            ]
 
         block.fwd = one(block.fwd, "forward", name)
         block.bwd = one(block.bwd, "backward", name + "_b")
         return block
 
-    def _scaled_to_unit(self, block: Block, model: str, name: str) -> Block:
-        """Kernel mode from a profile of whole units (`profile_units`: a layer's, a
-        projector's seconds, no kernel's): each direction's kernels scaled to add up to the
-        measured unit, in the cost model's proportions; their collectives kept only where
-        measured apart (as in "layer" mode). Kernels measured by name stay as they are."""
-        measured = self.cm.measured.get(model, {})
-        keep_comm = "collectives" in measured
-
-        def scaled(kernels: list[Kernel], direction: str, unit: str) -> list[Kernel]:
-            times = measured.get(direction, {})
-            seconds, total = times.get(unit), sum(k.compute_s for k in kernels)
-            if seconds is None or total <= 0 or any(k.name in times for k in kernels):
-                return kernels
-            factor = seconds / total
-            return [
-                replace(k.timed(k.compute_s * factor), comm_s=k.comm_s if keep_comm else 0.0)
-                for k in kernels
-            ]
-
-        block.fwd = scaled(block.fwd, "forward", name)
-        block.bwd = scaled(block.bwd, "backward", name + "_b")
-        return block
+    def with_unit(self, unit: str) -> JobCosts:
+        """These costs (same job, same measured times) in `unit`: itself where it is that."""
+        return self if unit == self.unit else JobCosts(self.job, self.cm.measured, unit)
 
     def _recomputed(self, block: Block, spec, seq: int, tp: int) -> Block:
         """A layer recomputed in backward: its backward starts by running its forward again

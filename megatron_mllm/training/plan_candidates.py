@@ -139,7 +139,6 @@ def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
     its best schedule, and, where it is not among them, the Megatron schedule (encoder on stage
     0, balanced split) as the last."""
     from megatron_mllm.schedule.baselines import megatron_schedule
-    from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
     from megatron_mllm.schedule.planner import plan_optimus
     from megatron_mllm.schedule.simulator import simulate
@@ -149,7 +148,7 @@ def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
     memory = costs.job.hw.memory_gb
     # The Megatron schedule's encoder runs whole layers on stage 0 whatever the fill unit
     # (its candidate's units), so it is built from layer-unit costs.
-    layers = costs if costs.unit == "layer" else JobCosts(costs.job, costs.cm.measured, "layer")
+    layers = costs.with_unit("layer")
     # One per module layout (encoder plan and placement): its best bubble-schedule variant, as
     # the in-job re-plan makes every candidate of one layout that layout's best anyway.
     best: dict[tuple, tuple] = {}

@@ -109,12 +109,18 @@ def summary(steps: list[StepBreakdown]) -> dict:
     out = {k: sum(getattr(s, k) for s in steps) / n for k in keys}
     out["actions"] = sum(s.actions for s in steps) / n
     out["overhead_per_action_s"] = out["overhead_s"] / max(out["actions"], 1)
-    waits: dict[str, float] = {}
-    for s in steps:
-        for k, v in s.wait_by_message.items():
-            waits[k] = waits.get(k, 0.0) + v / n
-    out["wait_by_message"] = dict(sorted(waits.items(), key=lambda kv: -kv[1]))
+    out["wait_by_message"] = mean_waits([s.wait_by_message for s in steps])
     return out
+
+
+def mean_waits(per_step: list[dict[str, float]]) -> dict[str, float]:
+    """Each message's mean wait per step over `per_step` (waits by message; a step that did
+    not wait for one counts 0), the longest first."""
+    waits: dict[str, float] = {}
+    for step in per_step:
+        for k, v in step.items():
+            waits[k] = waits.get(k, 0.0) + v / len(per_step)
+    return dict(sorted(waits.items(), key=lambda kv: -kv[1]))
 
 
 class ScheduleTimer:
