@@ -89,13 +89,49 @@ def test_the_planner_keeps_the_split_only_where_it_pays():
     assert best.result.step_time_s == pytest.approx(min(split[0], base.result.step_time_s))
 
 
-def test_the_executor_refuses_a_split_schedule(split):
+def test_transformer_engine_layers_refuse_a_split_schedule(split):
     from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob, check_job
 
     _, (schedule, _) = split
     job = RuntimeJob(
-        ModelParts(BENCH, {}), PlanParts(ParallelPlan(1, 1, 2), schedule=schedule),
-        DataParts(2, N),
+        ModelParts(BENCH, {}, transformer_impl="transformer_engine"),
+        PlanParts(ParallelPlan(1, 1, 2), schedule=schedule), DataParts(2, N),
     )  # fmt: skip
-    with pytest.raises(ConfigError, match="splits the encoder's backward"):
+    with pytest.raises(ConfigError, match="split encoder backward.*--transformer-impl local"):
         check_job(job, 2)
+
+
+@pytest.mark.parametrize("layout", ["reversed", pytest.param("first", marks=pytest.mark.slow)])
+def test_the_executor_runs_a_split_backward_as_the_reference(layout):
+    """EB actions give input gradients and keep the linears' weight products, EW actions turn
+    them into weight gradients through DDP's hooks (overlapped reduction in small buckets,
+    megatron-core's distributed optimizer): three steps give the one-process reference's
+    losses, the first step's gradients match, and every EW action ran."""
+    from megatron_mllm.models.config import TINY
+    from megatron_mllm.runtime.assembly.launch import spawn
+    from megatron_mllm.runtime.job import Collect, DataParts, ModelParts, PlanParts, RuntimeJob
+    from megatron_mllm.runtime.modes.runs import run_rank
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
+    from tests.test_runtime import TRAIN, check_against, reference_of
+
+    plan, n = ParallelPlan(1, 1, 2), 4
+    enc_plan = ParallelPlan(1, 1, 2, 1, layout == "reversed")
+    state, ref = reference_of(TINY, **dict(TRAIN, steps=3))
+    schedule = runtime_schedule(TINY, plan, 1, n, "optimus", encoder_plan=enc_plan,
+                                wgrad_split=True)  # fmt: skip
+    assert any(a.kind == "EW" for acts in schedule.ranks for a in acts)
+    # megatron-core's DDP reduces each bucket from its hooks as soon as its last gradient is in
+    opt = replace(TRAIN["optimizer"], overlap_grad_reduce=True, ddp_bucket_size=20_000)
+    job = RuntimeJob(ModelParts(TINY, state), PlanParts(plan, schedule), DataParts(1, n),
+                     steps=3, optimizer=opt)  # fmt: skip
+    outs = spawn(run_rank, plan.world_size, job)
+    check_against((state, ref), outs, {"backbone": 1, "encoder": 1, "projector": 1})
+    ran = {str(s.action) for o in outs for s in o["spans"] if s.action.kind == "EW"}
+    planned = {str(a) for acts in schedule.ranks for a in acts if a.kind == "EW"}
+    assert planned and planned <= ran, sorted(planned - ran)[:3]
+    # and with the distributed optimizer (gradients reduce-scattered: losses compared)
+    sharded = replace(job, optimizer=replace(opt, distributed=True), collect=Collect(grads=False))
+    for run in (outs, spawn(run_rank, plan.world_size, sharded)):
+        for step, losses in enumerate(ref["history"]):
+            mine = {k: v for o in run for k, v in o["history"][step].items()}
+            assert all(mine[k] == pytest.approx(v, abs=1e-4) for k, v in losses.items()), step

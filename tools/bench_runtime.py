@@ -10,6 +10,8 @@ All four run in the same 2-process gloo job, from the same weights and data, tak
   optimus             our executor on the Optimus schedule, planned from measured unit times
   optimus_dynamic     the same, running ready encoder work while waiting for a message
   optimus_replanned   Optimus re-planned after the warm-up step from the unit times it measured
+  optimus_wgrad_split (--encoder-wgrad-split) the Optimus plan with the encoder's backward split
+                      into input-gradient and weight-gradient actions (zero-bubble's B / W)
 and prints step times (median of the measured steps), the zero-bubble limit (per measured step,
 both ranks' compute in the Optimus run summed and divided by 2; the median over the same steps),
 the simulator's prediction for each and its error, and the largest loss difference between the
@@ -130,6 +132,12 @@ def main() -> int:
         "deals each step's samples into micro-batches of equal images (and optimus_balanced "
         "does so under the static plan)",
     )
+    ap.add_argument(
+        "--encoder-wgrad-split",
+        action="store_true",
+        help="also run the Optimus plan with the encoder's weight gradients split from its "
+        "input gradients (optimus_wgrad_split), side by side",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--trace",
@@ -197,6 +205,12 @@ RATIOS = (
     "optimus_over_limit",
     "predicted_error_optimus",
 )
+# With --encoder-wgrad-split
+SPLIT_RATIOS = (
+    "optimus_wgrad_split_vs_executor_megatron",
+    "optimus_wgrad_split_vs_optimus",
+    "predicted_error_optimus_wgrad_split",
+)
 
 
 def plan_runs(args, cfg, dtype) -> dict:
@@ -255,6 +269,14 @@ def plan_runs(args, cfg, dtype) -> dict:
         # ranks, under the contention they really see): balances the ranks on what they cost.
         "optimus_replanned": job(optimus(best.schedule), executor=ExecutorSettings(replan_after=1)),
     }
+    if args.encoder_wgrad_split:  # the same encoder plan, its backward split into B / W
+        from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
+        from megatron_mllm.schedule.planner import run as simulated
+
+        split_opts = replace(best.options, wgrad_split=True)
+        split = simulated("optimus", optimus_schedule(fill_costs, split_opts), split_opts)
+        jobs["optimus_wgrad_split"] = job(optimus(split.schedule))
+        predicted["optimus_wgrad_split"] = split.result.step_time_s
     # Plan candidates (--plan-candidates): the planner's K best and the Megatron schedule each
     # train real steps, the fastest measured is kept; this run's phase goes before the others.
     from functools import partial
@@ -279,6 +301,8 @@ def plan_runs(args, cfg, dtype) -> dict:
         "executor_megatron": balanced,
         "optimus": (best.schedule, best.workload),
     }
+    if args.encoder_wgrad_split:
+        planned["optimus_wgrad_split"] = (split.schedule, split.workload)
     return dict(
         cfg=cfg,
         plan=plan,
@@ -387,6 +411,12 @@ def one_repeat(setup: dict, args) -> dict:
         "optimus_over_limit": m["optimus"] / limit,
         "predicted_error_optimus": (setup["predicted"]["optimus"] - m["optimus"]) / m["optimus"],
     }
+    if "optimus_wgrad_split" in m:
+        split = m["optimus_wgrad_split"]
+        out["ratios"]["optimus_wgrad_split_vs_executor_megatron"] = m["executor_megatron"] / split
+        out["ratios"]["optimus_wgrad_split_vs_optimus"] = m["optimus"] / split
+        predicted = setup["predicted"]["optimus_wgrad_split"]
+        out["ratios"]["predicted_error_optimus_wgrad_split"] = (predicted - split) / split
     out["optimus_spans"] = [sp for o in outs["optimus"] for sp in o["spans"]]
     return out
 
@@ -415,7 +445,7 @@ def summarise(setup: dict, repeats: list[dict], memory: dict, args) -> dict:
         result[f"{name}_s"] = med
         result[f"{name}_s_range"] = (lo, hi)
     result["limit_s"] = statistics.median(r["limit_s"] for r in repeats)
-    for key in RATIOS:
+    for key in [k for k in (*RATIOS, *SPLIT_RATIOS) if k in repeats[0]["ratios"]]:
         med, lo, hi = over([r["ratios"][key] for r in repeats])
         result[key], result[f"{key}_min"], result[f"{key}_max"] = med, lo, hi
     result["max_abs_loss_diff"] = max(  # step 0's: the same weights and data for every run
@@ -538,7 +568,7 @@ def print_report(result: dict, setup: dict, args) -> None:
         print(f"repeat {r}:")
         print(table(rows, result["candidate_build_s"], 0, 0).split("\n", 1)[1])
     print("like for like, medians over repeats (min-max):")
-    for key in RATIOS:
+    for key in [k for k in (*RATIOS, *SPLIT_RATIOS) if k in result]:
         print(
             f"  {key:<32}{result[key]:>7.3f}  ({result[key + '_min']:.3f}-"
             f"{result[key + '_max']:.3f})"

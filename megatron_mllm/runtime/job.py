@@ -231,6 +231,16 @@ def check_job(job: RuntimeJob, world: int) -> None:
             "micro-batch to reach the encoder; a text-only one does not: drop the overlap"
         )
     _check_backbone_split(job)
+    if (
+        job.schedule is not None
+        and any(enc.wgt_kernels for enc in job.schedule.meta.encoders)
+        and job.model.transformer_impl != "local"
+    ):
+        raise ConfigError(
+            f"a split encoder backward (EW actions) defers megatron-core's local linears' "
+            f"weight gradients; --transformer-impl {job.model.transformer_impl} has none: use "
+            f"--transformer-impl local or plan without --encoder-wgrad-split"
+        )
     if job.model.transformer_impl == "transformer_engine":
         import importlib.util
 
@@ -297,11 +307,10 @@ def _check_schedule_shape(job: RuntimeJob) -> None:
         raise ConfigError(
             f"schedule has {len(meta.encoders)} encoder(s); the model has {job.cfg.num_encoders}"
         )
-    if any(enc.wgt_kernels for enc in meta.encoders) or meta.text_only:
+    if meta.text_only:
         raise ConfigError(
-            "the schedule splits the encoder's backward (EW actions) or drops text-only "
-            "micro-batches' encoder actions: the simulator's, not the executor's yet; plan "
-            "without --encoder-wgrad-split (the runtime's per-step plans keep every action)"
+            "the schedule drops text-only micro-batches' encoder actions: the simulator's, not "
+            "the executor's (the runtime's per-step plans keep every action)"
         )
 
 

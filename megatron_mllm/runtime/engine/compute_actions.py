@@ -9,6 +9,8 @@ table (`_put`, `_take`, `_needs`), the step's batches, the clock and the modules
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from megatron_mllm.runtime.engine.program import Op
@@ -18,7 +20,7 @@ from megatron_mllm.schedule.schedule import ScheduleMeta
 
 
 class ComputeActions:
-    """Handlers of F, B, EF and EB for `Executor` (which sets every attribute they read)."""
+    """Handlers of F, B, EF, EB and EW for `Executor` (which sets every attribute they read)."""
 
     # -- backbone --------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -165,7 +167,7 @@ class ComputeActions:
             self._pass_empty(a, enc_meta.bwd_kernels[a.stage], forward=False)
             return
         units = self.enc_units[(a.enc, a.stage, a.mb)]
-        total = enc_meta.fwd_kernels[a.stage]
+        total, split = enc_meta.fwd_kernels[a.stage], enc_meta.wgt(a.stage) > 0
         names, model = self.encoders[a.enc].unit_names(), self.cfg.encoder_name(a.enc)
         for b in range(a.k0, a.k1):
             t_unit = self.clock.mark()
@@ -175,13 +177,41 @@ class ComputeActions:
             else:
                 grads = tuple(leaf.grad for leaf in units[u + 1][0])
             outs = [(y, g) for y, g in zip(units[u][1], grads, strict=True) if g is not None]
-            torch.autograd.backward([y for y, _ in outs], [g for _, g in outs])
+            key = (a.enc, a.stage, a.mb, u)
+            with self.weight_grads.unit(key) if split else contextlib.nullcontext():
+                torch.autograd.backward([y for y, _ in outs], [g for _, g in outs])
             self._bwd_done[(a.enc, a.stage, a.mb)] = b + 1
-            self._time_later(model, "backward", names[u] + "_b", t_unit, self.clock.mark())
+            if split:  # the unit's time is measured whole: this and its EW part
+                self._input_grad_marks[key] = (t_unit, self.clock.mark())
+            else:
+                self._time_later(model, "backward", names[u] + "_b", t_unit, self.clock.mark())
         if a.k1 == enc_meta.bwd_kernels[a.stage]:
             if a.stage > 0 and enc_meta.bwd_kernels[a.stage - 1] > 0:
                 self._put(str(TensorKey.egin(a.enc, a.stage - 1, a.mb)), units[0][0][0].grad)
             del self.enc_units[(a.enc, a.stage, a.mb)]
+
+    def _encoder_wgrad(self, a: Action) -> None:
+        """Weight-gradient kernels k0..k1 of a split encoder stage's backward: its units' deferred
+        weight products, in backward order, the stage's units spread evenly over its kernels."""
+        enc_meta = self.meta.encoders[a.enc]
+        if self._batch(a.mb).num_images == 0:
+            return  # its EB told DDP already that no gradient comes (`_pass_empty`)
+        total, kernels = enc_meta.fwd_kernels[a.stage], enc_meta.wgt(a.stage)
+        names, model = self.encoders[a.enc].unit_names(), self.cfg.encoder_name(a.enc)
+        for b in range(a.k0 * total // kernels, a.k1 * total // kernels):
+            u, start = total - 1 - b, self.clock.mark()
+            key = (a.enc, a.stage, a.mb, u)
+            self.weight_grads.apply(key)
+            parts = (self._input_grad_marks.pop(key), (start, self.clock.mark()))
+            self._whole_backward_later(model, names[u] + "_b", *parts)
+
+    def _whole_backward_later(self, model: str, name: str, *parts: tuple) -> None:
+        """A unit's backward time as the sum of its split parts' marks, read at step end."""
+
+        def read() -> None:
+            self._time(model, "backward", name, sum(self.clock.between(a, b) for a, b in parts))
+
+        self._later.append(read)
 
 
 def planned_encoder_live(program: list[Op], meta: ScheduleMeta) -> int:

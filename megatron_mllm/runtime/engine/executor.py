@@ -33,7 +33,8 @@ from megatron_mllm.runtime.engine.fill_pacing import FillPacer, fill_budgets, pl
 from megatron_mllm.runtime.engine.messages import Messages, PeerFailure
 from megatron_mllm.runtime.engine.program import Op
 from megatron_mllm.runtime.engine.step_types import PassKind, PassOptions, StepResult
-from megatron_mllm.schedule.actions import Action
+from megatron_mllm.runtime.engine.weight_grads import weight_grads_of
+from megatron_mllm.schedule.actions import ENCODER_KINDS, Action
 from megatron_mllm.schedule.dataflow import Dataflow
 from megatron_mllm.schedule.keys import TensorKey, part_encoder, part_name
 from megatron_mllm.schedule.schedule import ScheduleMeta
@@ -125,11 +126,16 @@ class Executor(ComputeActions):
         )
         self._sends = Counter(op.key for op in program if op.kind == "send")
         self.last_layer_inputs: dict[int, torch.Tensor] = {}
+        # A split encoder backward (EW actions): the linears' weight products wait for EW.
+        split = any(enc.wgt_kernels for enc in meta.encoders) and not self.forward_only
+        stages = [enc for enc in self.encoders if enc is not None]
+        self.weight_grads = weight_grads_of(stages) if split and stages else None
         self.handlers = {
             "F": self._forward,
             "B": self._backward,
             "EF": self._encoder_forward,
             "EB": self._encoder_backward,
+            "EW": self._encoder_wgrad,
             "AG": self._all_gather,
             "RS": self._reduce_scatter,
         }
@@ -138,8 +144,9 @@ class Executor(ComputeActions):
     def run_step(self) -> StepResult:
         self._start_step()
         hook = self._capture_hook()
+        deferring = self.weight_grads.deferring() if self.weight_grads else contextlib.nullcontext()
         try:
-            with torch.no_grad() if self.forward_only else contextlib.nullcontext():
+            with torch.no_grad() if self.forward_only else contextlib.nullcontext(), deferring:
                 self._run_program()
         finally:
             if hook is not None:
@@ -164,6 +171,7 @@ class Executor(ComputeActions):
         self.result = StepResult()
         self._batches: dict[int, tuple] = {}
         self._bwd_done: dict[tuple, int] = {}  # encoder backward units done per (e, s, mb)
+        self._input_grad_marks: dict[tuple, tuple] = {}  # split backward: EB marks per unit
         self._uses_left, self._sends_left = Counter(self._uses), Counter(self._sends)
         self._losses: dict[int, torch.Tensor] = {}  # read once, at step end
         self._matches: dict[int, torch.Tensor] = {}  # evaluation: (exact, answered) per mb
@@ -427,9 +435,7 @@ class Executor(ComputeActions):
             self._backbone_time_later(action, start, end, self._fill_marks[first_fill:] + blocked)
             for a, b in blocked:  # the TP collectives' waits inside it (fills may hide them)
                 self._span_later("comm", action, "tp", a, b)
-        category = {"F": "backbone", "B": "backbone", "EF": "encoder", "EB": "encoder"}.get(
-            action.kind, "dp"
-        )
+        category = "backbone" if backbone else "encoder" if action.kind in ENCODER_KINDS else "dp"
         self._span_later("dp" if category == "dp" else "compute", action, category, start, end)
 
     # -- inputs ------------------------------------------------------------------------------

@@ -1,0 +1,127 @@
+"""An encoder's weight gradients computed apart from its backward (zero-bubble's B / W split).
+
+With a split backward the schedule runs each encoder stage's backward as input-gradient
+actions (EB), which must reach the previous stage soon, and weight-gradient actions (EW), which
+may wait for a bubble. `DeferredWeightGrads` makes megatron-core's tensor-parallel linears of
+the encoder stages do that: while a split step runs, each linear's backward computes its input
+gradient and keeps (input, output gradient) for its weight; an EW action later turns them into
+the weight's gradient and hands it to the parameter's gradient accumulator, so megatron-core's
+DDP hooks (main_grad, bucket readiness) see it as they see any gradient. The arithmetic is the
+linear's own (`linear_with_grad_accumulation_and_async_allreduce` without fusion): the same
+products in the same dtype.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import partial
+
+import torch
+import torch.distributed as dist
+
+from megatron_mllm.errors import ConfigError
+
+# A unit's deferred weight products: (parameter, its linear's input, the output's gradient).
+Deferred = list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]]
+
+
+class _DeferredLinear(torch.autograd.Function):
+    """y = x W^T (+ b); backward gives x's (and b's) gradient and defers W's to `store`."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, owner, store, allreduce_group):
+        # `weight` is the parameter detached and `owner` holds the parameter (not a tensor
+        # argument): autograd has no edge to its accumulator, so DDP's hooks wait for EW.
+        ctx.save_for_backward(x, weight)
+        ctx.param, ctx.store, ctx.group = owner[0], store, allreduce_group
+        ctx.has_bias = bias is not None
+        out = torch.matmul(x, weight.t())
+        return out + bias if bias is not None else out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        dx = grad.matmul(weight)
+        if ctx.group is not None:  # column-parallel without sequence parallelism
+            dist.all_reduce(dx, group=ctx.group)
+        ctx.store.keep(ctx.param, x, grad)
+        db = grad.reshape(-1, grad.shape[-1]).sum(dim=0) if ctx.has_bias else None
+        return dx, None, db, None, None, None
+
+
+def _linears(module: torch.nn.Module) -> list[torch.nn.Module]:
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    kinds = (ColumnParallelLinear, RowParallelLinear)
+    return [m for m in module.modules() if isinstance(m, kinds) and m.weight.requires_grad]
+
+
+class DeferredWeightGrads:
+    """The encoder stages' linears with deferrable weight gradients (only while `deferring`),
+    and the deferred products per (encoder, stage, micro-batch, unit) until `apply`."""
+
+    def __init__(self, stages: list[torch.nn.Module]) -> None:
+        self.active = False
+        self.pending: dict[tuple, Deferred] = {}
+        self._unit: tuple | None = None  # the unit whose backward is running
+        for stage in stages:
+            for linear in _linears(stage):
+                linear._forward_impl = partial(self._forward, linear, linear._forward_impl)
+
+    @contextlib.contextmanager
+    def deferring(self) -> Iterator[None]:
+        """The encoders' training forwards inside build deferrable graphs."""
+        self.active = True
+        try:
+            yield
+        finally:
+            self.active = False
+
+    def _forward(self, linear, inner, input, weight, bias=None, **kw):
+        if not (self.active and torch.is_grad_enabled() and weight is linear.weight):
+            return inner(input, weight, bias, **kw)
+        if kw.get("sequence_parallel") or kw.get("gradient_accumulation_fusion"):
+            raise ConfigError(
+                "a split encoder backward (--encoder-wgrad-split) runs the encoder's linears "
+                "without sequence parallelism and gradient-accumulation fusion; turn those off "
+                "for the encoder or plan without the split"
+            )
+        group = kw.get("tp_group") if kw.get("allreduce_dgrad") else None
+        return _DeferredLinear.apply(input, weight.detach(), bias, (weight,), self, group)
+
+    @contextlib.contextmanager
+    def unit(self, key: tuple) -> Iterator[None]:
+        """The linears' backward inside keeps its products for unit `key`."""
+        self._unit = key
+        try:
+            yield
+        finally:
+            self._unit = None
+
+    def keep(self, param: torch.nn.Parameter, x: torch.Tensor, grad: torch.Tensor) -> None:
+        if self._unit is None:
+            raise RuntimeError("a deferred linear's backward ran outside an encoder unit's")
+        self.pending.setdefault(self._unit, []).append((param, x, grad))
+
+    def apply(self, key: tuple) -> None:
+        """Unit `key`'s weight gradients, into each parameter's accumulator (DDP's hooks)."""
+        products = self.pending.pop(key, [])
+        if not products:
+            return
+        params, grads = [], []
+        for param, x, grad in products:
+            g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+            params.append(param.expand_as(param))
+            grads.append(g2.t().matmul(x2))
+        torch.autograd.backward(params, grads)
+
+
+def weight_grads_of(stages: list[torch.nn.Module]) -> DeferredWeightGrads:
+    """The one `DeferredWeightGrads` of a rank's encoder stages (built on first use and kept on
+    the first stage, so every executor of the rank shares one set of wrapped linears)."""
+    store = getattr(stages[0], "_deferred_weight_grads", None)
+    if store is None:
+        store = DeferredWeightGrads(stages)
+        stages[0]._deferred_weight_grads = store
+    return store
