@@ -135,3 +135,35 @@ def test_the_executor_runs_a_split_backward_as_the_reference(layout):
         for step, losses in enumerate(ref["history"]):
             mine = {k: v for o in run for k, v in o["history"][step].items()}
             assert all(mine[k] == pytest.approx(v, abs=1e-4) for k, v in losses.items()), step
+
+
+@pytest.mark.parametrize(
+    "extra, msg",
+    [
+        (["--bubble-schedule", "megatron"], "--bubble-schedule megatron (use optimus)"),
+        (["--plan-candidates", "2"], "--plan-candidates"),
+        (["--replan-after-iters", "2"], "--replan-after-iters"),
+        (["--coreset-pool-ratio", "2", "--coreset-lookahead"], "--coreset-lookahead"),
+    ],
+)
+def test_pretrain_refuses_the_split_where_it_cannot_run(extra, msg, monkeypatch):
+    from tests.pretrain_runs import refused
+
+    pp2 = ["--pipeline-model-parallel-size", "2", "--encoder-wgrad-split"]
+    refused([*pp2, *extra], f"--encoder-wgrad-split does not run with {msg}", monkeypatch)
+
+
+def test_pretrain_trains_with_the_split_backward():
+    """pretrain_mllm.py --encoder-wgrad-split: the start-up plan keeps the split (EW actions),
+    says so, and the losses are the unsplit run's."""
+    from tests.pretrain_runs import COMMON, losses, torchrun
+
+    pp2 = [*COMMON, "--pipeline-model-parallel-size", "2", "--train-iters", "3",
+           "--encoder-pipeline-model-parallel-size", "2",
+           "--encoder-tensor-model-parallel-size", "1"]  # fmt: skip
+    split, plain = torchrun(*pp2, "--encoder-wgrad-split"), torchrun(*pp2)
+    assert split.returncode == 0 and plain.returncode == 0, split.stderr[-2000:]
+    assert "backward split, weight gradients in later bubbles" in split.stdout, split.stdout
+    a, b = losses(split.stdout), losses(plain.stdout)
+    assert a.keys() == b.keys() == {1, 2, 3}
+    assert all(a[i] == pytest.approx(b[i], rel=1e-4) for i in a), (a, b)

@@ -208,7 +208,9 @@ RATIOS = (
 # With --encoder-wgrad-split
 SPLIT_RATIOS = (
     "optimus_wgrad_split_vs_executor_megatron",
+    "optimus_wgrad_split_vs_megatron_core",
     "optimus_wgrad_split_vs_optimus",
+    "optimus_wgrad_split_over_limit",
     "predicted_error_optimus_wgrad_split",
 )
 
@@ -414,7 +416,9 @@ def one_repeat(setup: dict, args) -> dict:
     if "optimus_wgrad_split" in m:
         split = m["optimus_wgrad_split"]
         out["ratios"]["optimus_wgrad_split_vs_executor_megatron"] = m["executor_megatron"] / split
+        out["ratios"]["optimus_wgrad_split_vs_megatron_core"] = m["megatron_core_1f1b"] / split
         out["ratios"]["optimus_wgrad_split_vs_optimus"] = m["optimus"] / split
+        out["ratios"]["optimus_wgrad_split_over_limit"] = split / limit  # the same work
         predicted = setup["predicted"]["optimus_wgrad_split"]
         out["ratios"]["predicted_error_optimus_wgrad_split"] = (predicted - split) / split
     out["optimus_spans"] = [sp for o in outs["optimus"] for sp in o["spans"]]

@@ -272,6 +272,30 @@ def _check_lookahead(args: argparse.Namespace) -> None:
         )
 
 
+def _check_wgrad_split(args: argparse.Namespace) -> None:
+    """--encoder-wgrad-split: one static Optimus plan on megatron-core's local linears."""
+    if not args.encoder_wgrad_split:
+        return
+    others = {
+        f"--bubble-schedule {args.bubble_schedule} (use optimus)": (
+            args.bubble_schedule != ScheduleChoice.OPTIMUS
+        ),
+        "--transformer-impl transformer_engine (its fused linears keep no weight products)": (
+            args.transformer_impl != "local"
+        ),
+        "--plan-candidates (candidates are planned without the split)": args.plan_candidates,
+        "--replan-after-iters (re-plans are made without the split)": (
+            args.replan_after_iters is not None
+        ),
+        "--coreset-lookahead (its merged schedule is built without the split)": (
+            args.coreset_lookahead
+        ),
+    }
+    for what, given in others.items():
+        if given:
+            raise ConfigError(f"--encoder-wgrad-split does not run with {what}; drop one")
+
+
 def validate_args(args: argparse.Namespace) -> None:
     """Every combination that cannot work, as one line, before any group or file is touched."""
     tp, pp, world = (
@@ -339,6 +363,7 @@ def validate_args(args: argparse.Namespace) -> None:
             "--bubble-schedule optimus-adaptive plans each step for its data; it does not run "
             "with --coreset-pool-ratio or --replan-after-iters (use --bubble-schedule optimus)"
         )
+    _check_wgrad_split(args)
     _check_lookahead(args)
     _check_plan_candidates(args)
     if args.replan_after_iters is not None:

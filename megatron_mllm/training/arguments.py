@@ -87,6 +87,13 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         "are in flight (else just before the backbone action)",
     )
     g.add_argument(
+        "--encoder-wgrad-split",
+        action="store_true",
+        help="optimus: the encoder's backward split into input-gradient work and weight-gradient "
+        "work that waits for a later bubble (zero-bubble's B / W); kept where the planner "
+        "predicts it faster (local layers)",
+    )
+    g.add_argument(
         "--replan-after-iters",
         type=int,
         default=None,

@@ -22,6 +22,13 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
         where = f"{1 + len(args.extra_encoder)} encoders, each " + where
     if args.freeze_ViT:
         where += "; frozen: forward only, its projector trains"
+    if args.encoder_wgrad_split:  # the planner keeps the split only where it predicts a gain
+        split = any(enc.wgt_kernels for enc in schedule.meta.encoders)
+        where += (
+            "; backward split, weight gradients in later bubbles"
+            if split
+            else "; --encoder-wgrad-split not kept (predicted no faster)"
+        )
     return "\n".join(
         [
             f" > backbone plan: {plan} (world size {plan.world_size})"

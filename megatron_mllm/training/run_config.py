@@ -111,8 +111,9 @@ class RunConfig:
         from the analytic cost model."""
         from megatron_mllm.runtime.planning.schedules import plan_job
 
-        name = self.schedule.planned
-        return plan_job(self.planning_job(), name, self.encoder_plan, unit=self.fill_unit)
+        split = {"wgrad_split": True} if self.args.encoder_wgrad_split else {}
+        job, name = self.planning_job(), self.schedule.planned
+        return plan_job(job, name, self.encoder_plan, unit=self.fill_unit, **split)
 
     def runtime_job(
         self,

@@ -72,8 +72,23 @@ class SavedActivations:
 
     @contextlib.contextmanager
     def tracking(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
-            yield self
+        global _TRACKING
+        _TRACKING = self
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t):
+                yield self
+        finally:
+            _TRACKING = None
+
+
+_TRACKING: SavedActivations | None = None  # the meter whose `tracking` is open, if any
+
+
+def hold(t: torch.Tensor) -> None:
+    """Count `t` as a saved activation while it lives (what a backward keeps for later work,
+    e.g. deferred weight gradients' output gradients), where a meter is tracking."""
+    if _TRACKING is not None:
+        _TRACKING._pack(t)
 
 
 def planned_memory(schedule, workload) -> list[dict[str, float]]:

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mllm.errors import ConfigError
+from megatron_mllm.runtime.assembly.memory import hold
 
 # A unit's deferred weight products: (parameter, its linear's input, the output's gradient).
 Deferred = list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]]
@@ -102,6 +103,7 @@ class DeferredWeightGrads:
     def keep(self, param: torch.nn.Parameter, x: torch.Tensor, grad: torch.Tensor) -> None:
         if self._unit is None:
             raise RuntimeError("a deferred linear's backward ran outside an encoder unit's")
+        hold(grad)  # the measured activations count it until EW lets it go (x is saved already)
         self.pending.setdefault(self._unit, []).append((param, x, grad))
 
     def apply(self, key: tuple) -> None:
