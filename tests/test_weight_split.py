@@ -101,29 +101,36 @@ def test_transformer_engine_layers_refuse_a_split_schedule(split):
         check_job(job, 2)
 
 
-@pytest.mark.parametrize("layout", ["reversed", pytest.param("first", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "layout",
+    ["reversed", pytest.param("first", marks=pytest.mark.slow),
+     pytest.param("reversed-recompute", marks=pytest.mark.slow)],
+)  # fmt: skip
 def test_the_executor_runs_a_split_backward_as_the_reference(layout):
     """EB actions give input gradients and keep the linears' weight products, EW actions turn
     them into weight gradients through DDP's hooks (overlapped reduction in small buckets,
     megatron-core's distributed optimizer): three steps give the one-process reference's
-    losses, the first step's gradients match, and every EW action ran."""
+    losses, the first step's gradients match, and every EW action ran. With the encoder's
+    layers recomputed, their forward runs again inside EB and defers as well."""
     from megatron_mllm.models.config import TINY
     from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.runtime.job import Collect, DataParts, ModelParts, PlanParts, RuntimeJob
     from megatron_mllm.runtime.modes.runs import run_rank
     from megatron_mllm.runtime.planning.schedules import runtime_schedule
+    from megatron_mllm.schedule.config import Recompute
     from tests.test_runtime import TRAIN, check_against, reference_of
 
     plan, n = ParallelPlan(1, 1, 2), 4
-    enc_plan = ParallelPlan(1, 1, 2, 1, layout == "reversed")
+    enc_plan = ParallelPlan(1, 1, 2, 1, layout.startswith("reversed"))
+    recompute = Recompute(vision=layout.endswith("recompute"))
     state, ref = reference_of(TINY, **dict(TRAIN, steps=3))
     schedule = runtime_schedule(TINY, plan, 1, n, "optimus", encoder_plan=enc_plan,
                                 wgrad_split=True)  # fmt: skip
     assert any(a.kind == "EW" for acts in schedule.ranks for a in acts)
     # megatron-core's DDP reduces each bucket from its hooks as soon as its last gradient is in
     opt = replace(TRAIN["optimizer"], overlap_grad_reduce=True, ddp_bucket_size=20_000)
-    job = RuntimeJob(ModelParts(TINY, state), PlanParts(plan, schedule), DataParts(1, n),
-                     steps=3, optimizer=opt)  # fmt: skip
+    job = RuntimeJob(ModelParts(TINY, state, recompute=recompute), PlanParts(plan, schedule),
+                     DataParts(1, n), steps=3, optimizer=opt)  # fmt: skip
     outs = spawn(run_rank, plan.world_size, job)
     check_against((state, ref), outs, {"backbone": 1, "encoder": 1, "projector": 1})
     ran = {str(s.action) for o in outs for s in o["spans"] if s.action.kind == "EW"}

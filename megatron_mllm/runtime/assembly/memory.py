@@ -84,11 +84,14 @@ class SavedActivations:
 _TRACKING: SavedActivations | None = None  # the meter whose `tracking` is open, if any
 
 
-def hold(t: torch.Tensor) -> None:
-    """Count `t` as a saved activation while it lives (what a backward keeps for later work,
-    e.g. deferred weight gradients' output gradients), where a meter is tracking."""
-    if _TRACKING is not None:
-        _TRACKING._pack(t)
+def held(nbytes: int) -> None:
+    """Count `nbytes` more (or, negative, fewer) as saved activations where a meter is
+    tracking: what a backward keeps for later work (deferred weight gradients' output
+    gradients) and lets go of itself."""
+    meter = _TRACKING
+    if meter is not None:
+        meter.current += nbytes
+        meter.peak = max(meter.peak, meter.current)
 
 
 def planned_memory(schedule, workload) -> list[dict[str, float]]:

@@ -90,11 +90,13 @@ class ComputeActions:
         if self._batch(a.mb).native:  # its images' masks and rotary angles, for these units
             encoder.prepare(self._batch(a.mb).grids)
         names, t_unit = encoder.unit_names(), self.clock.mark()
+        split = enc_meta.wgt(a.stage) > 0 and self._trains(a.mb)  # weight gradients in EW
         for u in range(a.k0, a.k1):
             if encoder.unit_trainable(u):
                 upstream = self._wants_input_grad(a, u)
                 leaves = tuple(t.detach().requires_grad_(upstream) for t in state)
-                out = encoder.run_unit(u, leaves)
+                with self.weight_grads.deferring() if split else contextlib.nullcontext():
+                    out = encoder.run_unit(u, leaves)
             else:  # frozen: no graph, and nothing upstream of it wants a gradient
                 leaves = tuple(t.detach() for t in state)
                 with torch.no_grad():

@@ -144,9 +144,8 @@ class Executor(ComputeActions):
     def run_step(self) -> StepResult:
         self._start_step()
         hook = self._capture_hook()
-        deferring = self.weight_grads.deferring() if self.weight_grads else contextlib.nullcontext()
         try:
-            with torch.no_grad() if self.forward_only else contextlib.nullcontext(), deferring:
+            with torch.no_grad() if self.forward_only else contextlib.nullcontext():
                 self._run_program()
         finally:
             if hook is not None:

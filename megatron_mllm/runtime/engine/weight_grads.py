@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_mllm.errors import ConfigError
-from megatron_mllm.runtime.assembly.memory import hold
+from megatron_mllm.runtime.assembly.memory import held
 
 # A unit's deferred weight products: (parameter, its linear's input, the output's gradient).
 Deferred = list[tuple[torch.nn.Parameter, torch.Tensor, torch.Tensor]]
@@ -72,7 +72,8 @@ class DeferredWeightGrads:
 
     @contextlib.contextmanager
     def deferring(self) -> Iterator[None]:
-        """The encoders' training forwards inside build deferrable graphs."""
+        """The linears' forwards inside build deferrable graphs (a split stage's training
+        forward; elsewhere they run as megatron-core's)."""
         self.active = True
         try:
             yield
@@ -93,17 +94,18 @@ class DeferredWeightGrads:
 
     @contextlib.contextmanager
     def unit(self, key: tuple) -> Iterator[None]:
-        """The linears' backward inside keeps its products for unit `key`."""
-        self._unit = key
+        """The linears' backward inside keeps its products for unit `key` (and a recomputed
+        forward inside defers too)."""
+        self._unit, self.active = key, True
         try:
             yield
         finally:
-            self._unit = None
+            self._unit, self.active = None, False
 
     def keep(self, param: torch.nn.Parameter, x: torch.Tensor, grad: torch.Tensor) -> None:
         if self._unit is None:
             raise RuntimeError("a deferred linear's backward ran outside an encoder unit's")
-        hold(grad)  # the measured activations count it until EW lets it go (x is saved already)
+        held(grad.nbytes)  # measured as an activation until EW lets it go (x is saved already)
         self.pending.setdefault(self._unit, []).append((param, x, grad))
 
     def apply(self, key: tuple) -> None:
@@ -111,6 +113,7 @@ class DeferredWeightGrads:
         products = self.pending.pop(key, [])
         if not products:
             return
+        held(-sum(grad.nbytes for _, _, grad in products))
         params, grads = [], []
         for param, x, grad in products:
             g2, x2 = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
