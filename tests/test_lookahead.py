@@ -28,7 +28,7 @@ from megatron_mllm.runtime.job import (
 from megatron_mllm.runtime.modes.reference import make_full_state
 from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
 from megatron_mllm.schedule.actions import B, F
-from megatron_mllm.schedule.lookahead import with_fewer_ahead, with_lookahead, with_pool_last
+from megatron_mllm.schedule.lookahead import with_fewer_ahead, with_lookahead
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.simulator import simulate
 from megatron_mllm.schedule.validator import ScheduleError, validate
@@ -113,8 +113,7 @@ def test_look_ahead_micro_batches_are_forward_only_in_the_validator_and_hold_no_
     assert simulate(merged, workload).activation_peaks == pytest.approx(alone)
 
 
-def _job(state, step, workload, pool, lookahead: bool, in_waits: bool = False) -> RuntimeJob:
-    merged = with_pool_last if in_waits else with_lookahead
+def _job(state, step, workload, pool, lookahead: bool) -> RuntimeJob:
     return RuntimeJob(
         ModelParts(TINY, state),
         PlanParts(PLAN, schedule=step),
@@ -123,12 +122,11 @@ def _job(state, step, workload, pool, lookahead: bool, in_waits: bool = False) -
             N,
             coreset=CoresetConfig(batch_size=N, pool_ratio=2, features="zo", seed=3),
             pool_schedule=pool,
-            lookahead_schedule=merged(step, pool, workload) if lookahead else None,
+            lookahead_schedule=with_lookahead(step, pool, workload) if lookahead else None,
         ),
         optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.5),
         collect=Collect(grads=False),
-        # NCCL's matching by order; the pool in the step's waits posts out of order: tagged
-        executor=ExecutorSettings(ordered_p2p=not in_waits, pool_in_waits=in_waits),
+        executor=ExecutorSettings(ordered_p2p=True),  # NCCL's matching by order
     )
 
 
@@ -142,13 +140,12 @@ def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
 
     device = init_rank(rank, world, 0, 60)
     ahead, plain, saved = (ExecutorRun(rank, world, job, device) for job in jobs)
-    rows, expected, updated, moved = [], [], [], []
+    rows, expected, updated = [], [], []
     for step in range(3):
         _copy_weights(saved, ahead)
         saved.coreset.selector.load_state_dict(copy.deepcopy(ahead.coreset.selector.state_dict()))
         selector = copy.deepcopy(ahead.coreset.selector.state_dict())
         ahead.step(step)
-        moved.append(ahead.moved)  # pool ops run ahead of their place (in the step's waits)
         plain.step(step)
         if rank == 0:  # stage 0 has no rows until the next step first needs a micro-batch
             assert ahead.coreset.pending == (step + 1, None)
@@ -164,7 +161,7 @@ def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
         updated.append(saved.coreset.pool_rows(pool))
     return {"rows": rows[1:], "expected": expected, "updated": updated,
             "ahead": ahead.history, "plain": plain.history,
-            "fewer": sorted(ahead.coreset._aheads), "moved": moved}  # fmt: skip
+            "fewer": sorted(ahead.coreset._aheads)}  # fmt: skip
 
 
 def _copy_weights(to, source) -> None:
@@ -172,15 +169,13 @@ def _copy_weights(to, source) -> None:
         mine.load_state_dict(copy.deepcopy(theirs.state_dict()))
 
 
-@pytest.mark.parametrize("in_waits", [False, True], ids=["merged", "in-waits"])
-def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same(in_waits):
-    """PP=2 Optimus, ordered messages (or, with the pool's work run in the step's waits,
-    tagged): the rows chosen during step t for step t+1 are those a saved copy of step t's
-    weights and selector chooses; step 0 (the same selection in both) trains to the same
-    losses with or without the next pool merged into it."""
+def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same():
+    """PP=2 Optimus, ordered messages: the rows chosen during step t for step t+1 are those a
+    saved copy of step t's weights and selector chooses; step 0 (the same selection in both)
+    trains to the same losses with or without the next pool merged into it."""
     state = spawn(make_full_state, 1, TINY, 0)[0]
     step, workload, pool = schedules("optimus")
-    jobs = [_job(state, step, workload, pool, la, in_waits) for la in (True, False, False)]
+    jobs = [_job(state, step, workload, pool, la) for la in (True, False, False)]
     for job in jobs:
         check_job(job, 2)
     outs = spawn(_against_a_saved_copy, 2, jobs)
@@ -191,7 +186,6 @@ def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same(in_wa
         assert out["fewer"] and all(k < POOL for k in out["fewer"])  # only scored rows went
     last = outs[1]  # the losses live on the last stage
     assert last["ahead"][0] == last["plain"][0]
-    assert (sum(sum(out["moved"]) for out in outs) > 0) == in_waits
 
 
 def test_a_look_ahead_job_is_checked_before_anything_starts():

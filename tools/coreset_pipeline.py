@@ -17,7 +17,6 @@ LOOKAHEADS = (
     "coreset_lookahead",
     "coreset_lookahead_pool_first",
     "coreset_lookahead_pool_first_select_before",
-    "coreset_lookahead_in_waits",
 )
 
 
@@ -34,7 +33,7 @@ def pipeline_jobs(args) -> dict:
     from megatron_mllm.runtime.modes.reference import make_full_state
     from megatron_mllm.runtime.planning.profile_units import profile_units
     from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
-    from megatron_mllm.schedule.lookahead import SHIFTS, with_lookahead, with_pool_last
+    from megatron_mllm.schedule.lookahead import SHIFTS, with_lookahead
 
     cfg, plan, mb = mllm_config(args, text_len=args.pipeline_text), ParallelPlan(1, 1, 2), 2
     n = args.pipeline_batch // mb
@@ -47,17 +46,15 @@ def pipeline_jobs(args) -> dict:
     coreset = CoresetConfig(batch_size=args.pipeline_batch, pool_ratio=2, features="zo", seed=0)
     merged = with_lookahead(step, pool, workload, SHIFTS["simulated"])
     first = with_lookahead(step, pool, workload, SHIFTS["pool-first"])
-    last = with_pool_last(step, pool, workload)
 
     # fp32: bf16 matrix products are ~65x slower on this CPU
     fp32 = argparse.Namespace(precision="fp32")
     run = bench_run(cfg, fp32, plan, n, mb, "--lr", "1e-3", "--use-distributed-optimizer")
     base = run.runtime_job(step, state, units="layer")
 
-    def job(schedule, n_mb, executor=base.executor, **data):
+    def job(schedule, n_mb, **data):
         plans = replace(base.plans, schedule=schedule)
-        data = replace(base.data, num_microbatches=n_mb, **data)
-        return replace(base, plans=plans, data=data, executor=executor)
+        return replace(base, plans=plans, data=replace(base.data, num_microbatches=n_mb, **data))
 
     jobs = {
         "B": job(step, n),
@@ -73,15 +70,6 @@ def pipeline_jobs(args) -> dict:
         "coreset_lookahead_pool_first_select_before": job(
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
         ),
-        # the pool after the step in each list, its ready work run in the step's message waits
-        "coreset_lookahead_in_waits": job(
-            step,
-            n,
-            replace(base.executor, pool_in_waits=True),
-            coreset=coreset,
-            pool_schedule=pool,
-            lookahead_schedule=last,
-        ),  # fmt: skip
     }
     describe = (
         f"PP=2 on 2 ranks, Optimus, fp32 + distributed optimizer, ViT {cfg.vit_layers}x"

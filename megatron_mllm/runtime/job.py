@@ -105,8 +105,6 @@ class ExecutorSettings:
     # False: the next step is planned in a background thread while this one runs; True: at the
     # start of the step, on its own path (an ablation: a thread competes for a rank's core)
     plan_in_step: bool = False
-    # look-ahead: the next pool's ready work runs while the step waits for a message
-    pool_in_waits: bool = False
 
 
 @dataclass(frozen=True)

@@ -171,22 +171,6 @@ def with_lookahead(
     return best
 
 
-def with_pool_last(step: Schedule, pool: Schedule, workload: Workload) -> Schedule:
-    """`step` with the forward half of `pool` after all of the step's work on every rank: the
-    order that an executor running the pool's work in the step's waits (`pool_in_waits`) falls
-    back to for what found no wait. Its `lookahead_times` are this order's, simulated."""
-    _check_alike(step, pool)
-    meta = replace(step.meta, lookahead=pool.meta.num_microbatches)
-    ahead = forward_half(pool, step.meta.num_microbatches)
-    out = Schedule(meta, [a + b for a, b in zip(step.ranks, ahead, strict=True)], step.origin)
-    validate(out)
-    quick = {"keep_spans": False, "classify": False}
-    merged, alone = simulate(out, workload, **quick), simulate(step, workload, **quick)
-    pool_alone = simulate(_pool_first(step, ahead, meta), workload, **quick).step_time_s
-    out.lookahead_times = LookaheadTimes(merged.step_time_s, alone.step_time_s, pool_alone)
-    return out
-
-
 def with_fewer_ahead(merged: Schedule, keep: int) -> Schedule:
     """`merged` (a look-ahead schedule) going forward with only its first `keep` look-ahead
     micro-batches: every other one's actions dropped, each rank's order otherwise unchanged

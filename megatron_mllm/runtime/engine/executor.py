@@ -24,7 +24,6 @@ from collections.abc import Callable
 import torch
 
 from megatron_mllm.data.batch import MicroBatch
-from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import BackboneStage, EncoderStage
 from megatron_mllm.runtime.assembly.data_parallel import reductions_held
@@ -114,17 +113,6 @@ class Executor(ComputeActions):
         # Run once the program's last op has run, before the step-end waits (its result is
         # `picked`): the coreset look-ahead's selection on the last stage.
         self.after_program, self.picked = after_program, None
-        # Look-ahead: the next pool's ops (in program order) may run in the step's waits.
-        self.pool_ops = (
-            [i for i, op in enumerate(program) if self._is_pool_op(op)]
-            if options.pool_in_waits
-            else []
-        )
-        if self.pool_ops and ordered is not None:
-            raise ConfigError(
-                "the look-ahead's pool work in waits posts its messages out of the program's "
-                "order, which NCCL's order-matched messages cannot take (tagged messages only)"
-            )
         self.flow = Dataflow(meta, [])  # what each action reads (needs use no assignment)
         self._planned = planned_bubbles(program)
         self._collectives: dict[tuple[str, int, int], int] = {}  # counted TP waits per action
@@ -190,7 +178,6 @@ class Executor(ComputeActions):
         self._ahead: dict[tuple[int, int], int] = {}  # dynamic: (enc, mb) -> op index moved
         self._later: list[Callable[[], None]] = []  # read marks after clock.finish()
         self._capture_next = False  # the next output-layer call is a pool micro-batch's
-        self._pool_at, self._pool_posted = 0, {}  # pool in waits: next pool op, posted receives
         self.clock = StepClock(self.device)
         self.messages = Messages(
             self.rank,
@@ -235,7 +222,6 @@ class Executor(ComputeActions):
         for i, op in enumerate(self.program):
             if done[i]:
                 continue
-            done[i] = True
             self.messages.reap()
             if op.kind == "run":
                 self._run_op(op)
@@ -265,52 +251,12 @@ class Executor(ComputeActions):
         self._release(op.key)
 
     def _recv(self, op: Op, i: int, done: list[bool]) -> None:
-        posted = self._pool_posted.pop(i, None)
-        work, buf = posted if posted is not None else self.messages.receive(op)
+        work, buf = self.messages.receive(op)
         if self.dynamic:
             self._fill_wait(work, i, done)
-        if self.pool_ops and posted is None:
-            while not work.is_completed() and self._advance_pool(done):
-                pass
         self.messages.wait(work, op)
         self.messages.arrived(op)
         self._put(op.key, buf)
-
-    # -- the look-ahead's pool in waits -------------------------------------------------------
-    def _is_pool_op(self, op: Op) -> bool:
-        """Whether `op` is the look-ahead pool's (its micro-batch numbered after the step's)."""
-        if op.kind == "run":
-            return op.action.kind in ("F", "EF") and not self.meta.trains(op.action.mb)
-        key = TensorKey.parse(op.key)
-        return key.mb is not None and key.mb >= self.meta.num_microbatches
-
-    def _advance_pool(self, done: list[bool]) -> bool:
-        """Run the next pool op if it can go now (its inputs here, its message in); False
-        where it cannot (the caller then blocks on its own message)."""
-        while self._pool_at < len(self.pool_ops) and done[self.pool_ops[self._pool_at]]:
-            self._pool_at += 1
-        if self._pool_at == len(self.pool_ops):
-            return False
-        j = self.pool_ops[self._pool_at]
-        op = self.program[j]
-        if op.kind == "recv":
-            if j not in self._pool_posted:
-                self._pool_posted[j] = self.messages.receive(op)
-            work, buf = self._pool_posted[j]
-            if not work.is_completed():
-                return False
-            del self._pool_posted[j]
-            self.messages.wait(work, op)
-            self._put(op.key, buf)
-        elif op.kind == "send":
-            self._send(op)
-        elif all(k in self.tensors for a in (*op.fills, op.action) for k in self._needs(a)):
-            self._run_op(op)
-        else:
-            return False
-        done[j] = True
-        self.result.moved += 1
-        return True
 
     # -- the tensor table --------------------------------------------------------------------
     def _needs(self, a: Action) -> list[str]:

@@ -70,5 +70,3 @@ class PassOptions:
     loss_scale: torch.Tensor | None = None
     loss_norm: torch.Tensor | None = None
     after_program: Callable | None = None
-    # Look-ahead: the next pool's work runs while a step message is on its way (tagged only)
-    pool_in_waits: bool = False

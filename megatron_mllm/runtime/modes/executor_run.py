@@ -369,7 +369,6 @@ class ExecutorRun:
             loss_scale=self._backward_scale(step),
             loss_norm=self._loss_norm(tokens),
             after_program=after,
-            pool_in_waits=job.executor.pool_in_waits and ahead is not None,
         )
         return executor, slot, ahead
 
