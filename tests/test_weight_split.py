@@ -104,7 +104,8 @@ def test_transformer_engine_layers_refuse_a_split_schedule(split):
 @pytest.mark.parametrize(
     "layout",
     ["reversed", pytest.param("first", marks=pytest.mark.slow),
-     pytest.param("reversed-recompute", marks=pytest.mark.slow)],
+     pytest.param("reversed-recompute", marks=pytest.mark.slow),
+     pytest.param("reversed-kernel", marks=pytest.mark.slow)],
 )  # fmt: skip
 def test_the_executor_runs_a_split_backward_as_the_reference(layout):
     """EB actions give input gradients and keep the linears' weight products, EW actions turn
@@ -124,13 +125,15 @@ def test_the_executor_runs_a_split_backward_as_the_reference(layout):
     enc_plan = ParallelPlan(1, 1, 2, 1, layout.startswith("reversed"))
     recompute = Recompute(vision=layout.endswith("recompute"))
     state, ref = reference_of(TINY, **dict(TRAIN, steps=3))
-    schedule = runtime_schedule(TINY, plan, 1, n, "optimus", encoder_plan=enc_plan,
+    unit = "kernel" if layout.endswith("kernel") else "layer"  # EW kernels: the pieces'
+    schedule = runtime_schedule(TINY, plan, 1, n, "optimus", encoder_plan=enc_plan, unit=unit,
                                 wgrad_split=True)  # fmt: skip
     assert any(a.kind == "EW" for acts in schedule.ranks for a in acts)
     # megatron-core's DDP reduces each bucket from its hooks as soon as its last gradient is in
     opt = replace(TRAIN["optimizer"], overlap_grad_reduce=True, ddp_bucket_size=20_000)
-    job = RuntimeJob(ModelParts(TINY, state, recompute=recompute), PlanParts(plan, schedule),
-                     DataParts(1, n), steps=3, optimizer=opt)  # fmt: skip
+    job = RuntimeJob(ModelParts(TINY, state, recompute=recompute),
+                     PlanParts(plan, schedule, unit), DataParts(1, n), steps=3,
+                     optimizer=opt)  # fmt: skip
     outs = spawn(run_rank, plan.world_size, job)
     check_against((state, ref), outs, {"backbone": 1, "encoder": 1, "projector": 1})
     ran = {str(s.action) for o in outs for s in o["spans"] if s.action.kind == "EW"}

@@ -1,7 +1,8 @@
 """Runs one GPU's program on real megatron-core modules and torch.distributed.
 
 Handlers, one per action kind (DeepSpeed's instruction -> handler map): backbone forward and
-backward, encoder units forward and backward, the parts' DP gradient reductions (megatron-core's
+backward, encoder units forward and backward (and, with a split backward, their weight
+gradients: `weight_grads.py`), the parts' DP gradient reductions (megatron-core's
 DDP, `data_parallel.py`); messages go through `messages.py` (tagged on gloo, ordered
 with lazily posted receives as NCCL needs); TP-bubble fills are paced by the plan
 (`fill_pacing.py`). What really ran is recorded as trace spans in the simulator's format.
