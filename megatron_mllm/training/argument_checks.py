@@ -228,9 +228,7 @@ def _check_plan_candidates(args) -> None:
             args.encoder_tensor_model_parallel_size
         ),
     }
-    for what, given in others.items():
-        if given:
-            raise ConfigError(f"--plan-candidates does not run with {what}; drop one of the two")
+    _refuse_together("--plan-candidates", others)
     if args.bubble_schedule != ScheduleChoice.OPTIMUS:
         raise ConfigError(
             f"--plan-candidates tries Optimus plans; use --bubble-schedule optimus (got "
@@ -291,9 +289,14 @@ def _check_wgrad_split(args: argparse.Namespace) -> None:
             args.coreset_lookahead
         ),
     }
+    _refuse_together("--encoder-wgrad-split", others)
+
+
+def _refuse_together(flag: str, others: dict[str, object]) -> None:
+    """One line for the first of `others` (what -> whether it is given) given with `flag`."""
     for what, given in others.items():
         if given:
-            raise ConfigError(f"--encoder-wgrad-split does not run with {what}; drop one")
+            raise ConfigError(f"{flag} does not run with {what}; drop one of the two")
 
 
 def validate_args(args: argparse.Namespace) -> None:
