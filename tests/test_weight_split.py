@@ -177,3 +177,32 @@ def test_pretrain_trains_with_the_split_backward():
     a, b = losses(split.stdout), losses(plain.stdout)
     assert a.keys() == b.keys() == {1, 2, 3}
     assert all(a[i] == pytest.approx(b[i], rel=1e-4) for i in a), (a, b)
+
+
+def test_a_deferred_linear_gives_megatron_cores_gradients_for_an_odd_strided_gradient():
+    """The deferred linear's input, bias and (after apply) weight gradients are megatron-core's
+    own linear's, also for an output gradient with an odd stride on a size-1 dimension (as the
+    projector's arrives; the deferred one works on it as a plain matrix)."""
+    import torch
+
+    from megatron_mllm.runtime.engine.weight_grads import DeferredWeightGrads, _DeferredLinear
+
+    torch.manual_seed(0)
+    from megatron.core.tensor_parallel.layers import (
+        linear_with_grad_accumulation_and_async_allreduce as megatron_linear,
+    )
+
+    w, b = torch.nn.Parameter(torch.randn(6, 4)), torch.nn.Parameter(torch.randn(6))
+    x = torch.randn(5, 1, 4)
+    grad = torch.randn(5, 6).as_strided((5, 1, 6), (6, 30, 1))  # stride 30 on the size-1 dim
+    assert grad.is_contiguous()
+    a = x.clone().requires_grad_()
+    megatron_linear(a, w, b, False, False, False).backward(grad)
+    expected = (a.grad, w.grad.clone(), b.grad.clone())
+    w.grad = b.grad = None
+    store, c = DeferredWeightGrads([]), x.clone().requires_grad_()
+    with store.unit(("u",)):
+        _DeferredLinear.apply(c, w.detach(), b, (w,), store, None).backward(grad)
+    assert w.grad is None and torch.equal(c.grad, expected[0]) and torch.equal(b.grad, expected[2])
+    store.apply(("u",))
+    torch.testing.assert_close(w.grad, expected[1], rtol=0, atol=1e-6)
