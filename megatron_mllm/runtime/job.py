@@ -233,7 +233,7 @@ def check_job(job: RuntimeJob, world: int) -> None:
     _check_backbone_split(job)
     if (
         job.schedule is not None
-        and any(enc.wgt_kernels for enc in job.schedule.meta.encoders)
+        and job.schedule.meta.splits_weight_grads
         and job.model.transformer_impl != "local"
     ):
         raise ConfigError(

@@ -80,6 +80,11 @@ class ScheduleMeta:
         """The step's micro-batches and its look-ahead ones."""
         return self.num_microbatches + self.lookahead
 
+    @property
+    def splits_weight_grads(self) -> bool:
+        """Whether an encoder's backward is split into EB and EW actions."""
+        return any(enc.wgt_kernels for enc in self.encoders)
+
     def trains(self, mb: int) -> bool:
         """Whether micro-batch `mb` runs backward (False for a look-ahead micro-batch)."""
         return mb < self.num_microbatches

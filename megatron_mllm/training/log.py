@@ -23,7 +23,7 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
     if args.freeze_ViT:
         where += "; frozen: forward only, its projector trains"
     if args.encoder_wgrad_split:  # the planner keeps the split only where it predicts a gain
-        split = any(enc.wgt_kernels for enc in schedule.meta.encoders)
+        split = schedule.meta.splits_weight_grads
         where += (
             "; backward split, weight gradients in later bubbles"
             if split

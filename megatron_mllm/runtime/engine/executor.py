@@ -128,7 +128,7 @@ class Executor(ComputeActions):
         self._sends = Counter(op.key for op in program if op.kind == "send")
         self.last_layer_inputs: dict[int, torch.Tensor] = {}
         # A split encoder backward (EW actions): the linears' weight products wait for EW.
-        split = any(enc.wgt_kernels for enc in meta.encoders) and not self.forward_only
+        split = meta.splits_weight_grads and not self.forward_only
         stages = [enc for enc in self.encoders if enc is not None]
         self.weight_grads = weight_grads_of(stages) if split and stages else None
         self.handlers = {
