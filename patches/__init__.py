@@ -20,6 +20,7 @@ CPU_PATCHES = (
     "cuda_allocations_on_cpu",
     "distributed_optimizer_on_cpu",
     "clip_vit_position_ids_on_cpu",
+    "one_rank_collectives_on_cpu",
 )
 RUNTIME_PATCHES = (  # on every device
     "safe_checkpoint_loading",
