@@ -14,7 +14,6 @@ import torch.distributed as dist
 
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.runtime.assembly.device_env import DEVICE_CONNECTIONS, device_connections_problem
-from megatron_mllm.runtime.assembly.host_memory import keep_freed_host_memory
 
 
 def rank_device(rank: int = 0) -> torch.device:
@@ -58,7 +57,6 @@ def seed_model_parallel(seed: int) -> None:
 
 def init_rank(rank: int, world: int, seed: int, timeout_s: float) -> torch.device:
     """Patches, the default process group and megatron-core's seeds; returns this rank's device.
-    On a CPU, freed host memory is kept for reuse (`host_memory`).
 
     On CUDA the group is bound to this rank's GPU (`device_id`), so NCCL creates every later
     group's communicator eagerly, in the order `new_group` is called, which is the same on
@@ -73,8 +71,6 @@ def init_rank(rank: int, world: int, seed: int, timeout_s: float) -> torch.devic
         raise ConfigError(problem)
     os.environ.setdefault(DEVICE_CONNECTIONS, "1")  # read when the CUDA context is made
     device = rank_device(rank)
-    if device.type == "cpu":
-        keep_freed_host_memory()
     extra = {}
     if device.type == "cuda":
         torch.cuda.set_device(device)

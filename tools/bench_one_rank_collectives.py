@@ -1,20 +1,15 @@
-"""What two CPU-only costs, which a GPU run does not pay, take from a step: each run with and
-without our remedy, side by side in one invocation.
+"""What gloo's one-rank DDP collectives cost a step: each run twice in the same 2-process job,
+with `patches/one_rank_collectives_on_cpu.py` ("remedied": the bucket all-gather and
+reduce-scatter skipped on a one-rank group, where they are the identity) and with upstream's
+calls into gloo ("upstream"), steps taken in turn, the order rotated each step.
 
-    python tools/bench_host_artifacts.py --artifact collectives|allocator [--size tiny|medium]
-        [--steps 6] [--repeats 3] [--json]
-
-* collectives: megatron-core DDP's bucket all-gather and reduce-scatter on a one-rank group,
-  skipped by `patches/one_rank_collectives_on_cpu.py` ("remedied") or sent to gloo as upstream
-  does ("upstream"). Both arms in the same 2-process job, steps taken in turn.
-* allocator: glibc keeping freed host memory (`runtime/assembly/host_memory.py`, "remedied")
-  or its defaults ("upstream"), which fault large blocks in again every step; one 2-process job
-  per arm (a process's allocator cannot be switched back), the arms alternating per repeat.
+    python tools/bench_one_rank_collectives.py [--size tiny|medium] [--steps 6] [--repeats 3]
+        [--json]
 
 The jobs are bench_runtime.py's (bf16, distributed optimizer, overlapped reduction and gathers,
 2 ranks, pipeline 2, so every DP group has one rank): our executor on the Megatron schedule,
 static Optimus and megatron-core's own 1F1B. Prints, per run, the median step (the slower
-rank's) with and without the remedy, the steps' spread ((max - min) / median), the minor page
+rank's) with and without the patch, the steps' spread ((max - min) / median), the minor page
 faults a step (the rank with more) and upstream / remedied: medians over repeats (min-max).
 """
 
@@ -49,24 +44,21 @@ def _faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-def _steps(rank: int, world: int, jobs: list, steps: int, arms: list[dict]) -> list:
-    """Every (job, arm) run, steps in turn, the order rotated each step; per run this rank's
-    (step seconds, page faults a step). An arm: {"collectives": remedied?} within the job;
-    {"allocator": False} makes this process keep glibc's defaults (before init_rank)."""
+def _steps(rank: int, world: int, jobs: list, steps: int) -> list:
+    """Every job twice (remedied, upstream), steps in turn, the order rotated each step; per
+    run this rank's (step seconds, page faults a step)."""
     import torch.distributed as dist
 
-    from megatron_mllm.runtime.assembly import bootstrap
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
     from megatron_mllm.runtime.modes.runs import make_run, turn_order
 
-    if not arms[0].get("allocator", True):
-        bootstrap.keep_freed_host_memory = lambda: False
-    device = bootstrap.init_rank(rank, world, jobs[0].data.seed, jobs[0].timeout_s)
-    runs = [(arm, make_run(rank, world, job, device)) for job in jobs for arm in arms]
+    device = init_rank(rank, world, jobs[0].data.seed, jobs[0].timeout_s)
+    runs = [(arm, make_run(rank, world, job, device)) for job in jobs for arm in ARMS]
     faults = [[] for _ in runs]
     for step in range(steps):
         for i in turn_order(len(runs), step):
             arm, run = runs[i]
-            _collectives(arm.get("collectives", True))
+            _collectives(arm == "remedied")
             dist.barrier()
             before = _faults()
             run.step(step)
@@ -76,19 +68,13 @@ def _steps(rank: int, world: int, jobs: list, steps: int, arms: list[dict]) -> l
     return [(run.result()["seconds"], f) for (_, run), f in zip(runs, faults, strict=True)]
 
 
-def _one_repeat(jobs: list, steps: int, artifact: str) -> dict:
-    """{run_arm: (median step, spread, faults a step)} for every run and arm."""
+def _one_repeat(jobs: list, steps: int) -> dict:
+    """Per run and arm: the median step, the spread, the page faults a step."""
     from megatron_mllm.runtime.assembly.launch import spawn
 
-    if artifact == "collectives":
-        per_rank = spawn(_steps, 2, jobs, steps, [{"collectives": True}, {"collectives": False}])
-        by_arm = {arm: [[r[2 * k + j] for r in per_rank] for k in range(len(jobs))]
-                  for j, arm in enumerate(ARMS)}  # fmt: skip
-    else:
-        by_arm = {}
-        for arm in ARMS:
-            per_rank = spawn(_steps, 2, jobs, steps, [{"allocator": arm == "remedied"}])
-            by_arm[arm] = [[r[k] for r in per_rank] for k in range(len(jobs))]
+    per_rank = spawn(_steps, 2, jobs, steps)
+    by_arm = {arm: [[r[2 * k + j] for r in per_rank] for k in range(len(jobs))]
+              for j, arm in enumerate(ARMS)}  # fmt: skip
     out = {}
     for arm, per_job in by_arm.items():
         for name, ranks in zip(RUNS, per_job, strict=True):
@@ -104,7 +90,7 @@ def _one_repeat(jobs: list, steps: int, artifact: str) -> dict:
 
 def print_report(out: dict) -> None:
     print(
-        f"{out['artifact']}, {out['size']}, {out['repeats']} repeats x {out['steps']} steps: "
+        f"{out['size']}, {out['repeats']} repeats x {out['steps']} steps: "
         "median (min-max) over repeats"
     )
     for name in RUNS:
@@ -122,7 +108,6 @@ def print_report(out: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--artifact", required=True, choices=["collectives", "allocator"])
     ap.add_argument("--size", default="tiny", choices=["tiny", "medium"])
     ap.add_argument("--steps", type=int, default=6, help="measured steps (one more warms up)")
     ap.add_argument("--repeats", type=int, default=3)
@@ -141,8 +126,8 @@ def main() -> int:
     )  # fmt: skip
     setup = plan_runs(setup_args, cfg, torch.bfloat16)
     jobs = [setup["jobs"][name] for name in RUNS]
-    repeats = [_one_repeat(jobs, args.steps + 1, args.artifact) for _ in range(args.repeats)]
-    out = {"artifact": args.artifact, "size": args.size, "repeats": args.repeats}
+    repeats = [_one_repeat(jobs, args.steps + 1) for _ in range(args.repeats)]
+    out = {"size": args.size, "repeats": args.repeats}
     out["steps"] = args.steps
     for key in repeats[0]:
         values = [r[key] for r in repeats]
