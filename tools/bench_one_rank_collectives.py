@@ -29,15 +29,13 @@ NAMES = ("dist_all_gather_func", "dist_reduce_scatter_func")
 ARMS = ("remedied", "upstream")
 
 
-def _collectives(remedied: bool) -> None:
-    """megatron-core's bucket collectives: the patch's, or the gloo calls it wraps."""
+def _use(patched: dict, remedied: bool) -> None:
+    """megatron-core's bucket collectives: the patch's (`patched`, by name), or the gloo calls
+    they wrap."""
     from megatron.core.distributed import param_and_grad_buffer as buffers
 
-    for name in NAMES:
-        fn = getattr(buffers, name)
-        patched = getattr(buffers, "_bench_patched_" + name, fn)
-        setattr(buffers, "_bench_patched_" + name, patched)
-        setattr(buffers, name, patched if remedied else patched.__wrapped__)
+    for name, fn in patched.items():
+        setattr(buffers, name, fn if remedied else fn.__wrapped__)
 
 
 def _faults() -> int:
@@ -48,22 +46,24 @@ def _steps(rank: int, world: int, jobs: list, steps: int) -> list:
     """Every job twice (remedied, upstream), steps in turn, the order rotated each step; per
     run this rank's (step seconds, page faults a step)."""
     import torch.distributed as dist
+    from megatron.core.distributed import param_and_grad_buffer as buffers
 
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
     from megatron_mllm.runtime.modes.runs import make_run, turn_order
 
-    device = init_rank(rank, world, jobs[0].data.seed, jobs[0].timeout_s)
+    device = init_rank(rank, world, jobs[0].data.seed, jobs[0].timeout_s)  # applies the patch
+    patched = {name: getattr(buffers, name) for name in NAMES}
     runs = [(arm, make_run(rank, world, job, device)) for job in jobs for arm in ARMS]
     faults = [[] for _ in runs]
     for step in range(steps):
         for i in turn_order(len(runs), step):
             arm, run = runs[i]
-            _collectives(arm == "remedied")
+            _use(patched, arm == "remedied")
             dist.barrier()
             before = _faults()
             run.step(step)
             faults[i].append(_faults() - before)
-    _collectives(True)
+    _use(patched, True)
     dist.barrier()
     return [(run.result()["seconds"], f) for (_, run), f in zip(runs, faults, strict=True)]
 
@@ -124,8 +124,8 @@ def main() -> int:
         encoder_wgrad_split=False, plan_candidates=2, plan_candidate_steps=5,
         steps=args.steps, precision="bf16",
     )  # fmt: skip
-    setup = plan_runs(setup_args, cfg, torch.bfloat16)
-    jobs = [setup["jobs"][name] for name in RUNS]
+    setup = plan_runs(setup_args, cfg, torch.bfloat16)  # kept alive: dropping it made the
+    jobs = [setup["jobs"][name] for name in RUNS]  # fork server refuse a spawn ("too many fds")
     repeats = [_one_repeat(jobs, args.steps + 1) for _ in range(args.repeats)]
     out = {"size": args.size, "repeats": args.repeats}
     out["steps"] = args.steps
