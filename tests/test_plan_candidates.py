@@ -56,6 +56,35 @@ def test_plan_candidates_are_the_k_best_and_the_megatron_schedule():
     assert len(set(layouts)) == len(layouts)  # one candidate per module layout
 
 
+def test_the_split_backward_is_one_more_candidate_and_stays_split_when_replanned():
+    """--encoder-wgrad-split with --plan-candidates: the best Optimus layout's schedule with
+    the encoder's backward split (EW actions) is one more candidate on the same modules, in
+    the order of its prediction; re-planned from measured times it stays split, its costs
+    rebuild with the split, and a checkpoint that kept it gives it back."""
+    from megatron_mllm.runtime.planning.replan import measured_workload, replan_job
+    from megatron_mllm.training.plan_candidates import kept_plan
+
+    costs = JobCosts(job_of(TINY, PLAN, 1, N), unit="layer")
+    plain, cands = plan_candidates(costs, 2), plan_candidates(costs, 2, wgrad_split=True)
+    split = [c for c in cands if c.schedule.meta.splits_weight_grads]
+    assert len(cands) == len(plain) + 1 and len(split) == 1 and split[0].label.endswith(" split")
+    base = next(c for c in plain if c.label != "megatron")
+    assert split[0].label == base.label + " split"
+    assert layout_key(split[0].schedule, PLAN, "layer") == layout_key(base.schedule, PLAN, "layer")
+    optimus = [c.predicted_s for c in cands if c.label != "megatron"]
+    assert optimus == sorted(optimus) and cands[-1].label == "megatron"
+    assert not any(c.schedule.meta.splits_weight_grads for c in plain)
+    job = _job({}, split[0].schedule)
+    samples = [{("vision", "backward", "layer_b"): [0.02]}, {("llm", "forward", "layer"): [0.01]}]
+    again = replan_job(job, samples)
+    assert again is not None and again[0].meta.splits_weight_grads
+    assert any(a.kind == "EW" for acts in again[0].ranks for a in acts)
+    assert measured_workload(job, samples).encoder_wgt[0][0]  # rebuilt with the split
+    record = {"schedule": split[0].schedule.to_csv(), "units": "layer"}
+    schedule, workload = kept_plan({"plan_candidates": record}, costs)
+    assert schedule.ranks == split[0].schedule.ranks and workload.encoder_wgt[0][0]
+
+
 def test_kernel_fill_candidates_keep_the_megatron_schedule_in_layers():
     """With --fill-granularity kernel the Optimus candidates plan kernel units, while the
     Megatron candidate's encoder runs whole layers on stage 0: its schedule is the one layer
@@ -118,15 +147,16 @@ def test_refusals_in_one_line():
         check_phase(2, 3, _job({}, mode="megatron_core"))
 
 
-@pytest.mark.slow  # 18 s; test_training resumes the candidates phase in make test
+@pytest.mark.slow  # 25 s; test_training resumes the candidates phase in make test
 def test_candidate_steps_train_as_one_run():
-    """Two candidates on two module layouts (Optimus with its encoder replicated on both ranks,
-    the Megatron schedule with it on stage 0): every step's losses, in and after the phase,
-    equal the one-process reference's; the switches carried the state across layouts and back
-    (the first candidate's mirrored window runs on modules that trained before)."""
+    """Three candidates on two module layouts (Optimus with its encoder replicated on both
+    ranks, plain and with its backward split, and the Megatron schedule with the encoder on
+    stage 0): every step's losses, in and after the phase, equal the one-process reference's;
+    the switches carried the state across layouts and back (the first candidate's mirrored
+    window runs on modules that trained before)."""
     costs = JobCosts(job_of(TINY, PLAN, 1, N), unit="layer")
-    cands = tuple(plan_candidates(costs, 1))
-    assert [c.label for c in cands][-1] == "megatron" and len(cands) == 2
+    cands = tuple(plan_candidates(costs, 1, wgrad_split=True))
+    assert [c.label for c in cands][-1] == "megatron" and len(cands) == 3
     phase = CandidatePhase(cands, steps_each=3, warmup=2)  # calibrated on step 1
     steps = phase.steps + 1
     state = spawn(make_full_state, 1, TINY, 0)[0]
@@ -149,12 +179,12 @@ def test_candidate_steps_train_as_one_run():
         assert mine.keys() == losses.keys()
         assert all(mine[k] == pytest.approx(v, abs=1e-5) for k, v in losses.items()), step
     ran = outs[0]["candidate_of_step"]
-    first, second = outs[0]["candidate_order"]
-    assert ran[: phase.steps] == [0, 0] + [first] * 2 + [second] * 3 + [first] * 2
+    a, b, c = outs[0]["candidate_order"]
+    assert ran[: phase.steps] == [0, 0] + [a] * 2 + [b] * 2 + [c] * 3 + [b] * 2 + [a] * 2
     rows = outs[0]["candidates"]
     kept = [r for r in rows if r["kept"]]
     assert len(kept) == 1 and ran[-1] == rows.index(kept[0])
-    assert all(len(r["timed"]) == 2 and r["predicted_s"] > 0 for r in rows), rows
+    assert all(len(r["timed"]) == 2 and r["predicted_s"] > 0 for r in rows), rows  # all ran
     assert kept[0]["measured_s"] == min(r["measured_s"] for r in rows)
     assert outs[0]["candidate_layouts"] == 2
     calibration = outs[0]["candidate_calibration"]  # measured between the stages, not fitted

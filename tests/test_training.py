@@ -285,6 +285,10 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--plan-candidates", "1", "--bubble-schedule", "megatron"], "--bubble-schedule optimus"),
         (["--plan-candidates", "1", "--replan-after-iters", "2"], "--replan-after-iters"),
         (["--plan-candidates", "2", "--train-iters", "5"], "ends inside the plan-candidate phase"),
+        (  # the split variant is a third candidate: 21 steps, not 15
+            [*"--plan-candidates 1 --encoder-wgrad-split --train-iters 15".split()],
+            "up to 21 iterations for K=1",
+        ),
     ],
 )
 def test_bad_arguments_fail_before_any_group(args, msg, monkeypatch):

@@ -151,7 +151,6 @@ def test_the_executor_runs_a_split_backward_as_the_reference(layout):
     "extra, msg",
     [
         (["--bubble-schedule", "megatron"], "--bubble-schedule megatron (use optimus)"),
-        (["--plan-candidates", "2"], "--plan-candidates"),
         (["--replan-after-iters", "2"], "--replan-after-iters"),
         (["--coreset-pool-ratio", "2", "--coreset-lookahead"], "--coreset-lookahead"),
     ],

@@ -286,7 +286,7 @@ def plan_runs(args, cfg, dtype) -> dict:
     from megatron_mllm.training.plan_candidates import CandidatePhase, CandidateRun
     from megatron_mllm.training.plan_candidates import plan_candidates as candidates_of
 
-    cands = tuple(candidates_of(fill_costs, args.plan_candidates, unit))
+    cands = tuple(candidates_of(fill_costs, args.plan_candidates, unit, args.encoder_wgrad_split))
     phase = CandidatePhase(cands, args.plan_candidate_steps)
     opening = phase.candidates[0]
     jobs["optimus_candidates"] = job(

@@ -234,7 +234,8 @@ def _check_plan_candidates(args) -> None:
             f"--plan-candidates tries Optimus plans; use --bubble-schedule optimus (got "
             f"{args.bubble_schedule})"
         )
-    steps = CandidatePhase((None,) * (k + 1), args.plan_candidate_steps).steps
+    count = k + 1 + bool(args.encoder_wgrad_split)  # the Megatron schedule, the split variant
+    steps = CandidatePhase((None,) * count, args.plan_candidate_steps).steps
     if args.train_iters < steps:
         raise ConfigError(
             f"--train-iters {args.train_iters} ends inside the plan-candidate phase (up to "
@@ -281,7 +282,6 @@ def _check_wgrad_split(args: argparse.Namespace) -> None:
         "--transformer-impl transformer_engine (its fused linears keep no weight products)": (
             args.transformer_impl != "local"
         ),
-        "--plan-candidates (candidates are planned without the split)": args.plan_candidates,
         "--replan-after-iters (re-plans are made without the split)": (
             args.replan_after_iters is not None
         ),

@@ -91,7 +91,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         action="store_true",
         help="optimus: the encoder's backward split into input-gradient work and weight-gradient "
         "work that waits for a later bubble (zero-bubble's B / W); kept where the planner "
-        "predicts it faster (local layers)",
+        "predicts it faster (local layers); with --plan-candidates, the best Optimus "
+        "plan's split variant is one more candidate",
     )
     g.add_argument(
         "--replan-after-iters",

@@ -27,6 +27,8 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
         where += (
             "; backward split, weight gradients in later bubbles"
             if split
+            else "; the split backward among the plan candidates"
+            if args.plan_candidates
             else "; --encoder-wgrad-split not kept (predicted no faster)"
         )
     return "\n".join(

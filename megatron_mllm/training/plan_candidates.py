@@ -134,15 +134,17 @@ def check_phase(k: int, steps_each: int, job: RuntimeJob) -> None:
             raise ConfigError(f"--plan-candidates cannot run with {what}; drop one of the two")
 
 
-def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
+def plan_candidates(
+    costs, k: int, unit: str = "layer", wgrad_split: bool = False
+) -> list[Candidate]:
     """The `k` module layouts the planner predicts fastest for `costs` (a JobCosts), each with
     its best schedule, and, where it is not among them, the Megatron schedule (encoder on stage
-    0, balanced split) as the last."""
+    0, balanced split) as the last. With `wgrad_split` the fastest Optimus layout's schedule
+    with the encoder's backward split (B / W) is one more candidate on the same modules,
+    whatever its prediction: the split is a bet the run can check."""
     from megatron_mllm.schedule.baselines import megatron_schedule
-    from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
     from megatron_mllm.schedule.planner import plan_optimus
     from megatron_mllm.schedule.simulator import simulate
-    from megatron_mllm.schedule.validator import validate
 
     _, options, _ = plan_optimus(costs)
     memory = costs.job.hw.memory_gb
@@ -163,16 +165,34 @@ def plan_candidates(costs, k: int, unit: str = "layer") -> list[Candidate]:
             schedule, workload = megatron_schedule(layers)
             out.append(Candidate("megatron", schedule, "layer", seconds, workload))
             continue
-        schedule, workload = optimus_schedule(costs, opts)
-        validate(schedule)
-        fine = "fine" if opts.fine else "coarse"
-        label = f"optimus {opts.encoder_plan} {opts.split} {fine} +{opts.extra_warmup}"
-        out.append(Candidate(label, schedule, unit, seconds, workload))
+        out.append(_optimus_candidate(costs, opts, unit, seconds))
+    first = next((opts for _, _, opts in ranked[:k] if opts.placement != "stage0"), None)
+    if wgrad_split and first is not None:
+        split = _optimus_candidate(costs, replace(first, wgrad_split=True), unit)
+        result = simulate(split.schedule, split.workload)
+        split = replace(split, predicted_s=result.step_time_s)
+        if result.peak_memory_gb <= memory:
+            at = next((i for i, c in enumerate(out) if c.predicted_s > split.predicted_s), None)
+            out.insert(len(out) if at is None else at, split)
     if not any(c.label == "megatron" for c in out):
         built = megatron_schedule(layers)
         seconds = simulate(*built).step_time_s
         out.append(Candidate("megatron", built[0], "layer", seconds, built[1]))
     return out
+
+
+def _optimus_candidate(costs, opts, unit: str, seconds: float = float("nan")) -> Candidate:
+    """The Optimus schedule `opts` give for `costs`, validated, as a candidate predicted to
+    take `seconds`."""
+    from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
+    from megatron_mllm.schedule.validator import validate
+
+    schedule, workload = optimus_schedule(costs, opts)
+    validate(schedule)
+    fine = "fine" if opts.fine else "coarse"
+    label = f"optimus {opts.encoder_plan} {opts.split} {fine} +{opts.extra_warmup}"
+    label += " split" if opts.wgrad_split else ""
+    return Candidate(label, schedule, unit, seconds, workload)
 
 
 def kept_plan(common: dict, costs) -> tuple | None:
@@ -194,10 +214,11 @@ def kept_plan(common: dict, costs) -> tuple | None:
     if job.plan.vpp == 1:
         job = replace(job, backbone_split=tuple(schedule.meta.backbone_layers))
     built = JobCosts(job, unit=record["units"])
+    split = schedule.meta.splits_weight_grads
     workload = (
         megatron_schedule(built)[1]
         if stage0
-        else optimus_schedule(built, OptimusOptions(enc_plan))[1]
+        else optimus_schedule(built, OptimusOptions(enc_plan, wgrad_split=split))[1]
     )
     workload.check_matches(schedule.meta)
     return schedule, workload

@@ -17,9 +17,11 @@ from typing import TYPE_CHECKING
 
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.schedule.blocks import JobCosts
+from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
 from megatron_mllm.schedule.config import MLLMJob
 from megatron_mllm.schedule.planner import plan_optimus
 from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.validator import validate
 from megatron_mllm.schedule.workload import Workload
 
 if TYPE_CHECKING:
@@ -69,11 +71,17 @@ def replan(
 ) -> tuple[Schedule, Workload, dict] | None:
     """The best Optimus schedule under the measured times for the current encoder plan and
     backbone split (`planning`'s), with the times used; None where the best one needs another
-    layer split."""
+    layer split. Where `current` splits the encoder's backward (EW actions), so does the new
+    one (its best options, split)."""
     times = measured_times(samples, JobCosts(planning, unit=unit), unit)
-    best, _, _ = plan_optimus(JobCosts(planning, times, unit=unit), encoder_plan=encoder_plan)
+    costs = JobCosts(planning, times, unit=unit)
+    best, _, _ = plan_optimus(costs, encoder_plan=encoder_plan)
     if best.schedule.meta.backbone_layers != current.meta.backbone_layers:
         return None
+    if current.meta.splits_weight_grads:
+        schedule, workload = optimus_schedule(costs, replace(best.options, wgrad_split=True))
+        validate(schedule)
+        return schedule, workload, times
     return best.schedule, best.workload, times
 
 
@@ -91,7 +99,8 @@ def measured_workload(job: RuntimeJob, samples: list[dict]) -> Workload | None:
     enc_plan, stage0 = encoder_plan_of(schedule, job.backbone)
     for name in ("megatron", "balanced") if stage0 else ("optimus",):
         encoders = None if stage0 else enc_plan
-        rebuilt, workload = plan_job(planning, name, encoders, times, unit)
+        split = {} if stage0 else {"wgrad_split": schedule.meta.splits_weight_grads}
+        rebuilt, workload = plan_job(planning, name, encoders, times, unit, **split)
         if rebuilt.meta.backbone_layers == schedule.meta.backbone_layers:
             workload.check_matches(schedule.meta)
             return workload
