@@ -27,6 +27,18 @@ def test_each_prediction_is_scaled_by_the_reference_runs_drift_over_its_timed_st
     assert bench_runtime.worst_error(rows, "predicted_s") == pytest.approx(0.6)
 
 
+def test_the_floor_is_how_far_a_plans_first_window_misses_its_measurement():
+    """Three candidates run 1, 0, 2 after 2 warm-up steps, windows of 2 timed steps: 1 and 0 are
+    timed twice (mirrored), 2 once (the middle); the floor is the worst first-window miss."""
+    phase = CandidatePhase(candidates=(None, None, None), steps_each=5, warmup=2)
+    #          warm-up | 1: w, 1.0, 1.2  | 0: w, 2.0, 2.0 | 2: w, 4 timed | 0: w, 2.5, 2.5 | 1: ...
+    seconds = [9, 9, 9, 1.0, 1.2, 9, 2.0, 2.0, 9, 3, 3, 3, 3, 9, 2.5, 2.5, 9, 1.1, 1.1]
+    steps = {"optimus_candidates": seconds}
+    rows = [{"measured_s": 2.25}, {"measured_s": 1.1}, {"measured_s": 3.0}]
+    floor = bench_runtime.window_floor(rows, steps, [1, 0, 2], phase)
+    assert floor == pytest.approx(max(0.25 / 2.25, 0.0))
+
+
 def test_the_balancing_bound_is_each_steps_time_over_its_even_compute():
     """tools/bench_varying_load.py: a run's step over its zero-bubble limit, per step, median."""
     import bench_varying_load

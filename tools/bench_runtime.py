@@ -198,6 +198,7 @@ RATIOS = (
     "candidate_prediction_error",
     "candidate_prediction_error_fitted",
     "candidate_prediction_error_drift_corrected",
+    "candidate_prediction_error_floor",
     "kept_prediction_error",
     "optimus_vs_executor_megatron",
     "optimus_vs_megatron_core",
@@ -345,6 +346,27 @@ def drift_corrected(rows: list[dict], steps: dict, order: list[int], phase) -> l
     return out
 
 
+def window_floor(rows: list[dict], steps: dict, order: list[int], phase) -> float:
+    """The prediction error the machine itself allows: over the candidates timed in two windows,
+    the largest |first window's median - measured| / measured, i.e. how far a plan's own
+    measurement minutes earlier misses its measurement (`steps`: `phase_steps`; `order`: the
+    order the candidates ran)."""
+    from megatron_mllm.training.plan_candidates import windows
+
+    seconds, start = steps["optimus_candidates"], phase.warmup
+    first: dict[int, list[float]] = {}
+    errors = []
+    for i, n in windows(order, phase.steps_each):
+        timed = seconds[start + 1 : start + n]  # a window's first step warms its candidate up
+        start += n
+        if i not in first:
+            first[i] = timed
+            continue
+        measured = rows[i]["measured_s"]
+        errors.append(abs(statistics.median(first[i]) - measured) / measured)
+    return max(errors, default=float("nan"))
+
+
 def phase_steps(outs: dict, phase) -> dict:
     """Every step of the candidate phase (the slowest rank's seconds), which candidate took it,
     and the Megatron schedule's run's step taken beside it: where the phase's time went."""
@@ -404,6 +426,9 @@ def one_repeat(setup: dict, args) -> dict:
         "candidate_prediction_error_drift_corrected": worst_error(
             drift_corrected(out["candidates"], out["phase_steps"], order, setup["phase"]),
             "predicted_s",
+        ),
+        "candidate_prediction_error_floor": window_floor(
+            out["candidates"], out["phase_steps"], order, setup["phase"]
         ),
         "kept_prediction_error": (kept["predicted_s"] - m["optimus_candidates"])
         / m["optimus_candidates"],
