@@ -116,6 +116,8 @@ def test_selection_takes_each_sources_budget_and_scores_only_the_big_sources():
         (["--methods", "random_B,bogus"], "--methods: unknown bogus"),
         (["--methods", "random_B,2B_accumulation"], "must include coreset_zo"),
         (["--workers", "3", "--seeds", "2"], "--workers 3 must be between 1 and --seeds (2)"),
+        (["--pipeline-runs", "coreset,Bogus"], "--pipeline-runs: unknown Bogus"),
+        (["--pipeline-runs", "B,coreset"], "must hold coreset and at least one coreset_lookahead"),
     ],
 )
 def test_bad_benchmark_arguments_are_one_line(argv, says, capsys):

@@ -42,6 +42,8 @@ import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from coreset_pipeline import RUNS, check_runs
+
 if TYPE_CHECKING:
     from bench_data.coreset_tasks import Task
 
@@ -486,6 +488,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "this many steps (2 processes; 0: skip)",
     )
     ap.add_argument("--repeats", type=int, default=3, help="pipeline repeats")
+    ap.add_argument(
+        "--pipeline-runs",
+        default=",".join(RUNS),
+        help="comma-separated runs to time on the pipeline (fewer: each run's blocks come round "
+        "sooner); coreset and a look-ahead at least",
+    )
     ap.add_argument("--pipeline-batch", type=int, default=16, help="B on the pipeline")
     ap.add_argument("--pipeline-text", type=int, default=112, help="text tokens (pipeline)")
     ap.add_argument("--skip-quality", action="store_true", help="only the pipeline timing")
@@ -506,6 +514,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--methods must include {' and '.join(missing)} (the comparison's pair)")
     if args.steps < 2 or args.seeds < 2 or args.batch < 1 or args.eval_every < 1:
         ap.error("--steps and --seeds must be at least 2, --batch and --eval-every at least 1")
+    args.pipeline_runs = args.pipeline_runs.split(",")
+    if (problem := check_runs(args.pipeline_runs)) is not None:
+        ap.error(problem)
     if args.pipeline_batch < 2 or args.pipeline_batch % 2:
         ap.error(f"--pipeline-batch {args.pipeline_batch} must be even (micro-batches of 2)")
     if not 1 <= args.workers <= args.seeds:

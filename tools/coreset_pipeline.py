@@ -18,6 +18,18 @@ LOOKAHEADS = (
     "coreset_lookahead_pool_first",
     "coreset_lookahead_pool_first_select_before",
 )
+RUNS = ("B", "2B_accumulation", "coreset", "coreset_whole_pool", *LOOKAHEADS)
+
+
+def check_runs(names: list[str]) -> str | None:
+    """What is wrong with `--pipeline-runs` (None where nothing): known names, the same-step
+    coreset (every ratio's denominator) and at least one look-ahead among them."""
+    unknown = [n for n in names if n not in RUNS]
+    if unknown:
+        return f"--pipeline-runs: unknown {', '.join(unknown)}; choose from {', '.join(RUNS)}"
+    if "coreset" not in names or not any(n in LOOKAHEADS for n in names):
+        return "--pipeline-runs must hold coreset and at least one coreset_lookahead* run"
+    return None
 
 
 def pipeline_jobs(args) -> dict:
@@ -71,6 +83,7 @@ def pipeline_jobs(args) -> dict:
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
         ),
     }
+    jobs = {name: job for name, job in jobs.items() if name in args.pipeline_runs}
     describe = (
         f"PP=2 on 2 ranks, Optimus, fp32 + distributed optimizer, ViT {cfg.vit_layers}x"
         f"{cfg.vit_hidden} + GPT {cfg.llm_layers}x{cfg.llm_hidden}, sequence {cfg.seq_len}, "
@@ -78,7 +91,7 @@ def pipeline_jobs(args) -> dict:
         f"of {mb}"
     )
     predicted = {name: asdict(jobs[name].data.lookahead_schedule.lookahead_times)
-                 for name in LOOKAHEADS}  # fmt: skip
+                 for name in LOOKAHEADS if name in jobs}  # fmt: skip
     return {"jobs": jobs, "describe": describe, "predicted": predicted}
 
 
@@ -178,10 +191,11 @@ def pipeline_section(args) -> dict:
     steps = {name: [] for name in built["jobs"]}
     phases = {name: [[], []] for name in built["jobs"]}
     waits = {name: [[], []] for name in built["jobs"]}
-    ratios = {name: [] for name in LOOKAHEADS}
+    lookaheads = [name for name in LOOKAHEADS if name in built["jobs"]]
+    ratios = {name: [] for name in lookaheads}
     # Against the same-step selection forwarding the whole pool, as the look-ahead does
-    whole = {name: [] for name in ("coreset", *LOOKAHEADS)}
-    logs = {name: ([], []) for name in LOOKAHEADS}  # every measured step's log seconds, paired
+    whole = {name: [] for name in ("coreset", *lookaheads)} if "coreset_whole_pool" in steps else {}
+    logs = {name: ([], []) for name in lookaheads}  # every measured step's log seconds, paired
     for _ in range(args.repeats):
         ranks = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)
         times = {name: ts[1:] for name, ts in ranks[0]["times"].items()}
@@ -190,7 +204,7 @@ def pipeline_section(args) -> dict:
             for r in range(2):
                 phases[name][r] += ranks[r]["phases"][name][1:]
                 waits[name][r] += ranks[r]["waits"][name][1:]
-        for name in LOOKAHEADS:
+        for name in lookaheads:
             pairs = [a / c for a, c in zip(times[name], times["coreset"], strict=True)]
             ratios[name].append(statistics.median(pairs))
             logs[name][0].extend(math.log(t) for t in times[name])
@@ -199,7 +213,7 @@ def pipeline_section(args) -> dict:
             pairs = [a / c for a, c in zip(times[name], times["coreset_whole_pool"], strict=True)]
             r.append(statistics.median(pairs))
     out = {"describe": built["describe"], "predicted": built["predicted"], "runs": {}}
-    acc = statistics.median(steps["2B_accumulation"])
+    acc = statistics.median(steps.get("2B_accumulation") or [math.nan])
     for name, ts in steps.items():
         med = statistics.median(ts)
         out["runs"][name] = {
@@ -240,8 +254,10 @@ def ratio_interval(log_a: list[float], log_b: list[float]) -> tuple[float, float
 def print_pipeline(p: dict) -> None:
     print(f"step time on a pipeline: {p['describe']}; medians over the measured steps (min-max)")
     for name, r in p["runs"].items():
+        acc = r["vs_accumulation"]
+        vs = "" if math.isnan(acc) else f"{acc:>7.2f}x accumulation"
         print(f"  {name:<44}{1000 * r['step_s']:>9.1f} ms ({1000 * r['min_s']:.1f}-"
-              f"{1000 * r['max_s']:.1f}){r['vs_accumulation']:>7.2f}x accumulation")  # fmt: skip
+              f"{1000 * r['max_s']:.1f}){vs}")  # fmt: skip
     print("  per rank (medians, ms): pool pass (incl. selection; its message waits) | selection |"
           " training program = compute + message waits + executor overhead")  # fmt: skip
     for name, r in p["runs"].items():
