@@ -1,5 +1,6 @@
-"""--plan-candidates (training/plan_candidates.py): the planner's K best plans and the Megatron
-schedule each train real steps, and the fastest measured is kept; the steps train as one run."""
+"""--plan-candidates (training/plan_candidates.py, candidate_run.py): the planner's K best plans
+and the Megatron schedule each train real steps, and the fastest measured is kept; the steps
+train as one run."""
 
 from __future__ import annotations
 
@@ -26,11 +27,10 @@ from megatron_mllm.runtime.modes.reference import make_full_state
 from megatron_mllm.runtime.modes.runs import run_interleaved, run_rank
 from megatron_mllm.runtime.planning.schedules import job_of
 from megatron_mllm.schedule.blocks import JobCosts
+from megatron_mllm.training.candidate_run import CandidateRun, fastest
 from megatron_mllm.training.plan_candidates import (
     CandidatePhase,
-    CandidateRun,
     check_phase,
-    fastest,
     layout_key,
     plan_candidates,
     windows,

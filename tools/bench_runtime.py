@@ -284,7 +284,8 @@ def plan_runs(args, cfg, dtype) -> dict:
     # train real steps, the fastest measured is kept; this run's phase goes before the others.
     from functools import partial
 
-    from megatron_mllm.training.plan_candidates import CandidatePhase, CandidateRun
+    from megatron_mllm.training.candidate_run import CandidateRun
+    from megatron_mllm.training.plan_candidates import CandidatePhase
     from megatron_mllm.training.plan_candidates import plan_candidates as candidates_of
 
     cands = tuple(candidates_of(fill_costs, args.plan_candidates, unit, args.encoder_wgrad_split))
@@ -591,7 +592,7 @@ def print_report(result: dict, setup: dict, args) -> None:
                 + f"{m['activations'] / 1e6:>8.2f}{m['total'] / 1e6:>8.2f}"
                 f"{m['planned_total'] / 1e6:>9.2f}{m['total'] / m['planned_total']:>7.2f}"
             )
-    from megatron_mllm.training.plan_candidates import table
+    from megatron_mllm.training.candidate_run import table
 
     for r, rows in enumerate(result["candidates"]):
         print(f"repeat {r}:")

@@ -134,7 +134,7 @@ def _train(run_config: RunConfig, schedule, pools, predicted, phase=None, faults
     full_shapes = shapes_of(state)  # drawing none of the weights
     job = run_config.runtime_job(schedule, state, pools, units, faults)
     if phase is not None:
-        from megatron_mllm.training.plan_candidates import CandidateRun
+        from megatron_mllm.training.candidate_run import CandidateRun
 
         run = CandidateRun(rank, world, job, device, phase)
     else:
