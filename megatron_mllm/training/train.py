@@ -81,10 +81,8 @@ def plan_candidates_of(run: RunConfig) -> tuple:
         kept = kept_plan(read_common(args.load), costs)
         if kept is not None:
             return None, kept
-    cands = plan_candidates(
-        costs, args.plan_candidates, args.fill_granularity, args.encoder_wgrad_split
-    )
-    cands = tuple(cands)
+    k, split = args.plan_candidates, args.encoder_wgrad_split
+    cands = tuple(plan_candidates(costs, k, args.fill_granularity, split))
     return CandidatePhase(cands, args.plan_candidate_steps), None
 
 
