@@ -124,11 +124,11 @@ def main() -> int:
         encoder_wgrad_split=False, plan_candidates=2, plan_candidate_steps=5,
         steps=args.steps, precision="bf16",
     )  # fmt: skip
-    setup = plan_runs(setup_args, cfg, torch.bfloat16)  # kept alive: dropping it made the
-    jobs = [setup["jobs"][name] for name in RUNS]  # fork server refuse a spawn ("too many fds")
+    # `setup` stays alive: dropping it made the fork server refuse a spawn ("too many fds").
+    setup = plan_runs(setup_args, cfg, torch.bfloat16)
+    jobs = [setup["jobs"][name] for name in RUNS]
     repeats = [_one_repeat(jobs, args.steps + 1) for _ in range(args.repeats)]
-    out = {"size": args.size, "repeats": args.repeats}
-    out["steps"] = args.steps
+    out = {"size": args.size, "repeats": args.repeats, "steps": args.steps}
     for key in repeats[0]:
         values = [r[key] for r in repeats]
         out[key] = statistics.median(values)

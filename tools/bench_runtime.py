@@ -352,19 +352,15 @@ def window_floor(rows: list[dict], steps: dict, order: list[int], phase) -> floa
     the largest |first window's median - measured| / measured, i.e. how far a plan's own
     measurement minutes earlier misses its measurement (`steps`: `phase_steps`; `order`: the
     order the candidates ran)."""
-    from megatron_mllm.training.plan_candidates import windows
+    from megatron_mllm.training.plan_candidates import timed_windows
 
-    seconds, start = steps["optimus_candidates"], phase.warmup
-    first: dict[int, list[float]] = {}
-    errors = []
-    for i, n in windows(order, phase.steps_each):
-        timed = seconds[start + 1 : start + n]  # a window's first step warms its candidate up
-        start += n
-        if i not in first:
-            first[i] = timed
-            continue
-        measured = rows[i]["measured_s"]
-        errors.append(abs(statistics.median(first[i]) - measured) / measured)
+    seconds = steps["optimus_candidates"]
+    errors = [
+        abs(statistics.median(seconds[s] for s in first) - rows[i]["measured_s"])
+        / rows[i]["measured_s"]
+        for i, (first, *later) in timed_windows(order, phase).items()
+        if later
+    ]
     return max(errors, default=float("nan"))
 
 

@@ -76,14 +76,21 @@ def after_warmup(order: list[int], steps_each: int) -> list[tuple[int, bool]]:
     return [(i, k > 0) for i, n in windows(order, steps_each) for k in range(n)]
 
 
+def timed_windows(order: list[int], phase: CandidatePhase) -> dict[int, list[list[int]]]:
+    """Each candidate's timed steps (indices from the run's first step), window by window, when
+    the phase's candidates run in `order`."""
+    out: dict[int, list[list[int]]] = {i: [] for i in order}
+    start = phase.warmup
+    for i, n in windows(order, phase.steps_each):
+        out[i].append(list(range(start + 1, start + n)))  # its first step warms it up
+        start += n
+    return out
+
+
 def timed_steps(order: list[int], phase: CandidatePhase) -> dict[int, list[int]]:
     """Each candidate's timed steps (indices from the run's first step) when the phase's
     candidates run in `order`."""
-    out: dict[int, list[int]] = {i: [] for i in order}
-    for s, (i, timed) in enumerate(after_warmup(order, phase.steps_each), phase.warmup):
-        if timed:
-            out[i].append(s)
-    return out
+    return {i: [s for w in ws for s in w] for i, ws in timed_windows(order, phase).items()}
 
 
 def check_counts(k: int, steps_each: int) -> None:
