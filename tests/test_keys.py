@@ -35,6 +35,7 @@ SPELLED = [
     (TensorKey.ek(0, 1, 2, 12), "ek.e0.s1.m2.k12"),
     (TensorKey.ebk(1, 0, 3, 4), "ebk.e1.s0.m3.k4"),
     (TensorKey.ewk(0, 1, 3, 2), "ewk.e0.s1.m3.k2"),
+    (TensorKey.wgt(1, 0, 5), "wgt.s1v0.m5"),
     (TensorKey.params(), "params.bb"),
     (TensorKey.params(3), "params.e3"),
     (TensorKey.params_of("bb"), "params.bb"),
@@ -104,9 +105,9 @@ def test_every_produced_key_round_trips(produced):
             assert str(k) == s, (name, s)
             assert TensorKey.parse(str(k)) == k, (name, s)
             kinds.add(k.kind)
-    # The three schedules between them use every kind but a split backward's (its own test:
-    # test_weight_split.py)
-    assert kinds == ALL_KINDS - {"ewk"}
+    # The three schedules between them use every kind but a split backward's (their own tests:
+    # test_weight_split.py, test_backbone_weight_split.py)
+    assert kinds == ALL_KINDS - {"ewk", "wgt"}
 
 
 # Tags of a few keys, written down once: a change to the tag function (or to a key's string)

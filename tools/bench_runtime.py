@@ -12,6 +12,8 @@ All four run in the same 2-process gloo job, from the same weights and data, tak
   optimus_replanned   Optimus re-planned after the warm-up step from the unit times it measured
   optimus_wgrad_split (--encoder-wgrad-split) the Optimus plan with the encoder's backward split
                       into input-gradient and weight-gradient actions (zero-bubble's B / W)
+  optimus_bb_split    (--backbone-wgrad-split) the Optimus plan with the backbone's backward
+                      split where a pipeline peer waits for it (and the encoder's, with both)
 and prints step times (median of the measured steps), the zero-bubble limit (per measured step,
 both ranks' compute in the Optimus run summed and divided by 2; the median over the same steps),
 the simulator's prediction for each and its error, and the largest loss difference between the
@@ -138,6 +140,13 @@ def main() -> int:
         help="also run the Optimus plan with the encoder's weight gradients split from its "
         "input gradients (optimus_wgrad_split), side by side",
     )
+    ap.add_argument(
+        "--backbone-wgrad-split",
+        action="store_true",
+        help="also run the Optimus plan with the backbone's backward split where a pipeline "
+        "peer waits for it (optimus_bb_split; with --encoder-wgrad-split the encoder's too), "
+        "side by side",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--trace",
@@ -206,14 +215,35 @@ RATIOS = (
     "optimus_over_limit",
     "predicted_error_optimus",
 )
-# With --encoder-wgrad-split
-SPLIT_RATIOS = (
-    "optimus_wgrad_split_vs_executor_megatron",
-    "optimus_wgrad_split_vs_megatron_core",
-    "optimus_wgrad_split_vs_optimus",
-    "optimus_wgrad_split_over_limit",
-    "predicted_error_optimus_wgrad_split",
-)
+# The split variants of the Optimus plan: run name -> (the flag's attribute, what it splits)
+SPLITS = {
+    "optimus_wgrad_split": ("encoder_wgrad_split", "wgrad_split"),
+    "optimus_bb_split": ("backbone_wgrad_split", "backbone_wgrad_split"),
+}
+SPLIT_RATIOS = tuple(
+    f"{name}{suffix}"
+    for name in SPLITS
+    for suffix in ("_vs_executor_megatron", "_vs_megatron_core", "_vs_optimus", "_over_limit")
+) + tuple(f"predicted_error_{name}" for name in SPLITS)
+
+
+def split_variants(args, best, fill_costs) -> dict:
+    """Each split variant asked for: run name -> the best plan's options with that split
+    (the backbone's goes with the encoder's where both are asked for), planned."""
+    from dataclasses import replace
+
+    from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
+    from megatron_mllm.schedule.planner import run as simulated
+
+    out = {}
+    for name, (flag, option) in SPLITS.items():
+        if not getattr(args, flag):
+            continue
+        opts = replace(best.options, **{option: True})
+        if option == "backbone_wgrad_split":
+            opts = replace(opts, wgrad_split=args.encoder_wgrad_split)
+        out[name] = simulated("optimus", optimus_schedule(fill_costs, opts), opts)
+    return out
 
 
 def plan_runs(args, cfg, dtype) -> dict:
@@ -272,14 +302,10 @@ def plan_runs(args, cfg, dtype) -> dict:
         # ranks, under the contention they really see): balances the ranks on what they cost.
         "optimus_replanned": job(optimus(best.schedule), executor=ExecutorSettings(replan_after=1)),
     }
-    if args.encoder_wgrad_split:  # the same encoder plan, its backward split into B / W
-        from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
-        from megatron_mllm.schedule.planner import run as simulated
-
-        split_opts = replace(best.options, wgrad_split=True)
-        split = simulated("optimus", optimus_schedule(fill_costs, split_opts), split_opts)
-        jobs["optimus_wgrad_split"] = job(optimus(split.schedule))
-        predicted["optimus_wgrad_split"] = split.result.step_time_s
+    variants = split_variants(args, best, fill_costs)  # the same encoder plan, split B / W
+    for name, split in variants.items():
+        jobs[name] = job(optimus(split.schedule))
+        predicted[name] = split.result.step_time_s
     # Plan candidates (--plan-candidates): the planner's K best and the Megatron schedule each
     # train real steps, the fastest measured is kept; this run's phase goes before the others.
     from functools import partial
@@ -305,8 +331,8 @@ def plan_runs(args, cfg, dtype) -> dict:
         "executor_megatron": balanced,
         "optimus": (best.schedule, best.workload),
     }
-    if args.encoder_wgrad_split:
-        planned["optimus_wgrad_split"] = (split.schedule, split.workload)
+    for name, split in variants.items():
+        planned[name] = (split.schedule, split.workload)
     return dict(
         cfg=cfg,
         plan=plan,
@@ -435,14 +461,13 @@ def one_repeat(setup: dict, args) -> dict:
         "optimus_over_limit": m["optimus"] / limit,
         "predicted_error_optimus": (setup["predicted"]["optimus"] - m["optimus"]) / m["optimus"],
     }
-    if "optimus_wgrad_split" in m:
-        split = m["optimus_wgrad_split"]
-        out["ratios"]["optimus_wgrad_split_vs_executor_megatron"] = m["executor_megatron"] / split
-        out["ratios"]["optimus_wgrad_split_vs_megatron_core"] = m["megatron_core_1f1b"] / split
-        out["ratios"]["optimus_wgrad_split_vs_optimus"] = m["optimus"] / split
-        out["ratios"]["optimus_wgrad_split_over_limit"] = split / limit  # the same work
-        predicted = setup["predicted"]["optimus_wgrad_split"]
-        out["ratios"]["predicted_error_optimus_wgrad_split"] = (predicted - split) / split
+    for name in (n for n in SPLITS if n in m):
+        split, ratios = m[name], out["ratios"]
+        ratios[f"{name}_vs_executor_megatron"] = m["executor_megatron"] / split
+        ratios[f"{name}_vs_megatron_core"] = m["megatron_core_1f1b"] / split
+        ratios[f"{name}_vs_optimus"] = m["optimus"] / split
+        ratios[f"{name}_over_limit"] = split / limit  # the same work
+        ratios[f"predicted_error_{name}"] = (setup["predicted"][name] - split) / split
     out["optimus_spans"] = [sp for o in outs["optimus"] for sp in o["spans"]]
     return out
 

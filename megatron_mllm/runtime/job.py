@@ -241,6 +241,7 @@ def check_job(job: RuntimeJob, world: int) -> None:
             f"weight gradients; --transformer-impl {job.model.transformer_impl} has none: use "
             f"--transformer-impl local or plan without --encoder-wgrad-split"
         )
+    _check_backbone_wgrad_split(job)
     if job.model.transformer_impl == "transformer_engine":
         import importlib.util
 
@@ -371,6 +372,24 @@ def _check_encoder_units(job: RuntimeJob, enc_plan: ParallelPlan) -> None:
                     f"model's has {units} at {job.plans.encoder_units} granularity (plan with "
                     f"unit='{job.plans.encoder_units}')"
                 )
+
+
+def _check_backbone_wgrad_split(job: RuntimeJob) -> None:
+    """A split backbone backward (W actions) defers megatron-core's local linears' weight
+    gradients, which sequence parallelism and Transformer Engine do not allow."""
+    if job.schedule is None or not job.schedule.meta.backbone_wgrad:
+        return
+    if job.model.transformer_impl != "local" or job.plans.sequence_parallel:
+        given = (
+            "--sequence-parallel"
+            if job.plans.sequence_parallel
+            else f"--transformer-impl {job.model.transformer_impl}"
+        )
+        raise ConfigError(
+            f"a split backbone backward (W actions) defers megatron-core's local linears' "
+            f"weight gradients, which {given} does not allow: use --transformer-impl local "
+            "without sequence parallelism or plan without --backbone-wgrad-split"
+        )
 
 
 def _check_backbone_split(job: RuntimeJob) -> None:

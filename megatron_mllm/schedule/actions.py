@@ -1,7 +1,9 @@
 """The schedule IR's actions and their short, stable string forms.
 
     F:s1v0m3            backbone forward of pipeline stage 1, virtual chunk 0, micro-batch 3
-    B:s1v0m3            backbone backward
+    B:s1v0m3            backbone backward (with its weight gradients split off: the input
+                        gradient only)
+    W:s1v0m3            a split backbone backward's weight gradients
     EF:e0p1s0m3k0-12    encoder 0, encoder pipeline 1, encoder stage 0, micro-batch 3,
                         forward kernels [0, 12) of that stage
     EF:e0p1s0m3k4-7@tp2 the same, run inside TP bubble 2 of the next backbone action in the list
@@ -33,7 +35,7 @@ from functools import lru_cache
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.keys import TensorKey, part_encoder
 
-BACKBONE_KINDS = ("F", "B")
+BACKBONE_KINDS = ("F", "B", "W")
 ENCODER_KINDS = ("EF", "EB", "EW")
 COMPUTE_KINDS = BACKBONE_KINDS + ENCODER_KINDS
 TRANSFER_KINDS = ("SEND", "RECV")
@@ -84,6 +86,10 @@ def B(stage: int, mb: int, chunk: int = 0) -> Action:
     return _intern("B", stage, chunk, mb)
 
 
+def W(stage: int, mb: int, chunk: int = 0) -> Action:
+    return _intern("W", stage, chunk, mb)
+
+
 def EF(
     enc: int, pipe: int, stage: int, mb: int, k0: int, k1: int, fill: int | None = None
 ) -> Action:
@@ -118,7 +124,7 @@ def RS(part: str) -> Action:
     return _intern("RS", 0, 0, 0, 0, 0, 0, 0, None, part)
 
 
-_BACKBONE_RE = re.compile(r"^(F|B):s(\d+)v(\d+)m(\d+)$")
+_BACKBONE_RE = re.compile(r"^(F|B|W):s(\d+)v(\d+)m(\d+)$")
 _ENCODER_RE = re.compile(r"^(EF|EB|EW):e(\d+)p(\d+)s(\d+)m(\d+)k(\d+)-(\d+)(?:@tp(\d+))?$")
 _KEY_RE = re.compile(r"^(SEND|RECV):(\S+)$")  # and the key parses (`TensorKey.parse`)
 _DP_RE = re.compile(r"^(AG|RS):(\S+)$")  # and the part parses (`part_encoder`)
@@ -154,7 +160,7 @@ def parse_action(text: str) -> Action:
             raise ConfigError(f"action '{s}': {err}") from None
         return Action(m[1], key=m[2])
     raise ConfigError(
-        f"cannot parse action '{s}'; expected forms like F:s0v0m1, B:s0v0m1, "
+        f"cannot parse action '{s}'; expected forms like F:s0v0m1, B:s0v0m1, W:s0v0m1, "
         "EF:e0p0s0m1k0-8, EB:e0p0s0m1k0-8@tp0, EW:e0p0s0m1k0-4, SEND:act.s1v0.m1, "
         "RECV:act.s1v0.m1, AG:bb, RS:e0"
     )

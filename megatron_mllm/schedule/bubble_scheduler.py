@@ -18,10 +18,12 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from megatron_mllm.errors import ConfigError
 from megatron_mllm.parallel.plans import ParallelPlan, encoder_stage_placement
-from megatron_mllm.schedule.actions import AG, EB, EF, EW, RS, Action
+from megatron_mllm.schedule.actions import AG, EB, EF, EW, RS, Action, W
 from megatron_mllm.schedule.assemble import EncoderLayout, assemble, megatron_backbone
 from megatron_mllm.schedule.blocks import JobCosts, concat
+from megatron_mllm.schedule.cost_model import Kernel
 from megatron_mllm.schedule.gaps import Gap, GapPool, Placed
 from megatron_mllm.schedule.keys import TensorKey, part_name
 from megatron_mllm.schedule.pipeline_orders import backbone_actions, backbone_orders
@@ -105,6 +107,7 @@ def optimus_schedule(
     micro-batch of load 0 gets no encoder action (`ScheduleMeta.text_only`).
     """
     shape = ("assembled", opts.encoder_plan, opts.even_backbone, opts.wgrad_split)
+    shape += (opts.backbone_wgrad_split,)
     if cache is not None and shape in cache:
         meta, workload = cache[shape]
     else:
@@ -115,6 +118,8 @@ def optimus_schedule(
         )
         if opts.wgrad_split:
             meta, workload = with_weight_split(meta, workload)
+        if opts.backbone_wgrad_split:
+            meta = replace(meta, backbone_wgrad=backbone_wgrad_points(meta))
         if cache is not None:
             cache[shape] = meta, workload
     if loads:
@@ -122,7 +127,7 @@ def optimus_schedule(
         if skip_text_only:
             meta = replace(meta, text_only=tuple(m for m, x in enumerate(loads) if x == 0))
     steps = [backbone_actions(r, o) for r, o in enumerate(backbone_orders(meta, opts.extra_warmup))]
-    key = (opts.extra_warmup, opts.fine)
+    key = (opts.extra_warmup, opts.fine, meta.backbone_wgrad)
     if cache is None or key not in cache:
         timeline = _BackboneTimeline(meta, workload, steps, opts.fine)
         if cache is not None:
@@ -138,9 +143,25 @@ def optimus_schedule(
     placer = _Placer(meta, workload, steps, timeline, delay)
     placer.place_forwards(opts.split)
     placer.place_backwards()
+    placer.place_backbone_weight_grads(timeline.b_ends)
     schedule = add_transfers(meta, placer.lists())
     schedule.origin = opts
     return schedule, workload
+
+
+def backbone_wgrad_points(meta: ScheduleMeta) -> tuple[tuple[int, int, int], ...]:
+    """(stage, chunk, mb) whose backward is split (`OptimusOptions.backbone_wgrad_split`): the
+    last stage's first micro-batch, whose input gradient ends 1F1B's warm-up on the stages
+    before it, and every stage's last, whose input gradient the drain waits for."""
+    if meta.vpp > 1 or meta.slots > 1 or meta.pp < 2:
+        raise ConfigError(
+            f"a split backbone backward needs PP >= 2, no virtual stages and the encoder's TP "
+            f"equal to the backbone's (got PP {meta.pp}, VPP {meta.vpp}, {meta.slots} encoder "
+            "slots per rank); plan without it"
+        )
+    last = meta.num_microbatches - 1
+    points = {(meta.pp - 1, 0, 0)} | {(s, 0, last) for s in range(meta.pp)}
+    return tuple(sorted(points))
 
 
 class _BackboneTimeline:
@@ -155,6 +176,12 @@ class _BackboneTimeline:
         sim = simulate(bb, bb_wl, keep_spans=False)
         self.step_time_s = sim.step_time_s
         self.f_start, self.b_end = sim.mb_forward_start, sim.mb_backward_end
+        self.b_ends = {  # every backbone backward's end: (stage, chunk, mb) -> seconds
+            (a.stage, a.chunk, a.mb): sim.action_times[(r, i)][1]
+            for r, acts in enumerate(bb.ranks)
+            for i, a in enumerate(acts)
+            if a.kind == "B"
+        }
         # Per rank: (start, end, anchor, cover) of every gap, before slots are known.
         self.gaps: list[list[tuple[float, float, tuple, float]]] = []
         for r, acts in enumerate(bb.ranks):
@@ -165,14 +192,17 @@ class _BackboneTimeline:
                 if fine or j == 0:
                     gaps.append((prev, start, ("after", j - 1), 0.0))
                 if fine:
-                    gaps += self._tp_gaps(workload, j, acts[i], start)
+                    gaps += self._tp_gaps(meta, workload, j, acts[i], start)
                 prev = end
             gaps.append((prev, math.inf, ("after", len(mains) - 1), 0.0))
             self.gaps.append(gaps)
 
     @staticmethod
-    def _tp_gaps(wl: Workload, j: int, action: Action, start: float) -> list[tuple]:
-        kernels = wl.kernels(action.kind, action.stage, action.chunk)
+    def _tp_gaps(
+        meta: ScheduleMeta, wl: Workload, j: int, action: Action, start: float
+    ) -> list[tuple]:
+        split = action.kind == "B" and meta.splits_backbone(action)
+        kernels = wl.kernels(action.kind, action.stage, action.chunk, split=split)
         out, t, n = [], start, 0
         for i, k in enumerate(kernels):
             t += k.compute_s
@@ -206,6 +236,7 @@ class _Placer:
         self.b_end = {m: t + delay for m, t in timeline.b_end.items()}
         self.pool = GapPool()
         hosts = {rs for enc in meta.encoders for pipe in enc.placement for rs in pipe}
+        hosts |= {(stage, 0) for stage, _, _ in meta.backbone_wgrad}
         for r, slot in sorted(hosts):
             for start, end, anchor, cover in timeline.gaps[r]:
                 self.pool.add(r, slot, Gap(start + delay, end + delay, anchor, cover))
@@ -278,6 +309,18 @@ class _Placer:
             placed = self.pool.place_asap(rank, slot, kernels, earliest)
             self._commit("EW", e, pipe, j, mb, placed)
 
+    def place_backbone_weight_grads(self, b_ends: dict[tuple[int, int, int], float]) -> None:
+        """Each split backbone backward's W, as one piece, into the first bubble after its B
+        that holds it (between backbone actions, never inside a TP collective's wait); what
+        fits nowhere goes after the rank's last backbone action."""
+        for point in sorted(self.meta.backbone_wgrad, key=lambda p: b_ends[p]):
+            stage, chunk, mb = point
+            kernels = self.wl.kernels("W", stage, chunk, mb=mb)
+            whole = [Kernel("w", sum(k.compute_s for k in kernels))]
+            placed = self.pool.place_asap(stage, 0, whole, b_ends[point], first_in_tp=False)
+            self.pool.commit(stage, 0, placed)
+            self.placed.append((W(stage, mb, chunk), placed[0].gap, placed[0].start))
+
     def _place_input_grads(self, e: int, enc) -> list[tuple[float, int, int, int, int]]:
         """EB of every micro-batch of encoder `e`; the weight gradients still to place."""
         weights = []
@@ -326,7 +369,10 @@ class _Placer:
         by_anchor: dict[tuple, list[tuple[float, Action]]] = {}
         rank_of: dict[Action, int] = {}
         for chunk, gap, start in self.placed:
-            rank = meta.encoders[chunk.enc].placement[chunk.pipe][chunk.stage][0]
+            if chunk.kind == "W":  # a backbone weight gradient: its stage's rank
+                rank = chunk.stage
+            else:
+                rank = meta.encoders[chunk.enc].placement[chunk.pipe][chunk.stage][0]
             # TP fills of one backbone action are ordered by bubble, then by planned start.
             anchor = (rank, *gap.anchor[:2])
             by_anchor.setdefault(anchor, []).append(((gap.anchor[2:], start), chunk))
@@ -339,16 +385,18 @@ class _Placer:
 
         out = []
         for r, steps in enumerate(self.steps):
-            hosted = sorted({a.enc for a in rank_of if rank_of[a] == r})
+            hosted = sorted({a.enc for a in rank_of if rank_of[a] == r and a.kind != "W"})
             trained = sorted({a.enc for a in rank_of if rank_of[a] == r and a.kind == "EB"})
             acts: list[Action] = (
                 [AG(part_name(e)) for e in hosted] + [AG("bb")] + at(r, "after", -1)
             )
             for j, main in enumerate(steps):
                 acts += at(r, "tp", j) + [main]
-                if j == len(steps) - 1:
-                    acts.append(RS("bb"))
-                acts += at(r, "after", j)
+                after = at(r, "after", j)
+                if j == len(steps) - 1:  # after the backbone's last work: its last W, if any
+                    ws = [i + 1 for i, a in enumerate(after) if a.kind == "W"]
+                    after.insert(max(ws, default=0), RS("bb"))
+                acts += after
             acts += [RS(part_name(e)) for e in trained]
             out.append(acts)
         return out

@@ -6,7 +6,7 @@ makes are key strings (`str(TensorKey)`), the form the IR stores (see `keys`).
 
 from __future__ import annotations
 
-from megatron_mllm.schedule.actions import ENCODER_KINDS, Action
+from megatron_mllm.schedule.actions import BACKBONE_KINDS, ENCODER_KINDS, Action
 from megatron_mllm.schedule.keys import TensorKey, part_encoder
 from megatron_mllm.schedule.schedule import ScheduleMeta
 
@@ -23,7 +23,9 @@ RULES = {
     "ebk": "encoder backward kernels run in order",
     "ewk": "encoder weight-gradient kernels run in order, after the stage's input gradient",
     "params": "parameters are all-gathered before first use",
-    "bwd": "gradients are reduce-scattered after every backward on the rank",
+    "bwd": "gradients are reduce-scattered after every backward on the rank (and a split "
+    "backward's weight gradients after its input gradient)",
+    "wgt": "gradients are reduce-scattered after every split backward's weight gradients",
     "ebdone": "encoder gradients are reduce-scattered after every encoder backward on the rank",
 }
 
@@ -79,6 +81,8 @@ class Dataflow:
             if meta.virtual_index(a.stage, a.chunk) < meta.num_virtual_stages - 1:
                 need.append(str(TensorKey.grad(a.stage, a.chunk, a.mb)))
             return need
+        if a.kind == "W":
+            return [str(TensorKey.bwd(a.stage, a.chunk, a.mb))]
         if a.kind == "EF":
             need = [str(TensorKey.params(a.enc))]
             if a.k0 > 0:
@@ -126,6 +130,8 @@ class Dataflow:
                     if enc.trainable
                 ]
             return out
+        if a.kind == "W":
+            return [str(TensorKey.wgt(a.stage, a.chunk, a.mb))]
         if a.kind == "EF":
             enc = meta.encoders[a.enc]
             out = [str(TensorKey.ek(a.enc, a.stage, a.mb, a.k1))]
@@ -166,7 +172,8 @@ class Dataflow:
         """A reduce-scatter waits for every backward of its part on this rank."""
         e = part_encoder(part)
         if e is None:
-            return [str(TensorKey.bwd(a.stage, a.chunk, a.mb)) for a in actions if a.kind == "B"]
+            done = {"B": TensorKey.bwd, "W": TensorKey.wgt}
+            return [str(done[a.kind](a.stage, a.chunk, a.mb)) for a in actions if a.kind in done]
         enc = self.meta.encoders[e]
         return [
             str(TensorKey.ebdone(e, a.stage, a.mb))
@@ -242,7 +249,7 @@ class Dataflow:
     def home_rank(self, a: Action) -> int | None:
         """The rank an action must be on (None: it belongs nowhere)."""
         meta = self.meta
-        if a.kind in ("F", "B"):
+        if a.kind in BACKBONE_KINDS:
             ok = a.stage < meta.pp and a.chunk < meta.vpp and a.mb < meta.total_microbatches
             return a.stage if ok else None
         if a.kind in ENCODER_KINDS:

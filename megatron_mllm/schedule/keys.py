@@ -8,6 +8,7 @@
     egin.e{E}.s{S}.m{M}      gradient of the output of encoder stage S               (sent)
     fwd.s{S}v{V}.m{M}        backbone forward done (stays on its rank, as do those below)
     bwd.s{S}v{V}.m{M}        backbone backward done
+    wgt.s{S}v{V}.m{M}        a split backbone backward's weight gradients done
     ek.e{E}.s{S}.m{M}.k{K}   encoder forward done up to kernel K
     ebk.e{E}.s{S}.m{M}.k{K}  encoder backward done up to kernel K (in backward order)
     ewk.e{E}.s{S}.m{M}.k{K}  encoder weight gradients done up to kernel K (split backward)
@@ -43,6 +44,7 @@ _SHAPES = {
     "grad": "sv",
     "fwd": "sv",
     "bwd": "sv",
+    "wgt": "sv",
     "eout": "e",
     "egrad": "e",
     "eact": "es",
@@ -147,6 +149,10 @@ class TensorKey:
     @staticmethod
     def bwd(stage: int, chunk: int, mb: int) -> TensorKey:
         return _intern("bwd", None, stage, chunk, mb, None)
+
+    @staticmethod
+    def wgt(stage: int, chunk: int, mb: int) -> TensorKey:
+        return _intern("wgt", None, stage, chunk, mb, None)
 
     @staticmethod
     def eout(enc: int, mb: int) -> TensorKey:

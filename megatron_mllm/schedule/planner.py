@@ -87,9 +87,11 @@ def plan_optimus(
     encoder_plan: ParallelPlan | None = None,
     refine: int = 1,
     wgrad_split: bool = False,
+    backbone_wgrad_split: bool = False,
 ) -> tuple[Planned, list, list]:
     """Search encoder plans (or just `encoder_plan`) and return the best Optimus schedule;
-    with `wgrad_split` the best one's split-backward variant too (kept where faster)."""
+    with `wgrad_split` the best one's split-backward variant too, with `backbone_wgrad_split`
+    then the best one's with the backbone's backward split (each kept where faster)."""
     job = costs.job
     memory = job.hw.memory_gb
     plans = (
@@ -155,6 +157,8 @@ def plan_optimus(
             consider(v)
     if wgrad_split and best is not None and best.options.placement == "colocated":
         consider(replace(best.options, wgrad_split=True))
+    if backbone_wgrad_split and best is not None and _splits_backbone(job, best.options):
+        consider(replace(best.options, backbone_wgrad_split=True))
     if best is None:
         if not fitting:
             raise _no_plan_fits(dropped, memory)
@@ -166,6 +170,12 @@ def plan_optimus(
         )
     validate(best.schedule)
     return best, candidates, dropped
+
+
+def _splits_backbone(job, opts: OptimusOptions) -> bool:
+    """Whether a split backbone backward can go with `opts` (`backbone_wgrad_points`)."""
+    colocated = opts.placement == "colocated" and opts.encoder_plan.tp == job.plan.tp
+    return colocated and job.plan.vpp == 1 and job.plan.pp > 1
 
 
 def plan_all(

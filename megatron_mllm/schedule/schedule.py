@@ -71,6 +71,13 @@ class ScheduleMeta:
     # after the step's own, num_microbatches .. num_microbatches + lookahead - 1; forward only
     # (F and EF, no loss, no backward), they fill this step's bubbles.
     lookahead: int = 0
+    # Backbone backwards split (zero-bubble's B / W): (stage, chunk, mb) whose B computes the
+    # input gradient only and whose W action computes the weight gradients later.
+    backbone_wgrad: tuple[tuple[int, int, int], ...] = ()
+
+    def splits_backbone(self, a: Action) -> bool:
+        """Whether backbone action `a`'s micro-batch has its backward split into B and W."""
+        return (a.stage, a.chunk, a.mb) in self.backbone_wgrad
 
     def has_images(self, mb: int) -> bool:
         return mb not in self.text_only
@@ -118,6 +125,7 @@ class ScheduleMeta:
         raw["backbone_layers"] = tuple(raw.get("backbone_layers", ()))
         raw["encoder_plan"] = tuple(raw.get("encoder_plan", ()))
         raw["text_only"] = tuple(raw.get("text_only", ()))
+        raw["backbone_wgrad"] = tuple(tuple(x) for x in raw.get("backbone_wgrad", ()))
         return ScheduleMeta(encoders=encoders, **raw)
 
 
@@ -134,6 +142,10 @@ class OptimusOptions:
     # Split the encoder's backward into input-gradient (EB) and weight-gradient (EW) work; the
     # weight gradients go into whatever bubble comes after their input gradient.
     wgrad_split: bool = False
+    # Split the backbone's backward where a peer waits for its input gradient: the last
+    # stage's first micro-batch (1F1B's warm-up) and every stage's last one (its drain); each
+    # W goes into the first bubble after its B that holds it.
+    backbone_wgrad_split: bool = False
 
 
 @dataclass(frozen=True)

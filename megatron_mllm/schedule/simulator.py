@@ -223,7 +223,8 @@ class _Simulation:
         fills = defaultdict(list) if len(group) > 1 else {}
         for i in group[:-1]:
             fills[acts[i].fill].append(i)
-        kernels = self.workload.kernels(a.kind, a.stage, a.chunk, mb=a.mb)
+        split = a.kind == "B" and self.meta.splits_backbone(a)
+        kernels = self.workload.kernels(a.kind, a.stage, a.chunk, mb=a.mb, split=split)
         cf, mf = self.cfree[r], self.mfree[r]
         start = max(self.cursor[r], max(cf), self.ready(r, self.flow.needs(a)))
         t = start + self.workload.chunk_overhead_s
@@ -267,20 +268,22 @@ class _Simulation:
         for key in self.flow.makes(a):
             self.avail[r][key] = end
         self.times[(r, step)] = (start, end)
-        if a.kind == "B":
+        if a.kind != "F":
             self.backward_ran(r, None, start, end)
         if a.stage == 0 and a.chunk == 0:  # F_i and B_i, as the bubble scheduler names them
             if a.kind == "F":
                 self.f_start[a.mb] = start
-            else:
+            elif a.kind == "B":
                 self.b_end[a.mb] = end
         self.backbone_busy[r].append((start, end))
         self.first_bb[r] = min(self.first_bb[r], start)
         self.last_bb[r] = max(self.last_bb[r], end)
         nbytes = self.workload.backbone_act_bytes.get((a.stage, a.chunk), 0.0)
         if self.meta.trains(a.mb):  # a look-ahead forward saves nothing for a backward
-            event = (start, None, nbytes) if a.kind == "F" else (end, None, -nbytes)
-            self.mem_events[r].append(event)
+            if a.kind == "F":
+                self.mem_events[r].append((start, None, nbytes))
+            elif a.kind == "W" or not self.meta.splits_backbone(a):  # W reads the inputs
+                self.mem_events[r].append((end, None, -nbytes))
 
     def run_lists(self) -> None:
         """Every rank's list, in order, round after round until all are done (DeadlockError
@@ -317,7 +320,7 @@ class _Simulation:
             step = group[-1]
             a = acts[step]
             kind = a.kind
-            if kind == "F" or kind == "B":
+            if kind == "F" or kind == "B" or kind == "W":
                 self.run_backbone(r, group, acts)
             elif kind == "SEND":
                 t0 = max(cursor[r], have[a.key])

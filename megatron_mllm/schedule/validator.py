@@ -91,8 +91,10 @@ def validate(schedule: Schedule) -> None:
                         "local-transfer",
                         f"{a.key} is made and used on rank {producer}; drop the SEND/RECV pair",
                     )
-            if a.kind in ("B", "EB", "EW") and not meta.trains(a.mb):
+            if a.kind in ("B", "W", "EB", "EW") and not meta.trains(a.mb):
                 fail(r, i, "lookahead", f"micro-batch {a.mb} is a look-ahead one: forward only")
+            if a.kind == "W" and not meta.splits_backbone(a):
+                fail(r, i, "split", f"{a}: its backward is not split (no backbone_wgrad entry)")
             if a.kind in ENCODER_KINDS and not meta.has_images(a.mb):
                 fail(r, i, "text-only", f"micro-batch {a.mb} has no image: no encoder work")
             if home != -1 and home != r:
@@ -121,13 +123,16 @@ def _check_counts(schedule: Schedule, flow: Dataflow, fail) -> None:
         (a.kind, a.stage, a.chunk, a.mb)
         for acts in schedule.ranks
         for a in acts
-        if a.kind in ("F", "B")
+        if a.kind in ("F", "B", "W")
     }
     last_step = {r: max(len(acts) - 1, 0) for r, acts in enumerate(schedule.ranks)}
     for s in range(meta.pp):
         for v in range(meta.vpp):
             for m in range(meta.total_microbatches):
-                for kind in ("F", "B") if meta.trains(m) else ("F",):
+                kinds = ("F", "B") if meta.trains(m) else ("F",)
+                if meta.trains(m) and (s, v, m) in meta.backbone_wgrad:
+                    kinds += ("W",)
+                for kind in kinds:
                     if (kind, s, v, m) not in where:
                         fail(s, last_step[s], "missing", f"no {kind}:s{s}v{v}m{m} on rank {s}")
 

@@ -69,17 +69,26 @@ class Workload:
         return self.encoder_load[mb]
 
     def kernels(
-        self, kind: str, stage: int, chunk: int = 0, enc: int = 0, mb: int | None = None
+        self,
+        kind: str,
+        stage: int,
+        chunk: int = 0,
+        enc: int = 0,
+        mb: int | None = None,
+        split: bool = False,
     ) -> list[Kernel]:
         """An action's kernels; an encoder action's (or a backbone stage's folded encoder
-        work) for micro-batch `mb`'s load."""
-        if kind in ("F", "B"):
+        work) for micro-batch `mb`'s load. A backbone B with `split` is its input-gradient
+        kernels, a W its weight-gradient ones (`ScheduleMeta.backbone_wgrad`)."""
+        if kind in ("F", "B", "W"):
             kernels = (self.backbone_fwd if kind == "F" else self.backbone_bwd)[(stage, chunk)]
             folded = self.folded_encoder_s.get((stage, chunk))
             load = self.load_of(mb)
-            if folded is None or load == 1.0:
+            if folded is not None and load != 1.0:
+                kernels = _with_encoder_share(kernels, folded[kind != "F"], load)
+            if kind == "F" or (kind == "B" and not split):
                 return kernels
-            return _with_encoder_share(kernels, folded[kind == "B"], load)
+            return split_weight_grads(kernels)[kind == "W"]
         table = {"EF": self.encoder_fwd, "EB": self.encoder_bwd, "EW": self.encoder_wgt}
         kernels = table[kind][enc][stage]
         load = self.load_of(mb)

@@ -292,6 +292,40 @@ def _check_wgrad_split(args: argparse.Namespace) -> None:
     _refuse_together("--encoder-wgrad-split", others)
 
 
+def _check_backbone_wgrad_split(args: argparse.Namespace) -> None:
+    """--backbone-wgrad-split: one static Optimus plan on megatron-core's local linears,
+    without sequence parallelism, on a pipeline without virtual stages."""
+    if not args.backbone_wgrad_split:
+        return
+    if args.pipeline_model_parallel_size < 2:
+        raise ConfigError(
+            "--backbone-wgrad-split splits the backward a pipeline peer waits for; use "
+            "--pipeline-model-parallel-size 2 or more"
+        )
+    others = {
+        f"--bubble-schedule {args.bubble_schedule} (use optimus)": (
+            args.bubble_schedule != ScheduleChoice.OPTIMUS
+        ),
+        "--transformer-impl transformer_engine (its fused linears keep no weight products)": (
+            args.transformer_impl != "local"
+        ),
+        "--sequence-parallel (the deferred linears run without it)": args.sequence_parallel,
+        "--num-layers-per-virtual-pipeline-stage (1F1B without virtual stages only)": (
+            args.num_layers_per_virtual_pipeline_stage is not None
+        ),
+        "--replan-after-iters (re-plans are made without the split)": (
+            args.replan_after_iters is not None
+        ),
+        "--plan-candidates (its candidates are made without the split)": (
+            args.plan_candidates is not None
+        ),
+        "--coreset-lookahead (its merged schedule is built without the split)": (
+            args.coreset_lookahead
+        ),
+    }
+    _refuse_together("--backbone-wgrad-split", others)
+
+
 def _refuse_together(flag: str, others: dict[str, object]) -> None:
     """One line for the first of `others` (what -> whether it is given) given with `flag`."""
     for what, given in others.items():
@@ -367,6 +401,7 @@ def validate_args(args: argparse.Namespace) -> None:
             "with --coreset-pool-ratio or --replan-after-iters (use --bubble-schedule optimus)"
         )
     _check_wgrad_split(args)
+    _check_backbone_wgrad_split(args)
     _check_lookahead(args)
     _check_plan_candidates(args)
     if args.replan_after_iters is not None:

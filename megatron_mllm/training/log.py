@@ -31,11 +31,21 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
             if args.plan_candidates
             else "; --encoder-wgrad-split not kept (predicted no faster)"
         )
+    bb_split = ""
+    if args.backbone_wgrad_split:
+        points = schedule.meta.backbone_wgrad
+        bb_split = (
+            f"; backward split at {len(points)} (stage, micro-batch) points, weight gradients "
+            "in later bubbles"
+            if points
+            else "; --backbone-wgrad-split not kept (predicted no faster)"
+        )
     return "\n".join(
         [
             f" > backbone plan: {plan} (world size {plan.world_size})"
             + (", sequence parallel" if args.sequence_parallel else "")
-            + (f"; layers per stage {list(layers)}" if layers else ""),
+            + (f"; layers per stage {list(layers)}" if layers else "")
+            + bb_split,
             f" > encoder plan:  {enc_plan} ({where})",
             f" > schedule: {run.schedule}; {run.num_microbatches} micro-batches of "
             f"{run.micro_batch} per step and DP replica, planned for "

@@ -112,6 +112,8 @@ class RunConfig:
         from megatron_mllm.runtime.planning.schedules import plan_job
 
         split = {"wgrad_split": True} if self.args.encoder_wgrad_split else {}
+        if self.args.backbone_wgrad_split:
+            split["backbone_wgrad_split"] = True
         job, name = self.planning_job(), self.schedule.planned
         return plan_job(job, name, self.encoder_plan, unit=self.fill_unit, **split)
 

@@ -20,7 +20,7 @@ from megatron_mllm.schedule.schedule import ScheduleMeta
 
 
 class ComputeActions:
-    """Handlers of F, B, EF, EB and EW for `Executor` (which sets every attribute they read)."""
+    """Handlers of F, B, W, EF, EB and EW for `Executor` (which sets every attribute they read)."""
 
     # -- backbone --------------------------------------------------------------------------
     def _forward(self, a: Action) -> None:
@@ -32,12 +32,13 @@ class ComputeActions:
         inputs = [self._take(k).detach().requires_grad_(trains) for k in self._needs(a)]
         pool = last and self._is_pool(a.mb)
         self._capture_next = pool
-        if v == 0:
-            first = self.chunks[a.chunk]
-            batch = self._batch(a.mb)
-            out = first(None, first.decoder_input(inputs, batch), batch)
-        else:
-            out = self.chunks[a.chunk](inputs[0], batch=self._batch(a.mb))
+        with self._backbone_deferring(a):
+            if v == 0:
+                first = self.chunks[a.chunk]
+                batch = self._batch(a.mb)
+                out = first(None, first.decoder_input(inputs, batch), batch)
+            else:
+                out = self.chunks[a.chunk](inputs[0], batch=self._batch(a.mb))
         self._capture_next = False
         if pool:  # a coreset pool's micro-batch: the selection reads the output layer's input
             self.last_layer_inputs[a.mb] = self._captured.pop()
@@ -57,11 +58,14 @@ class ComputeActions:
         meta = self.meta
         v = meta.virtual_index(a.stage, a.chunk)
         inputs, out = self.bb_ctx.pop((a.stage, a.chunk, a.mb))
-        if v == meta.num_virtual_stages - 1:
-            loss = out / meta.num_microbatches if self.loss_norm is None else out * self.loss_norm
-            (loss * self.loss_scale if self.loss_scale is not None else loss).backward()
-        else:
-            out.backward(self._take(self._needs(a)[0]))
+        split = self.bb_weight_grads is not None and meta.splits_backbone(a)
+        with self.bb_weight_grads.unit(_unit(a)) if split else contextlib.nullcontext():
+            if v == meta.num_virtual_stages - 1:
+                norm = self.loss_norm
+                loss = out / meta.num_microbatches if norm is None else out * norm
+                (loss * self.loss_scale if self.loss_scale is not None else loss).backward()
+            else:
+                out.backward(self._take(self._needs(a)[0]))
         if v > 0:
             s, c = meta.stage_chunk(v - 1)
             self._put(str(TensorKey.grad(s, c, a.mb)), inputs[0].grad)
@@ -69,6 +73,18 @@ class ComputeActions:
             for e, x in enumerate(inputs):
                 if meta.encoders[e].trainable:
                     self._put(str(TensorKey.egrad(e, a.mb)), x.grad)
+
+    def _backbone_wgrad(self, a: Action) -> None:
+        """A split backbone backward's weight gradients (its B deferred them)."""
+        self.result.deferred_products += self.bb_weight_grads.apply(_unit(a))
+
+    def _backbone_deferring(self, a: Action):
+        """Around a backbone forward whose backward is split: its linears defer their weight
+        gradients to W."""
+        split = self.bb_weight_grads is not None and self.meta.splits_backbone(a)
+        if split and self._trains(a.mb):
+            return self.bb_weight_grads.deferring()
+        return contextlib.nullcontext()
 
     # -- encoder ---------------------------------------------------------------------------
     def _encoder_forward(self, a: Action) -> None:
@@ -203,7 +219,7 @@ class ComputeActions:
         for b in range(a.k0 * total // kernels, a.k1 * total // kernels):
             u, start = total - 1 - b, self.clock.mark()
             key = (a.enc, a.stage, a.mb, u)
-            self.weight_grads.apply(key)
+            self.result.deferred_products += self.weight_grads.apply(key)
             parts = (self._input_grad_marks.pop(key), (start, self.clock.mark()))
             self._whole_backward_later(model, names[u] + "_b", *parts)
 
@@ -236,3 +252,8 @@ def planned_encoder_live(program: list[Op], meta: ScheduleMeta) -> int:
             if (a.kind == "EB" and a.k1 == enc.bwd_kernels[a.stage]) or (last_fwd and no_backward):
                 live.discard(key)
     return max(peak, 1)
+
+
+def _unit(a: Action) -> tuple:
+    """A split backbone backward's key among the deferred weight products."""
+    return ("bb", a.stage, a.chunk, a.mb)

@@ -131,9 +131,15 @@ class Executor(ComputeActions):
         split = meta.splits_weight_grads and not self.forward_only
         stages = [enc for enc in self.encoders if enc is not None]
         self.weight_grads = weight_grads_of(stages) if split and stages else None
+        # A split backbone backward (W actions): the chunks' linears defer likewise.
+        split_bb = bool(meta.backbone_wgrad) and not self.forward_only
+        gpts = [chunk.gpt for chunk in self.chunks]
+        self.bb_weight_grads = weight_grads_of(gpts, "--backbone-wgrad-split") if split_bb else None
+        self._bb_input_grad: dict[tuple, tuple] = {}  # split B's (start, end, inside) marks
         self.handlers = {
             "F": self._forward,
             "B": self._backward,
+            "W": self._backbone_wgrad,
             "EF": self._encoder_forward,
             "EB": self._encoder_backward,
             "EW": self._encoder_wgrad,
@@ -393,12 +399,23 @@ class Executor(ComputeActions):
 
     def _backbone_time_later(self, action: Action, a, b, inside: list) -> None:
         """Per-layer compute time of a backbone action: its span without the fills and the
-        collective waits `inside` it (those are measured separately)."""
+        collective waits `inside` it (those are measured separately); a split backward's B
+        and W count as one backward."""
         layers = len(self.chunks[action.chunk].gpt.decoder.layers)
         forward = action.kind == "F"
+        parts = [(a, b, inside)]
+        if not forward and self.meta.splits_backbone(action):
+            key = (action.stage, action.chunk, action.mb)
+            if action.kind == "B":
+                self._bb_input_grad[key] = parts[0]
+                return
+            parts.append(self._bb_input_grad.pop(key))
 
         def read() -> None:
-            own = self.clock.between(a, b) - sum(self.clock.between(x, y) for x, y in inside)
+            own = sum(
+                self.clock.between(x0, x1) - sum(self.clock.between(y0, y1) for y0, y1 in cut)
+                for x0, x1, cut in parts
+            )
             name = "layer" if forward else "layer_b"
             self._time("llm", "forward" if forward else "backward", name, own / layers)
 
@@ -419,7 +436,7 @@ class Executor(ComputeActions):
         if action.kind in ("F", "EF"):
             self._gathered(action)
         start, first_fill = self.clock.mark(), len(self._fill_marks)
-        backbone = action.kind in ("F", "B")
+        backbone = action.kind in ("F", "B", "W")
         ahead = action.kind in ("F", "EF") and not self.meta.trains(action.mb)  # no graph
         with torch.no_grad() if ahead else contextlib.nullcontext():
             if backbone:

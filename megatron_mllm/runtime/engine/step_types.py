@@ -41,6 +41,7 @@ class StepResult:
     planned_encoder_live: int = 0
     leftover_keys: list[str] = field(default_factory=list)  # the tensor table at step end
     fills_per_wait: list[int] = field(default_factory=list)  # fills run inside each TP wait
+    deferred_products: int = 0  # split backwards: weight products a W or EW action computed
 
 
 class PassKind(Enum):

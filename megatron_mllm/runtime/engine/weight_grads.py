@@ -1,14 +1,15 @@
-"""An encoder's weight gradients computed apart from its backward (zero-bubble's B / W split).
+"""Weight gradients computed apart from their backward (zero-bubble's B / W split).
 
 With a split backward the schedule runs each encoder stage's backward as input-gradient
 actions (EB), which must reach the previous stage soon, and weight-gradient actions (EW), which
-may wait for a bubble. `DeferredWeightGrads` makes megatron-core's tensor-parallel linears of
-the encoder stages do that: while a split step runs, each linear's backward computes its input
-gradient and keeps (input, output gradient) for its weight; an EW action later turns them into
-the weight's gradient and hands it to the parameter's gradient accumulator, so megatron-core's
-DDP hooks (main_grad, bucket readiness) see it as they see any gradient. The arithmetic is the
-linear's own (`linear_with_grad_accumulation_and_async_allreduce` without fusion): the same
-products in the same dtype.
+may wait for a bubble; a split backbone backward likewise as B (input gradient) and W.
+`DeferredWeightGrads` makes megatron-core's tensor-parallel linears of the encoder stages (or
+of the backbone's chunks) do that: while a split step runs, each linear's backward computes its
+input gradient and keeps (input, output gradient) for its weight; an EW (W) action later turns
+them into the weight's gradient and hands it to the parameter's gradient accumulator, so
+megatron-core's DDP hooks (main_grad, bucket readiness) see it as they see any gradient. The
+arithmetic is the linear's own (`linear_with_grad_accumulation_and_async_allreduce` without
+fusion): the same products in the same dtype.
 """
 
 from __future__ import annotations
@@ -63,11 +64,12 @@ def _linears(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 class DeferredWeightGrads:
-    """The encoder stages' linears with deferrable weight gradients (only while `deferring`),
-    and the deferred products per (encoder, stage, micro-batch, unit) until `apply`."""
+    """The linears of a rank's encoder stages (or backbone chunks) with deferrable weight
+    gradients (only while `deferring`), and the deferred products per unit key until `apply`;
+    `option`: the flag that asked for the split, named when its linears cannot defer."""
 
-    def __init__(self, stages: list[torch.nn.Module]) -> None:
-        self.active = False
+    def __init__(self, stages: list[torch.nn.Module], option: str = "--encoder-wgrad-split"):
+        self.active, self.option = False, option
         self.pending: dict[tuple, Deferred] = {}
         self._unit: tuple | None = None  # the unit whose backward is running
         for stage in stages:
@@ -89,9 +91,9 @@ class DeferredWeightGrads:
             return inner(input, weight, bias, **kw)
         if kw.get("sequence_parallel") or kw.get("gradient_accumulation_fusion"):
             raise ConfigError(
-                "a split encoder backward (--encoder-wgrad-split) runs the encoder's linears "
-                "without sequence parallelism and gradient-accumulation fusion; turn those off "
-                "for the encoder or plan without the split"
+                f"a split backward ({self.option}) runs its linears without sequence "
+                "parallelism and gradient-accumulation fusion; turn those off or plan without "
+                "the split"
             )
         group = kw.get("tp_group") if kw.get("allreduce_dgrad") else None
         return _DeferredLinear.apply(input, weight.detach(), bias, (weight,), self, group)
@@ -108,15 +110,16 @@ class DeferredWeightGrads:
 
     def keep(self, param: torch.nn.Parameter, x: torch.Tensor, grad: torch.Tensor) -> None:
         if self._unit is None:
-            raise RuntimeError("a deferred linear's backward ran outside an encoder unit's")
+            raise RuntimeError("a deferred linear's backward ran outside a split unit's")
         held(grad.nbytes)  # measured as an activation until EW lets it go (x is saved already)
         self.pending.setdefault(self._unit, []).append((param, x, grad))
 
-    def apply(self, key: tuple) -> None:
-        """Unit `key`'s weight gradients, into each parameter's accumulator (DDP's hooks)."""
+    def apply(self, key: tuple) -> int:
+        """Unit `key`'s weight gradients, into each parameter's accumulator (DDP's hooks);
+        returns how many weight products it computed."""
         products = self.pending.pop(key, [])
         if not products:
-            return
+            return 0
         held(-sum(grad.nbytes for _, _, grad in products))
         params, grads = [], []
         for param, x, grad in products:
@@ -124,13 +127,17 @@ class DeferredWeightGrads:
             params.append(param.expand_as(param))
             grads.append(g2.t().matmul(x2))
         torch.autograd.backward(params, grads)
+        return len(products)
 
 
-def weight_grads_of(stages: list[torch.nn.Module]) -> DeferredWeightGrads:
-    """The one `DeferredWeightGrads` of a rank's encoder stages (built on first use and kept on
-    the first stage, so every executor of the rank shares one set of wrapped linears)."""
+def weight_grads_of(
+    stages: list[torch.nn.Module], option: str = "--encoder-wgrad-split"
+) -> DeferredWeightGrads:
+    """The one `DeferredWeightGrads` of a rank's encoder stages or backbone chunks (built on
+    first use and kept on the first, so every executor of the rank shares one set of wrapped
+    linears)."""
     store = getattr(stages[0], "_deferred_weight_grads", None)
     if store is None:
-        store = DeferredWeightGrads(stages)
+        store = DeferredWeightGrads(stages, option)
         stages[0]._deferred_weight_grads = store
     return store

@@ -387,6 +387,7 @@ class ExecutorRun:
         self.spans = result.spans
         self.moved = result.moved
         self.overlapped, self.overlapped_in = result.overlapped, result.overlapped_in
+        self.deferred_products = result.deferred_products
         per = (lambda m: max(tokens[slot(m)], 1)) if tokens is not None else (lambda m: 1)
         self.history.append({(c.dp, slot(m)): v / per(m) for m, v in result.losses.items()})
         if self.job.collect.grads and step == 0:

@@ -18,6 +18,7 @@ def run_result(run) -> dict:
         "moved": getattr(run, "moved", 0),
         "overlapped": getattr(run, "overlapped", 0),
         "overlapped_in": getattr(run, "overlapped_in", {}),
+        "deferred_products": getattr(run, "deferred_products", 0),  # the last step's
         "losses": run.history[0],
         "history": run.history,
         "mean_losses": run.mean_losses,

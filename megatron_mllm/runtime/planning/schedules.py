@@ -129,7 +129,7 @@ def plan_job(
     elif encoder_plan is not None:
         built = optimus_schedule(costs, OptimusOptions(encoder_plan, **options))
     else:
-        best, _, _ = plan_optimus(costs, wgrad_split=options.get("wgrad_split", False))
+        best, _, _ = plan_optimus(costs, **options)
         built = best.schedule, best.workload
     validate(built[0])
     return built
