@@ -89,8 +89,30 @@ def test_the_planner_keeps_the_backbone_split_only_where_it_pays():
         optimus_schedule(one, OptimusOptions(ParallelPlan(2, 1, 1), backbone_wgrad_split=True))
 
 
+def test_the_megatron_schedule_splits_the_same_backwards():
+    """The ablation: the Megatron schedule (encoder on stage 0) with the same split backwards,
+    each W in the first idle stretch after its B that holds it, else before the RS."""
+    from megatron_mllm.schedule.baselines import megatron_schedule
+
+    costs = JobCosts(job_of(BENCH, ParallelPlan(1, 1, 2), 2, N), unit="layer")
+    plain, (schedule, wl) = megatron_schedule(costs), megatron_schedule(costs, False, True)
+    validate(schedule)
+    assert schedule.meta.backbone_wgrad == ((0, 0, N - 1), (1, 0, 0), (1, 0, N - 1))
+    rank0 = [str(a) for a in schedule.ranks[0] if a.is_compute or a.kind == "RS"]
+    # stage 0's last input gradient feeds the encoder's backward first
+    assert rank0[-5:-1] == ["B:s0v0m5", "EB:e0p0s0m5k0-8", "W:s0v0m5", "RS:bb"], rank0
+    assert simulate(schedule, wl).step_time_s < simulate(*plain).step_time_s
+    # --bubble-schedule balanced --backbone-wgrad-split keeps it (predicted faster)
+    from megatron_mllm.runtime.planning.schedules import runtime_schedule
+
+    kept = runtime_schedule(BENCH, ParallelPlan(1, 1, 2), 2, N, "balanced",
+                            backbone_wgrad_split=True)  # fmt: skip
+    assert kept.ranks == schedule.ranks
+
+
 @pytest.mark.parametrize(
-    "layout", ["reversed", pytest.param("first-recompute", marks=pytest.mark.slow)]
+    "layout",
+    ["reversed", "megatron", pytest.param("first-recompute", marks=pytest.mark.slow)],
 )
 def test_the_executor_runs_a_split_backbone_backward_as_the_reference(layout):
     """B keeps its linears' weight products, W turns them into weight gradients through DDP's
@@ -108,8 +130,14 @@ def test_the_executor_runs_a_split_backbone_backward_as_the_reference(layout):
     enc_plan = ParallelPlan(1, 1, 2, 1, layout == "reversed")
     recompute = Recompute("full", "uniform", 1) if layout.endswith("recompute") else Recompute()
     state, ref = reference_of(TINY, **dict(TRAIN, steps=3))
-    schedule = runtime_schedule(TINY, plan, 1, n, "optimus", encoder_plan=enc_plan,
-                                backbone_wgrad_split=True)  # fmt: skip
+    if layout == "megatron":
+        from megatron_mllm.schedule.baselines import megatron_schedule
+
+        costs = JobCosts(job_of(TINY, plan, 1, n), unit="layer")
+        schedule = megatron_schedule(costs, even_split=True, backbone_wgrad_split=True)[0]
+    else:
+        schedule = runtime_schedule(TINY, plan, 1, n, "optimus", encoder_plan=enc_plan,
+                                    backbone_wgrad_split=True)  # fmt: skip
     opt = replace(TRAIN["optimizer"], overlap_grad_reduce=True, ddp_bucket_size=20_000)
     job = RuntimeJob(ModelParts(TINY, state, recompute=recompute), PlanParts(plan, schedule),
                      DataParts(1, n), steps=3, optimizer=opt)  # fmt: skip
@@ -149,7 +177,7 @@ def test_layers_that_cannot_defer_refuse_a_split_backbone_schedule(split, model,
 @pytest.mark.parametrize(
     "extra, msg",
     [
-        (["--bubble-schedule", "megatron"], "--bubble-schedule megatron (use optimus)"),
+        (["--bubble-schedule", "optimus-adaptive"], "--bubble-schedule optimus-adaptive"),
         (["--plan-candidates", "1"], "--plan-candidates"),
         (["--coreset-pool-ratio", "2", "--coreset-lookahead"], "--coreset-lookahead"),
     ],

@@ -14,6 +14,8 @@ All four run in the same 2-process gloo job, from the same weights and data, tak
                       into input-gradient and weight-gradient actions (zero-bubble's B / W)
   optimus_bb_split    (--backbone-wgrad-split) the Optimus plan with the backbone's backward
                       split where a pipeline peer waits for it (and the encoder's, with both)
+  executor_megatron_bb_split (--backbone-wgrad-split) the ablation: our executor on the
+                      Megatron schedule with the same backbone split
 and prints step times (median of the measured steps), the zero-bubble limit (per measured step,
 both ranks' compute in the Optimus run summed and divided by 2; the median over the same steps),
 the simulator's prediction for each and its error, and the largest loss difference between the
@@ -225,6 +227,13 @@ SPLIT_RATIOS = tuple(
     for name in SPLITS
     for suffix in ("_vs_executor_megatron", "_vs_megatron_core", "_vs_optimus", "_over_limit")
 ) + tuple(f"predicted_error_{name}" for name in SPLITS)
+# With --backbone-wgrad-split: Optimus against the Megatron schedule, both with the split (the
+# idea alone), and what the split does for the Megatron schedule
+SPLIT_RATIOS += (
+    "optimus_bb_split_vs_executor_megatron_bb_split",
+    "executor_megatron_bb_split_vs_executor_megatron",
+    "predicted_error_executor_megatron_bb_split",
+)
 
 
 def split_variants(args, best, fill_costs) -> dict:
@@ -306,6 +315,10 @@ def plan_runs(args, cfg, dtype) -> dict:
     for name, split in variants.items():
         jobs[name] = job(optimus(split.schedule))
         predicted[name] = split.result.step_time_s
+    if args.backbone_wgrad_split:  # the ablation: the Megatron schedule with the same split
+        megatron_split = megatron_schedule(costs, backbone_wgrad_split=True)
+        jobs["executor_megatron_bb_split"] = job(PlanParts(plan, schedule=megatron_split[0]))
+        predicted["executor_megatron_bb_split"] = simulate(*megatron_split).step_time_s
     # Plan candidates (--plan-candidates): the planner's K best and the Megatron schedule each
     # train real steps, the fastest measured is kept; this run's phase goes before the others.
     from functools import partial
@@ -333,6 +346,8 @@ def plan_runs(args, cfg, dtype) -> dict:
     }
     for name, split in variants.items():
         planned[name] = (split.schedule, split.workload)
+    if args.backbone_wgrad_split:
+        planned["executor_megatron_bb_split"] = megatron_split
     return dict(
         cfg=cfg,
         plan=plan,
@@ -468,6 +483,12 @@ def one_repeat(setup: dict, args) -> dict:
         ratios[f"{name}_vs_optimus"] = m["optimus"] / split
         ratios[f"{name}_over_limit"] = split / limit  # the same work
         ratios[f"predicted_error_{name}"] = (setup["predicted"][name] - split) / split
+    if "executor_megatron_bb_split" in m:
+        split, ratios = m["executor_megatron_bb_split"], out["ratios"]
+        ratios["optimus_bb_split_vs_executor_megatron_bb_split"] = split / m["optimus_bb_split"]
+        ratios["executor_megatron_bb_split_vs_executor_megatron"] = m["executor_megatron"] / split
+        predicted = setup["predicted"]["executor_megatron_bb_split"]
+        ratios["predicted_error_executor_megatron_bb_split"] = (predicted - split) / split
     out["optimus_spans"] = [sp for o in outs["optimus"] for sp in o["spans"]]
     return out
 

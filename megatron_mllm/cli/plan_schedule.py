@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         "weight-gradient work (EB / EW; simulation only), kept where faster",
     )
     p.add_argument(
+        "--backbone-wgrad-split",
+        action="store_true",
+        help="also try the best Optimus plan with the backbone's backward split where a "
+        "pipeline peer waits for it (B / W; simulation only), kept where faster",
+    )
+    p.add_argument(
         "--coreset-pool-ratio",
         type=float,
         default=None,
@@ -178,7 +184,7 @@ def lookahead_prediction(args, job: MLLMJob, measured, report: PlanReport) -> di
     planned = report.optimus
     layers = tuple(planned.schedule.meta.backbone_layers)
     pool_job = replace(job, global_batch=pool_batch, backbone_split=layers)
-    options = replace(planned.options, wgrad_split=False)
+    options = replace(planned.options, wgrad_split=False, backbone_wgrad_split=False)
     pool, pool_workload = optimus_schedule(JobCosts(pool_job, measured), options)
     shifts = SHIFTS[args.coreset_lookahead_order]
     times = with_lookahead(planned.schedule, pool, planned.workload, shifts).lookahead_times
@@ -249,6 +255,7 @@ def report_dict(report: PlanReport) -> dict:
             entry["microbatch_split"] = planned.options.split
             entry["extra_warmup"] = planned.options.extra_warmup
             entry["wgrad_split"] = planned.options.wgrad_split
+            entry["backbone_wgrad_split"] = planned.options.backbone_wgrad_split
         out[name] = entry
     return {
         "schedules": out,
@@ -376,7 +383,8 @@ def main(argv: list[str] | None = None) -> int:
     if steps is not None:
         job = replace(job, images_per_sample=mean)
     costs = JobCosts(job, measured)
-    report = plan_all(costs, forced_encoder_plan(args, job), args.encoder_wgrad_split)
+    splits = (args.encoder_wgrad_split, args.backbone_wgrad_split)
+    report = plan_all(costs, forced_encoder_plan(args, job), *splits)
     if args.save_schedule:
         report.optimus.schedule.to_csv(args.save_schedule)
     if args.trace or args.png:

@@ -18,6 +18,7 @@ from megatron_mllm.schedule.assemble import (
     megatron_backbone,
     stages_from_sizes,
 )
+from megatron_mllm.schedule.backbone_wgrad import with_backbone_wgrad
 from megatron_mllm.schedule.blocks import JobCosts, concat
 from megatron_mllm.schedule.keys import part_name
 from megatron_mllm.schedule.partition import balanced_partition
@@ -27,11 +28,14 @@ from megatron_mllm.schedule.transfers import add_transfers
 from megatron_mllm.schedule.workload import Workload
 
 
-def megatron_schedule(costs: JobCosts, even_split: bool = False) -> tuple[Schedule, Workload]:
+def megatron_schedule(
+    costs: JobCosts, even_split: bool = False, backbone_wgrad_split: bool = False
+) -> tuple[Schedule, Workload]:
     """Encoders on stage 0's pre-process, then Megatron's (interleaved) 1F1B.
 
     `even_split`: Megatron's default even layer split instead of the balancing first/last
-    stage sizes.
+    stage sizes; `backbone_wgrad_split`: the backbone's backward split where a peer waits for
+    it (`backbone_wgrad.with_backbone_wgrad`).
     """
     job, plan = costs.job, costs.job.plan
     encoders = [
@@ -46,7 +50,10 @@ def megatron_schedule(costs: JobCosts, even_split: bool = False) -> tuple[Schedu
     meta, workload = assemble(
         "megatron", costs, backbone, layouts, slots=1, backbone_layers=layers, on_stage0=True
     )
-    return add_transfers(meta, _stage0_encoder_lists(meta)), workload
+    schedule = add_transfers(meta, _stage0_encoder_lists(meta))
+    if backbone_wgrad_split:
+        schedule = with_backbone_wgrad(schedule, workload)
+    return schedule, workload
 
 
 def _stage0_encoder_lists(meta: ScheduleMeta) -> list[list[Action]]:

@@ -18,10 +18,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
-from megatron_mllm.errors import ConfigError
 from megatron_mllm.parallel.plans import ParallelPlan, encoder_stage_placement
 from megatron_mllm.schedule.actions import AG, EB, EF, EW, RS, Action, W
 from megatron_mllm.schedule.assemble import EncoderLayout, assemble, megatron_backbone
+from megatron_mllm.schedule.backbone_wgrad import backbone_wgrad_points
 from megatron_mllm.schedule.blocks import JobCosts, concat
 from megatron_mllm.schedule.cost_model import Kernel
 from megatron_mllm.schedule.gaps import Gap, GapPool, Placed
@@ -147,21 +147,6 @@ def optimus_schedule(
     schedule = add_transfers(meta, placer.lists())
     schedule.origin = opts
     return schedule, workload
-
-
-def backbone_wgrad_points(meta: ScheduleMeta) -> tuple[tuple[int, int, int], ...]:
-    """(stage, chunk, mb) whose backward is split (`OptimusOptions.backbone_wgrad_split`): the
-    last stage's first micro-batch, whose input gradient ends 1F1B's warm-up on the stages
-    before it, and every stage's last, whose input gradient the drain waits for."""
-    if meta.vpp > 1 or meta.slots > 1 or meta.pp < 2:
-        raise ConfigError(
-            f"a split backbone backward needs PP >= 2, no virtual stages and the encoder's TP "
-            f"equal to the backbone's (got PP {meta.pp}, VPP {meta.vpp}, {meta.slots} encoder "
-            "slots per rank); plan without it"
-        )
-    last = meta.num_microbatches - 1
-    points = {(meta.pp - 1, 0, 0)} | {(s, 0, last) for s in range(meta.pp)}
-    return tuple(sorted(points))
 
 
 class _BackboneTimeline:

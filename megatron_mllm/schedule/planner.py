@@ -179,11 +179,15 @@ def _splits_backbone(job, opts: OptimusOptions) -> bool:
 
 
 def plan_all(
-    job_costs: JobCosts, encoder_plan: ParallelPlan | None = None, wgrad_split: bool = False
+    job_costs: JobCosts,
+    encoder_plan: ParallelPlan | None = None,
+    wgrad_split: bool = False,
+    backbone_wgrad_split: bool = False,
 ) -> PlanReport:
     """The three schedules for one job, simulated side by side."""
     t0 = time.process_time()
-    optimus, candidates, dropped = plan_optimus(job_costs, encoder_plan, wgrad_split=wgrad_split)
+    splits = dict(wgrad_split=wgrad_split, backbone_wgrad_split=backbone_wgrad_split)
+    optimus, candidates, dropped = plan_optimus(job_costs, encoder_plan, **splits)
     planner_seconds = time.process_time() - t0
     return PlanReport(
         megatron=run("megatron", megatron_schedule(job_costs)),

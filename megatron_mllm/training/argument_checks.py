@@ -293,8 +293,9 @@ def _check_wgrad_split(args: argparse.Namespace) -> None:
 
 
 def _check_backbone_wgrad_split(args: argparse.Namespace) -> None:
-    """--backbone-wgrad-split: one static Optimus plan on megatron-core's local linears,
-    without sequence parallelism, on a pipeline without virtual stages."""
+    """--backbone-wgrad-split: one static plan (Optimus or the Megatron schedule on our
+    executor) on megatron-core's local linears, without sequence parallelism, on a pipeline
+    without virtual stages."""
     if not args.backbone_wgrad_split:
         return
     if args.pipeline_model_parallel_size < 2:
@@ -303,8 +304,8 @@ def _check_backbone_wgrad_split(args: argparse.Namespace) -> None:
             "--pipeline-model-parallel-size 2 or more"
         )
     others = {
-        f"--bubble-schedule {args.bubble_schedule} (use optimus)": (
-            args.bubble_schedule != ScheduleChoice.OPTIMUS
+        "--bubble-schedule optimus-adaptive (its per-step plans are made without the split)": (
+            args.bubble_schedule == ScheduleChoice.OPTIMUS_ADAPTIVE
         ),
         "--transformer-impl transformer_engine (its fused linears keep no weight products)": (
             args.transformer_impl != "local"

@@ -97,10 +97,11 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
     g.add_argument(
         "--backbone-wgrad-split",
         action="store_true",
-        help="optimus: the backbone's backward split where a pipeline peer waits for its input "
-        "gradient (the last stage's first micro-batch, every stage's last), its weight "
-        "gradients in a later bubble (zero-bubble's B / W); kept where the planner predicts "
-        "it faster (local layers, no sequence parallelism, PP >= 2, no virtual stages)",
+        help="optimus, megatron, balanced: the backbone's backward split where a pipeline peer "
+        "waits for its input gradient (the last stage's first micro-batch, every stage's "
+        "last), its weight gradients in a later bubble (zero-bubble's B / W); kept where the "
+        "planner predicts it faster (local layers, no sequence parallelism, PP >= 2, no "
+        "virtual stages)",
     )
     g.add_argument(
         "--replan-after-iters",

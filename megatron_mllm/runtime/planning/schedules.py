@@ -14,6 +14,7 @@ from megatron_mllm.schedule.config import NO_RECOMPUTE, MLLMJob, Recompute
 from megatron_mllm.schedule.hardware import HardwareProfile
 from megatron_mllm.schedule.planner import plan_optimus
 from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.simulator import simulate
 from megatron_mllm.schedule.validator import validate
 from megatron_mllm.schedule.workload import Workload
 
@@ -126,6 +127,9 @@ def plan_job(
         # megatron: Megatron's default even layer split; balanced: the first stage, which also
         # runs the encoder, gets fewer backbone layers.
         built = megatron_schedule(costs, even_split=name == "megatron")
+        if options.get("backbone_wgrad_split"):  # kept where the simulator predicts a gain
+            split = megatron_schedule(costs, name == "megatron", backbone_wgrad_split=True)
+            built = min(built, split, key=lambda b: simulate(*b).step_time_s)
     elif encoder_plan is not None:
         built = optimus_schedule(costs, OptimusOptions(encoder_plan, **options))
     else:
