@@ -120,14 +120,14 @@ def resumed_at_2_is_bit_exact(tmp_path, args: list[str]):
     return straight, resumed, ref
 
 
-def refused(args: list[str], msg: str, monkeypatch) -> None:
-    """pretrain_mllm.py's argument checks (in this process, as rank 0 of 2) refuse `args`
-    with one line holding `msg` (`assert_refused_in_one_line` runs the script itself)."""
+def refused(args: list[str], msg: str, monkeypatch, world: int = 2) -> None:
+    """pretrain_mllm.py's argument checks (in this process, as rank 0 of `world`) refuse
+    `args` with one line holding `msg` (`assert_refused_in_one_line` runs the script itself)."""
     from megatron_mllm.errors import ConfigError
     from megatron_mllm.training.arguments import parse_args
     from megatron_mllm.training.model_args import model_config
 
-    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("WORLD_SIZE", str(world))
     monkeypatch.setenv("RANK", "0")
     with pytest.raises(ConfigError) as err:
         model_config(parse_args(args))  # what main checks before anything starts

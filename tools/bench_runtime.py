@@ -245,6 +245,8 @@ def split_variants(args, best, fill_costs) -> dict:
     from megatron_mllm.schedule.planner import run as simulated
 
     out = {}
+    if best.options.placement != "colocated":
+        return out  # the Megatron placement won: nothing to split beside it
     for name, (flag, option) in SPLITS.items():
         if not getattr(args, flag):
             continue
@@ -327,7 +329,8 @@ def plan_runs(args, cfg, dtype) -> dict:
     from megatron_mllm.training.plan_candidates import CandidatePhase
     from megatron_mllm.training.plan_candidates import plan_candidates as candidates_of
 
-    cands = tuple(candidates_of(fill_costs, args.plan_candidates, unit, args.encoder_wgrad_split))
+    splits = (args.encoder_wgrad_split, args.backbone_wgrad_split)
+    cands = tuple(candidates_of(fill_costs, args.plan_candidates, unit, *splits))
     phase = CandidatePhase(cands, args.plan_candidate_steps)
     opening = phase.candidates[0]
     jobs["optimus_candidates"] = job(
@@ -423,7 +426,9 @@ def one_repeat(setup: dict, args) -> dict:
     jobs, plan, steps = setup["jobs"], setup["plan"], args.steps + 1
     makers = [setup["makers"].get(name) for name in jobs]
     lead = [setup["lead"].get(name, 0) for name in jobs]
-    per_rank = spawn(run_interleaved, plan.world_size, list(jobs.values()), steps, makers, lead)
+    per_rank = spawn(  # one repeat of every run at medium takes 10-15 minutes
+        run_interleaved, plan.world_size, list(jobs.values()), steps, makers, lead, timeout_s=3600
+    )
     out: dict = {"measured_s": {}, "spread": {}, "losses": {}, "dp_share": {}, "breakdown": {}}
     outs = {}
     for i, name in enumerate(jobs):
@@ -485,7 +490,8 @@ def one_repeat(setup: dict, args) -> dict:
         ratios[f"predicted_error_{name}"] = (setup["predicted"][name] - split) / split
     if "executor_megatron_bb_split" in m:
         split, ratios = m["executor_megatron_bb_split"], out["ratios"]
-        ratios["optimus_bb_split_vs_executor_megatron_bb_split"] = split / m["optimus_bb_split"]
+        if "optimus_bb_split" in m:
+            ratios["optimus_bb_split_vs_executor_megatron_bb_split"] = split / m["optimus_bb_split"]
         ratios["executor_megatron_bb_split_vs_executor_megatron"] = m["executor_megatron"] / split
         predicted = setup["predicted"]["executor_megatron_bb_split"]
         ratios["predicted_error_executor_megatron_bb_split"] = (predicted - split) / split

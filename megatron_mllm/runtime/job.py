@@ -379,6 +379,11 @@ def _check_backbone_wgrad_split(job: RuntimeJob) -> None:
     gradients, which sequence parallelism and Transformer Engine do not allow."""
     if job.schedule is None or not job.schedule.meta.backbone_wgrad:
         return
+    if job.backbone.tp > 1:
+        raise ConfigError(
+            f"a split backbone backward (W actions) runs at backbone TP 1 (got {job.backbone}); "
+            "plan without --backbone-wgrad-split"
+        )
     if job.model.transformer_impl != "local" or job.plans.sequence_parallel:
         given = (
             "--sequence-parallel"

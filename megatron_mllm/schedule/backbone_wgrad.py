@@ -21,6 +21,16 @@ from megatron_mllm.schedule.workload import Workload
 Point = tuple[int, int, int]  # (stage, chunk, micro-batch) of a split backward
 
 
+def check_backbone_tp(tp: int) -> None:
+    """The deferred linears run their input gradient's TP all-reduce outside the collectives
+    TP-bubble fills overlap, so a split backbone backward is planned for TP 1 only."""
+    if tp > 1:
+        raise ConfigError(
+            f"a split backbone backward runs at backbone TP 1 (got TP {tp}): its input "
+            "gradient's all-reduce would not host TP-bubble fills; plan without the split"
+        )
+
+
 def backbone_wgrad_points(meta: ScheduleMeta) -> tuple[Point, ...]:
     """The split backwards: the last stage's first micro-batch, whose input gradient ends
     1F1B's warm-up on the stages before it, and every stage's last, whose input gradient the

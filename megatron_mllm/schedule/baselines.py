@@ -18,7 +18,7 @@ from megatron_mllm.schedule.assemble import (
     megatron_backbone,
     stages_from_sizes,
 )
-from megatron_mllm.schedule.backbone_wgrad import with_backbone_wgrad
+from megatron_mllm.schedule.backbone_wgrad import check_backbone_tp, with_backbone_wgrad
 from megatron_mllm.schedule.blocks import JobCosts, concat
 from megatron_mllm.schedule.keys import part_name
 from megatron_mllm.schedule.partition import balanced_partition
@@ -52,6 +52,7 @@ def megatron_schedule(
     )
     schedule = add_transfers(meta, _stage0_encoder_lists(meta))
     if backbone_wgrad_split:
+        check_backbone_tp(plan.tp)
         schedule = with_backbone_wgrad(schedule, workload)
     return schedule, workload
 

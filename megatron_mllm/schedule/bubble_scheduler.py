@@ -21,7 +21,7 @@ from dataclasses import replace
 from megatron_mllm.parallel.plans import ParallelPlan, encoder_stage_placement
 from megatron_mllm.schedule.actions import AG, EB, EF, EW, RS, Action, W
 from megatron_mllm.schedule.assemble import EncoderLayout, assemble, megatron_backbone
-from megatron_mllm.schedule.backbone_wgrad import backbone_wgrad_points
+from megatron_mllm.schedule.backbone_wgrad import backbone_wgrad_points, check_backbone_tp
 from megatron_mllm.schedule.blocks import JobCosts, concat
 from megatron_mllm.schedule.cost_model import Kernel
 from megatron_mllm.schedule.gaps import Gap, GapPool, Placed
@@ -119,6 +119,7 @@ def optimus_schedule(
         if opts.wgrad_split:
             meta, workload = with_weight_split(meta, workload)
         if opts.backbone_wgrad_split:
+            check_backbone_tp(costs.job.plan.tp)
             meta = replace(meta, backbone_wgrad=backbone_wgrad_points(meta))
         if cache is not None:
             cache[shape] = meta, workload
@@ -143,7 +144,7 @@ def optimus_schedule(
     placer = _Placer(meta, workload, steps, timeline, delay)
     placer.place_forwards(opts.split)
     placer.place_backwards()
-    placer.place_backbone_weight_grads(timeline.b_ends)
+    placer.place_backbone_weight_grads({p: t + delay for p, t in timeline.b_ends.items()})
     schedule = add_transfers(meta, placer.lists())
     schedule.origin = opts
     return schedule, workload

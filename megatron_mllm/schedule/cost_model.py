@@ -144,7 +144,13 @@ class CostModel:
         b, v, h = self.b, spec.vocab_size, spec.hidden_size
         if v == 0:
             return []
-        logits = Kernel("logits", self._flops_s(2 * b * seq * h * v / tp) * (2 if backward else 1))
+        forward = self._flops_s(2 * b * seq * h * v / tp)
+        # its backward: the input gradient and the output layer's weight gradient, a GEMM each
+        logits = (
+            Kernel("logits", forward * 2, wgrad_s=forward)
+            if backward
+            else Kernel("logits", forward)
+        )
         loss = Kernel(
             "xent",
             self._mem_s(2 * b * seq * v * FP32 / tp),

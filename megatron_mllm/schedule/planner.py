@@ -157,7 +157,7 @@ def plan_optimus(
             consider(v)
     if wgrad_split and best is not None and best.options.placement == "colocated":
         consider(replace(best.options, wgrad_split=True))
-    if backbone_wgrad_split and best is not None and _splits_backbone(job, best.options):
+    if backbone_wgrad_split and best is not None and splits_backbone(job, best.options):
         consider(replace(best.options, backbone_wgrad_split=True))
     if best is None:
         if not fitting:
@@ -172,10 +172,14 @@ def plan_optimus(
     return best, candidates, dropped
 
 
-def _splits_backbone(job, opts: OptimusOptions) -> bool:
-    """Whether a split backbone backward can go with `opts` (`backbone_wgrad_points`)."""
+def splits_backbone(job, opts: OptimusOptions) -> bool:
+    """Whether a split backbone backward can go with `opts` (`backbone_wgrad`: TP 1, PP > 1,
+    no virtual stages, the encoder colocated, no full recomputation)."""
     colocated = opts.placement == "colocated" and opts.encoder_plan.tp == job.plan.tp
-    return colocated and job.plan.vpp == 1 and job.plan.pp > 1
+    # With full recomputation the held products would be what recomputing frees (the cost
+    # model counts a recomputed layer's input only).
+    full = job.recompute.granularity == "full"
+    return colocated and not full and job.plan.tp == 1 and job.plan.vpp == 1 and job.plan.pp > 1
 
 
 def plan_all(

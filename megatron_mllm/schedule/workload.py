@@ -163,7 +163,7 @@ def _with_encoder_share(kernels: list[Kernel], encoder_s: float, load: float) ->
     if total <= 0:
         return kernels
     factor = (total + (load - 1.0) * encoder_s) / total
-    return [Kernel(k.name, k.compute_s * factor, k.comm_s) for k in kernels]
+    return [k.timed(k.compute_s * factor) for k in kernels]
 
 
 def with_weight_split(meta: ScheduleMeta, workload: Workload) -> tuple[ScheduleMeta, Workload]:

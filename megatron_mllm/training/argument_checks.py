@@ -234,7 +234,8 @@ def _check_plan_candidates(args) -> None:
             f"--plan-candidates tries Optimus plans; use --bubble-schedule optimus (got "
             f"{args.bubble_schedule})"
         )
-    count = k + 1 + bool(args.encoder_wgrad_split)  # the Megatron schedule, the split variant
+    # the Megatron schedule and the split variants
+    count = k + 1 + bool(args.encoder_wgrad_split) + bool(args.backbone_wgrad_split)
     steps = CandidatePhase((None,) * count, args.plan_candidate_steps).steps
     if args.train_iters < steps:
         raise ConfigError(
@@ -303,6 +304,12 @@ def _check_backbone_wgrad_split(args: argparse.Namespace) -> None:
             "--backbone-wgrad-split splits the backward a pipeline peer waits for; use "
             "--pipeline-model-parallel-size 2 or more"
         )
+    if args.tensor_model_parallel_size > 1:
+        raise ConfigError(
+            "--backbone-wgrad-split runs at --tensor-model-parallel-size 1 (its deferred "
+            f"linears' all-reduce would not host TP-bubble fills); got "
+            f"{args.tensor_model_parallel_size}"
+        )
     others = {
         "--bubble-schedule optimus-adaptive (its per-step plans are made without the split)": (
             args.bubble_schedule == ScheduleChoice.OPTIMUS_ADAPTIVE
@@ -310,15 +317,14 @@ def _check_backbone_wgrad_split(args: argparse.Namespace) -> None:
         "--transformer-impl transformer_engine (its fused linears keep no weight products)": (
             args.transformer_impl != "local"
         ),
-        "--sequence-parallel (the deferred linears run without it)": args.sequence_parallel,
+        "--recompute-granularity full (the deferred products would hold what it frees)": (
+            args.recompute_granularity == "full"
+        ),
         "--num-layers-per-virtual-pipeline-stage (1F1B without virtual stages only)": (
             args.num_layers_per_virtual_pipeline_stage is not None
         ),
         "--replan-after-iters (re-plans are made without the split)": (
             args.replan_after_iters is not None
-        ),
-        "--plan-candidates (its candidates are made without the split)": (
-            args.plan_candidates is not None
         ),
         "--coreset-lookahead (its merged schedule is built without the split)": (
             args.coreset_lookahead

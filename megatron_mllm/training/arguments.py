@@ -100,8 +100,9 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         help="optimus, megatron, balanced: the backbone's backward split where a pipeline peer "
         "waits for its input gradient (the last stage's first micro-batch, every stage's "
         "last), its weight gradients in a later bubble (zero-bubble's B / W); kept where the "
-        "planner predicts it faster (local layers, no sequence parallelism, PP >= 2, no "
-        "virtual stages)",
+        "planner predicts it faster (local layers, TP 1, PP >= 2, no virtual stages, no full "
+        "recomputation); with --plan-candidates, the best Optimus plan's split variant is one "
+        "more candidate",
     )
     g.add_argument(
         "--replan-after-iters",

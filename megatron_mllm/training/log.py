@@ -38,7 +38,10 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
             f"; backward split at {len(points)} (stage, micro-batch) points, weight gradients "
             "in later bubbles"
             if points
-            else "; --backbone-wgrad-split not kept (predicted no faster)"
+            else "; the split backbone backward among the plan candidates"
+            if args.plan_candidates
+            else "; --backbone-wgrad-split not kept (predicted no faster, or the plan "
+            "cannot split: the encoder on stage 0, or its TP not 1)"
         )
     return "\n".join(
         [

@@ -122,15 +122,16 @@ def check_phase(k: int, steps_each: int, job: RuntimeJob) -> None:
 
 
 def plan_candidates(
-    costs, k: int, unit: str = "layer", wgrad_split: bool = False
+    costs, k: int, unit: str = "layer", wgrad_split: bool = False, backbone_split: bool = False
 ) -> list[Candidate]:
     """The `k` module layouts the planner predicts fastest for `costs` (a JobCosts), each with
     its best schedule, and, where it is not among them, the Megatron schedule (encoder on stage
     0, balanced split) as the last. With `wgrad_split` the fastest Optimus layout's schedule
     with the encoder's backward split (B / W) is one more candidate on the same modules,
-    whatever its prediction: the split is a bet the run can check."""
+    whatever its prediction: the split is a bet the run can check; with `backbone_split` so is
+    that layout's schedule with the backbone's backward split (and the encoder's, with both)."""
     from megatron_mllm.schedule.baselines import megatron_schedule
-    from megatron_mllm.schedule.planner import plan_optimus
+    from megatron_mllm.schedule.planner import plan_optimus, splits_backbone
     from megatron_mllm.schedule.simulator import simulate
 
     _, options, _ = plan_optimus(costs)
@@ -154,8 +155,11 @@ def plan_candidates(
             continue
         out.append(_optimus_candidate(costs, opts, unit, seconds))
     first = next((opts for _, _, opts in ranked[:k] if opts.placement != "stage0"), None)
-    if wgrad_split and first is not None:
-        split = _optimus_candidate(costs, replace(first, wgrad_split=True), unit)
+    splits = [dict(wgrad_split=True)] if wgrad_split else []
+    if backbone_split and first is not None and splits_backbone(costs.job, first):
+        splits.append(dict(wgrad_split=wgrad_split, backbone_wgrad_split=True))
+    for split_opts in splits if first is not None else ():
+        split = _optimus_candidate(costs, replace(first, **split_opts), unit)
         result = simulate(split.schedule, split.workload)
         split = replace(split, predicted_s=result.step_time_s)
         if result.peak_memory_gb <= memory:
@@ -179,6 +183,7 @@ def _optimus_candidate(costs, opts, unit: str, seconds: float = float("nan")) ->
     fine = "fine" if opts.fine else "coarse"
     label = f"optimus {opts.encoder_plan} {opts.split} {fine} +{opts.extra_warmup}"
     label += " split" if opts.wgrad_split else ""
+    label += " bb-split" if opts.backbone_wgrad_split else ""
     return Candidate(label, schedule, unit, seconds, workload)
 
 

@@ -81,8 +81,8 @@ def plan_candidates_of(run: RunConfig) -> tuple:
         kept = kept_plan(read_common(args.load), costs)
         if kept is not None:
             return None, kept
-    k, split = args.plan_candidates, args.encoder_wgrad_split
-    cands = tuple(plan_candidates(costs, k, args.fill_granularity, split))
+    k, splits = args.plan_candidates, (args.encoder_wgrad_split, args.backbone_wgrad_split)
+    cands = tuple(plan_candidates(costs, k, args.fill_granularity, *splits))
     return CandidatePhase(cands, args.plan_candidate_steps), None
 
 

@@ -212,7 +212,12 @@ class Executor(ComputeActions):
         return self.backbone.gpt.output_layer.register_forward_pre_hook(capture)
 
     def _finish_step(self) -> None:
-        """The step's one synchronize; then every mark and loss is read."""
+        """The step's one synchronize; then every mark and loss is read. A split backward whose
+        weight products no W or EW applied is an error (they would leak into the next step)."""
+        for store in (self.weight_grads, self.bb_weight_grads):
+            if store is not None and store.pending:
+                left = sorted(store.pending)[:3]
+                raise RuntimeError(f"rank {self.rank}: weight products of {left} never applied")
         end = self.clock.mark()
         self.clock.finish()
         for read in self._later:

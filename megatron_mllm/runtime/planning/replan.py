@@ -71,15 +71,19 @@ def replan(
 ) -> tuple[Schedule, Workload, dict] | None:
     """The best Optimus schedule under the measured times for the current encoder plan and
     backbone split (`planning`'s), with the times used; None where the best one needs another
-    layer split. Where `current` splits the encoder's backward (EW actions), so does the new
-    one (its best options, split)."""
+    layer split. Where `current` splits the encoder's backward (EW actions) or the backbone's
+    (W actions), so does the new one (its best options, split)."""
     times = measured_times(samples, JobCosts(planning, unit=unit), unit)
     costs = JobCosts(planning, times, unit=unit)
     best, _, _ = plan_optimus(costs, encoder_plan=encoder_plan)
     if best.schedule.meta.backbone_layers != current.meta.backbone_layers:
         return None
-    if current.meta.splits_weight_grads:
-        schedule, workload = optimus_schedule(costs, replace(best.options, wgrad_split=True))
+    meta = current.meta
+    if meta.splits_weight_grads or meta.backbone_wgrad:
+        splits = dict(
+            wgrad_split=meta.splits_weight_grads, backbone_wgrad_split=bool(meta.backbone_wgrad)
+        )
+        schedule, workload = optimus_schedule(costs, replace(best.options, **splits))
         validate(schedule)
         return schedule, workload, times
     return best.schedule, best.workload, times

@@ -127,9 +127,11 @@ def plan_job(
         # megatron: Megatron's default even layer split; balanced: the first stage, which also
         # runs the encoder, gets fewer backbone layers.
         built = megatron_schedule(costs, even_split=name == "megatron")
-        if options.get("backbone_wgrad_split"):  # kept where the simulator predicts a gain
+        if options.get("backbone_wgrad_split"):  # kept where predicted faster, if it fits
             split = megatron_schedule(costs, name == "megatron", backbone_wgrad_split=True)
-            built = min(built, split, key=lambda b: simulate(*b).step_time_s)
+            result, base = simulate(*split), simulate(*built)
+            fits = result.peak_memory_gb <= costs.job.hw.memory_gb
+            built = split if fits and result.step_time_s < base.step_time_s else built
     elif encoder_plan is not None:
         built = optimus_schedule(costs, OptimusOptions(encoder_plan, **options))
     else:
