@@ -133,11 +133,11 @@ def test_the_executor_runs_a_split_backbone_backward_as_the_reference(layout):
     three steps give the one-process reference's losses, step 0's gradients match, every W ran.
     With the backbone's layers recomputed, their forward runs again inside B and defers too."""
     from megatron_mllm.runtime.assembly.launch import spawn
-    from megatron_mllm.runtime.job import Collect, DataParts, ModelParts, PlanParts, RuntimeJob
+    from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob
     from megatron_mllm.runtime.modes.runs import run_rank
     from megatron_mllm.runtime.planning.schedules import runtime_schedule
     from megatron_mllm.schedule.config import Recompute
-    from tests.test_runtime import TRAIN, check_against, reference_of
+    from tests.test_runtime import TRAIN, check_against, check_both_optimizers, reference_of
 
     plan, n = ParallelPlan(1, 1, 2), 4
     enc_plan = ParallelPlan(1, 1, 2, 1, layout == "reversed")
@@ -162,11 +162,7 @@ def test_the_executor_runs_a_split_backbone_backward_as_the_reference(layout):
     per_rank = {o["coords"].stage: o["deferred_products"] for o in outs}
     layers = TINY.llm_layers // 2
     assert per_rank == {0: 4 * layers, 1: 2 * (4 * layers + 1)}, per_rank
-    sharded = replace(job, optimizer=replace(opt, distributed=True), collect=Collect(grads=False))
-    for run in (outs, spawn(run_rank, plan.world_size, sharded)):
-        for step, losses in enumerate(ref["history"]):
-            mine = {k: v for o in run for k, v in o["history"][step].items()}
-            assert all(mine[k] == pytest.approx(v, abs=1e-4) for k, v in losses.items()), step
+    check_both_optimizers(ref, job, outs, plan.world_size)
 
 
 @pytest.mark.parametrize(

@@ -77,6 +77,19 @@ def check_later_losses(reference, outs, steps=(1, 2), abs_tol: float = 1e-4) -> 
             assert after[k] == pytest.approx(v, abs=abs_tol)
 
 
+def check_both_optimizers(ref: dict, job, outs, world: int) -> None:
+    """`outs` (`job` run with the replicated optimizer) and `job` again with megatron-core's
+    distributed optimizer give every step's reference losses (gradients reduce-scattered)."""
+    from megatron_mllm.runtime.job import Collect
+
+    opt = replace(job.optimizer, distributed=True)
+    sharded = replace(job, optimizer=opt, collect=Collect(grads=False))
+    for run in (outs, spawn(run_rank, world, sharded)):
+        for step, losses in enumerate(ref["history"]):
+            mine = {k: v for o in run for k, v in o["history"][step].items()}
+            assert all(mine[k] == pytest.approx(v, abs=1e-4) for k, v in losses.items()), step
+
+
 def check_pp2_matches_the_reference(
     cfg, schedule: str, plan: ParallelPlan | None = None, unit: str = "layer"
 ) -> None:

@@ -115,11 +115,11 @@ def test_the_executor_runs_a_split_backward_as_the_reference(layout):
     layers recomputed, their forward runs again inside EB and defers as well."""
     from megatron_mllm.models.config import TINY
     from megatron_mllm.runtime.assembly.launch import spawn
-    from megatron_mllm.runtime.job import Collect, DataParts, ModelParts, PlanParts, RuntimeJob
+    from megatron_mllm.runtime.job import DataParts, ModelParts, PlanParts, RuntimeJob
     from megatron_mllm.runtime.modes.runs import run_rank
     from megatron_mllm.runtime.planning.schedules import runtime_schedule
     from megatron_mllm.schedule.config import Recompute
-    from tests.test_runtime import TRAIN, check_against, reference_of
+    from tests.test_runtime import TRAIN, check_against, check_both_optimizers, reference_of
 
     plan, n = ParallelPlan(1, 1, 2), 4
     enc_plan = ParallelPlan(1, 1, 2, 1, layout.startswith("reversed"))
@@ -139,12 +139,7 @@ def test_the_executor_runs_a_split_backward_as_the_reference(layout):
     ran = {str(s.action) for o in outs for s in o["spans"] if s.action.kind == "EW"}
     planned = {str(a) for acts in schedule.ranks for a in acts if a.kind == "EW"}
     assert planned and planned <= ran, sorted(planned - ran)[:3]
-    # and with the distributed optimizer (gradients reduce-scattered: losses compared)
-    sharded = replace(job, optimizer=replace(opt, distributed=True), collect=Collect(grads=False))
-    for run in (outs, spawn(run_rank, plan.world_size, sharded)):
-        for step, losses in enumerate(ref["history"]):
-            mine = {k: v for o in run for k, v in o["history"][step].items()}
-            assert all(mine[k] == pytest.approx(v, abs=1e-4) for k, v in losses.items()), step
+    check_both_optimizers(ref, job, outs, plan.world_size)
 
 
 @pytest.mark.parametrize(
