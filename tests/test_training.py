@@ -289,6 +289,13 @@ def test_log_line_counts_nan_and_skipped_iterations():
             [*"--plan-candidates 1 --encoder-wgrad-split --train-iters 15".split()],
             "up to 21 iterations for K=1",
         ),
+        (  # and the backbone's split a fourth
+            [
+                *"--plan-candidates 1 --encoder-wgrad-split --backbone-wgrad-split".split(),
+                *"--pipeline-model-parallel-size 2 --train-iters 21".split(),
+            ],
+            "up to 27 iterations for K=1",
+        ),  # fmt: skip
     ],
 )
 def test_bad_arguments_fail_before_any_group(args, msg, monkeypatch):
