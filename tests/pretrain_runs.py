@@ -153,3 +153,14 @@ LLAVA = [
     "4", "--seq-length", "64", "--tokenizer-type", "HuggingFaceTokenizer", "--num-workers",
     "1", "--log-interval", "1", "--lr", "3e-3", "--lr-decay-style", "constant",
 ]  # fmt: skip
+
+
+def assert_trains_as_without(args: list[str], flag: str, said: str) -> None:
+    """pretrain_mllm.py with `args` and `flag` says `said` at start-up and logs the losses of
+    the same run without `flag` (three iterations)."""
+    with_flag, plain = torchrun(*args, flag), torchrun(*args)
+    assert with_flag.returncode == 0 and plain.returncode == 0, with_flag.stderr[-2000:]
+    assert said in with_flag.stdout, with_flag.stdout
+    a, b = losses(with_flag.stdout), losses(plain.stdout)
+    assert a.keys() == b.keys() == {1, 2, 3}
+    assert all(a[i] == pytest.approx(b[i], rel=1e-4) for i in a), (a, b)

@@ -221,15 +221,11 @@ def test_pretrain_refuses_the_backbone_split_without_a_pipeline_or_with_tp(monke
 def test_pretrain_trains_with_the_backbone_split():
     """pretrain_mllm.py --backbone-wgrad-split: the start-up plan keeps the split (W actions),
     says so, and the losses are the unsplit run's."""
-    from tests.pretrain_runs import COMMON, losses, torchrun
+    from tests.pretrain_runs import COMMON, assert_trains_as_without
 
     pp2 = [*COMMON, "--pipeline-model-parallel-size", "2", "--train-iters", "3"]
-    split, plain = torchrun(*pp2, "--backbone-wgrad-split"), torchrun(*pp2)
-    assert split.returncode == 0 and plain.returncode == 0, split.stderr[-2000:]
-    assert "backward split at 3 (stage, micro-batch) points" in split.stdout, split.stdout
-    a, b = losses(split.stdout), losses(plain.stdout)
-    assert a.keys() == b.keys() == {1, 2, 3}
-    assert all(a[i] == pytest.approx(b[i], rel=1e-4) for i in a), (a, b)
+    said = "backward split at 3 (stage, micro-batch) points"
+    assert_trains_as_without(pp2, "--backbone-wgrad-split", said)
 
 
 @pytest.mark.slow  # 12 s

@@ -160,17 +160,13 @@ def test_pretrain_refuses_the_split_where_it_cannot_run(extra, msg, monkeypatch)
 def test_pretrain_trains_with_the_split_backward():
     """pretrain_mllm.py --encoder-wgrad-split: the start-up plan keeps the split (EW actions),
     says so, and the losses are the unsplit run's."""
-    from tests.pretrain_runs import COMMON, losses, torchrun
+    from tests.pretrain_runs import COMMON, assert_trains_as_without
 
     pp2 = [*COMMON, "--pipeline-model-parallel-size", "2", "--train-iters", "3",
            "--encoder-pipeline-model-parallel-size", "2",
            "--encoder-tensor-model-parallel-size", "1"]  # fmt: skip
-    split, plain = torchrun(*pp2, "--encoder-wgrad-split"), torchrun(*pp2)
-    assert split.returncode == 0 and plain.returncode == 0, split.stderr[-2000:]
-    assert "backward split, weight gradients in later bubbles" in split.stdout, split.stdout
-    a, b = losses(split.stdout), losses(plain.stdout)
-    assert a.keys() == b.keys() == {1, 2, 3}
-    assert all(a[i] == pytest.approx(b[i], rel=1e-4) for i in a), (a, b)
+    said = "backward split, weight gradients in later bubbles"
+    assert_trains_as_without(pp2, "--encoder-wgrad-split", said)
 
 
 def test_a_deferred_linear_gives_megatron_cores_gradients_for_an_odd_strided_gradient():

@@ -79,6 +79,13 @@ class ScheduleMeta:
         """Whether backbone action `a`'s micro-batch has its backward split into B and W."""
         return (a.stage, a.chunk, a.mb) in self.backbone_wgrad
 
+    def split_options(self) -> dict[str, bool]:
+        """The `OptimusOptions` splits this schedule was built with (encoder, backbone)."""
+        return {
+            "wgrad_split": self.splits_weight_grads,
+            "backbone_wgrad_split": bool(self.backbone_wgrad),
+        }
+
     def has_images(self, mb: int) -> bool:
         return mb not in self.text_only
 

@@ -280,6 +280,14 @@ def _check_wgrad_split(args: argparse.Namespace) -> None:
         f"--bubble-schedule {args.bubble_schedule} (use optimus)": (
             args.bubble_schedule != ScheduleChoice.OPTIMUS
         ),
+        **_split_refusals(args),
+    }
+    _refuse_together("--encoder-wgrad-split", others)
+
+
+def _split_refusals(args: argparse.Namespace) -> dict[str, object]:
+    """What either split backward (encoder or backbone) does not run with."""
+    return {
         "--transformer-impl transformer_engine (its fused linears keep no weight products)": (
             args.transformer_impl != "local"
         ),
@@ -290,7 +298,6 @@ def _check_wgrad_split(args: argparse.Namespace) -> None:
             args.coreset_lookahead
         ),
     }
-    _refuse_together("--encoder-wgrad-split", others)
 
 
 def _check_backbone_wgrad_split(args: argparse.Namespace) -> None:
@@ -314,21 +321,13 @@ def _check_backbone_wgrad_split(args: argparse.Namespace) -> None:
         "--bubble-schedule optimus-adaptive (its per-step plans are made without the split)": (
             args.bubble_schedule == ScheduleChoice.OPTIMUS_ADAPTIVE
         ),
-        "--transformer-impl transformer_engine (its fused linears keep no weight products)": (
-            args.transformer_impl != "local"
-        ),
         "--recompute-granularity full (the deferred products would hold what it frees)": (
             args.recompute_granularity == "full"
         ),
         "--num-layers-per-virtual-pipeline-stage (1F1B without virtual stages only)": (
             args.num_layers_per_virtual_pipeline_stage is not None
         ),
-        "--replan-after-iters (re-plans are made without the split)": (
-            args.replan_after_iters is not None
-        ),
-        "--coreset-lookahead (its merged schedule is built without the split)": (
-            args.coreset_lookahead
-        ),
+        **_split_refusals(args),
     }
     _refuse_together("--backbone-wgrad-split", others)
 

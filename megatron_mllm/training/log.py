@@ -23,25 +23,15 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
     if args.freeze_ViT:
         where += "; frozen: forward only, its projector trains"
     if args.encoder_wgrad_split:  # the planner keeps the split only where it predicts a gain
-        split = schedule.meta.splits_weight_grads
-        where += (
-            "; backward split, weight gradients in later bubbles"
-            if split
-            else "; the split backward among the plan candidates"
-            if args.plan_candidates
-            else "; --encoder-wgrad-split not kept (predicted no faster)"
-        )
+        kept = "backward split" if schedule.meta.splits_weight_grads else None
+        where += _split_note(args, kept, "the split backward", "--encoder-wgrad-split", "")
     bb_split = ""
     if args.backbone_wgrad_split:
         points = schedule.meta.backbone_wgrad
-        bb_split = (
-            f"; backward split at {len(points)} (stage, micro-batch) points, weight gradients "
-            "in later bubbles"
-            if points
-            else "; the split backbone backward among the plan candidates"
-            if args.plan_candidates
-            else "; --backbone-wgrad-split not kept (predicted no faster, or the plan "
-            "cannot split: the encoder on stage 0, or its TP not 1)"
+        kept = f"backward split at {len(points)} (stage, micro-batch) points" if points else None
+        why = ", or the plan cannot split: the encoder on stage 0, or its TP not 1"
+        bb_split = _split_note(
+            args, kept, "the split backbone backward", "--backbone-wgrad-split", why
         )
     return "\n".join(
         [
@@ -139,6 +129,16 @@ def _image_tokens(cfg) -> str:
             f"and {cfg.image_tokens} backbone tokens at --img-h {cfg.image_size}{windows}"
         )
     return f"{cfg.encoder_seq_len} tokens per image"
+
+
+def _split_note(args, kept: str | None, what: str, flag: str, why: str) -> str:
+    """The start-up line's word on a split backward: kept, among the plan candidates, or not
+    kept (and `why`, beyond a prediction of no gain)."""
+    if kept:
+        return f"; {kept}, weight gradients in later bubbles"
+    if args.plan_candidates:
+        return f"; {what} among the plan candidates"
+    return f"; {flag} not kept (predicted no faster{why})"
 
 
 def training_summary(args) -> str:

@@ -58,8 +58,7 @@ class ComputeActions:
         meta = self.meta
         v = meta.virtual_index(a.stage, a.chunk)
         inputs, out = self.bb_ctx.pop((a.stage, a.chunk, a.mb))
-        split = self.bb_weight_grads is not None and meta.splits_backbone(a)
-        with self.bb_weight_grads.unit(_unit(a)) if split else contextlib.nullcontext():
+        with self.bb_weight_grads.unit(_unit(a)) if self._split(a) else contextlib.nullcontext():
             if v == meta.num_virtual_stages - 1:
                 norm = self.loss_norm
                 loss = out / meta.num_microbatches if norm is None else out * norm
@@ -81,10 +80,13 @@ class ComputeActions:
     def _backbone_deferring(self, a: Action):
         """Around a backbone forward whose backward is split: its linears defer their weight
         gradients to W."""
-        split = self.bb_weight_grads is not None and self.meta.splits_backbone(a)
-        if split and self._trains(a.mb):
+        if self._split(a) and self._trains(a.mb):
             return self.bb_weight_grads.deferring()
         return contextlib.nullcontext()
+
+    def _split(self, a: Action) -> bool:
+        """Whether backbone action `a`'s backward is split in this pass (a training one)."""
+        return self.bb_weight_grads is not None and self.meta.splits_backbone(a)
 
     # -- encoder ---------------------------------------------------------------------------
     def _encoder_forward(self, a: Action) -> None:

@@ -78,11 +78,8 @@ def replan(
     best, _, _ = plan_optimus(costs, encoder_plan=encoder_plan)
     if best.schedule.meta.backbone_layers != current.meta.backbone_layers:
         return None
-    meta = current.meta
-    if meta.splits_weight_grads or meta.backbone_wgrad:
-        splits = dict(
-            wgrad_split=meta.splits_weight_grads, backbone_wgrad_split=bool(meta.backbone_wgrad)
-        )
+    splits = current.meta.split_options()
+    if any(splits.values()):
         schedule, workload = optimus_schedule(costs, replace(best.options, **splits))
         validate(schedule)
         return schedule, workload, times
