@@ -155,12 +155,12 @@ LLAVA = [
 ]  # fmt: skip
 
 
-def assert_trains_as_without(args: list[str], flag: str, said: str) -> None:
-    """pretrain_mllm.py with `args` and `flag` says `said` at start-up and logs the losses of
-    the same run without `flag` (three iterations)."""
+def assert_trains_as_without(args: list[str], flag: str, *said: str) -> None:
+    """pretrain_mllm.py with `args` and `flag` says each of `said` and logs the losses of the
+    same run without `flag` (three iterations)."""
     with_flag, plain = torchrun(*args, flag), torchrun(*args)
     assert with_flag.returncode == 0 and plain.returncode == 0, with_flag.stderr[-2000:]
-    assert said in with_flag.stdout, with_flag.stdout
+    assert all(line in with_flag.stdout for line in said), with_flag.stdout
     a, b = losses(with_flag.stdout), losses(plain.stdout)
     assert a.keys() == b.keys() == {1, 2, 3}
     assert all(a[i] == pytest.approx(b[i], rel=1e-4) for i in a), (a, b)

@@ -187,7 +187,6 @@ def test_layers_that_cannot_defer_refuse_a_split_backbone_schedule(split, model,
     "extra, msg",
     [
         (["--bubble-schedule", "optimus-adaptive"], "--bubble-schedule optimus-adaptive"),
-        (["--replan-after-iters", "2"], "--replan-after-iters"),
         (
             [
                 "--recompute-granularity",
@@ -220,12 +219,15 @@ def test_pretrain_refuses_the_backbone_split_without_a_pipeline_or_with_tp(monke
 
 def test_pretrain_trains_with_the_backbone_split():
     """pretrain_mllm.py --backbone-wgrad-split: the start-up plan keeps the split (W actions),
-    says so, and the losses are the unsplit run's."""
+    says so, the in-job re-plan keeps it too, and the losses are the unsplit run's."""
     from tests.pretrain_runs import COMMON, assert_trains_as_without
 
     pp2 = [*COMMON, "--pipeline-model-parallel-size", "2", "--train-iters", "3"]
     said = "backward split at 3 (stage, micro-batch) points"
-    assert_trains_as_without(pp2, "--backbone-wgrad-split", said)
+    replan = "; --backbone-wgrad-split kept"
+    assert_trains_as_without(
+        [*pp2, "--replan-after-iters", "1"], "--backbone-wgrad-split", said, replan
+    )
 
 
 @pytest.mark.slow  # 12 s

@@ -146,7 +146,6 @@ def test_the_executor_runs_a_split_backward_as_the_reference(layout):
     "extra, msg",
     [
         (["--bubble-schedule", "megatron"], "--bubble-schedule megatron (use optimus)"),
-        (["--replan-after-iters", "2"], "--replan-after-iters"),
         (["--coreset-pool-ratio", "2", "--coreset-lookahead"], "--coreset-lookahead"),
     ],
 )
@@ -159,14 +158,14 @@ def test_pretrain_refuses_the_split_where_it_cannot_run(extra, msg, monkeypatch)
 
 def test_pretrain_trains_with_the_split_backward():
     """pretrain_mllm.py --encoder-wgrad-split: the start-up plan keeps the split (EW actions),
-    says so, and the losses are the unsplit run's."""
+    says so, the in-job re-plan keeps it too, and the losses are the unsplit run's."""
     from tests.pretrain_runs import COMMON, assert_trains_as_without
 
     pp2 = [*COMMON, "--pipeline-model-parallel-size", "2", "--train-iters", "3",
            "--encoder-pipeline-model-parallel-size", "2",
-           "--encoder-tensor-model-parallel-size", "1"]  # fmt: skip
+           "--encoder-tensor-model-parallel-size", "1", "--replan-after-iters", "1"]  # fmt: skip
     said = "backward split, weight gradients in later bubbles"
-    assert_trains_as_without(pp2, "--encoder-wgrad-split", said)
+    assert_trains_as_without(pp2, "--encoder-wgrad-split", said, "; --encoder-wgrad-split kept")
 
 
 def test_a_deferred_linear_gives_megatron_cores_gradients_for_an_odd_strided_gradient():

@@ -291,9 +291,6 @@ def _split_refusals(args: argparse.Namespace) -> dict[str, object]:
         "--transformer-impl transformer_engine (its fused linears keep no weight products)": (
             args.transformer_impl != "local"
         ),
-        "--replan-after-iters (re-plans are made without the split)": (
-            args.replan_after_iters is not None
-        ),
         "--coreset-lookahead (its merged schedule is built without the split)": (
             args.coreset_lookahead
         ),

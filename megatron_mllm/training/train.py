@@ -320,9 +320,16 @@ def _replan(run, rank: int) -> None:
         return
     from megatron_mllm.schedule.simulator import simulate
 
-    new = simulate(*run.replanned[:2])
+    schedule = run.replanned[0]
+    new = simulate(schedule, run.replanned[1])
+    flags = {
+        "wgrad_split": "--encoder-wgrad-split",
+        "backbone_wgrad_split": "--backbone-wgrad-split",
+    }
+    splits = [flags[name] for name, on in schedule.meta.split_options().items() if on]
+    kept = f"; {' and '.join(splits)} kept" if splits else ""
     print(
         f" > re-planned from measured unit times: predicted step "
-        f"{1000 * new.step_time_s:.1f} ms, bubble ratio {new.bubble_ratio:.1%}",
+        f"{1000 * new.step_time_s:.1f} ms, bubble ratio {new.bubble_ratio:.1%}{kept}",
         flush=True,
     )
