@@ -11,6 +11,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 
@@ -69,3 +70,31 @@ def median_seconds(
         if i:  # the first run warms up
             samples.append(clock.since_start(end))
     return statistics.median(samples)
+
+
+CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def last_level_cache_bytes(device: torch.device | str, caches: Path = CPU_CACHES) -> int:
+    """The device's last-level cache: a GPU's L2, else the host's highest cache level in sysfs
+    (`caches`; 32 MiB where neither says)."""
+    if torch.device(device).type == "cuda":
+        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 2**25)
+    sizes = []
+    for index in caches.glob("index*"):
+        try:
+            level = int((index / "level").read_text())
+            text = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+        sizes.append((level, int(text.rstrip("KMG")) * scale))
+    return max(sizes)[1] if sizes else 2**25
+
+
+def cache_flusher(device: torch.device | str) -> Callable[[], object]:
+    """A call that overwrites twice the device's last-level cache, for `median_seconds`'
+    `before`: a unit timed after it starts cold, as it does in a step (after other units'
+    weights and activations), not cache-hot from its own previous run."""
+    buffer = torch.empty(2 * last_level_cache_bytes(device), dtype=torch.uint8, device=device)
+    return lambda: buffer.fill_(1)

@@ -16,7 +16,7 @@ from dataclasses import replace
 
 import torch
 
-from megatron_mllm.runtime.engine.clock import median_seconds
+from megatron_mllm.runtime.engine.clock import cache_flusher, median_seconds
 from megatron_mllm.schedule.cost_model import FORWARD_KERNELS
 from megatron_mllm.schedule.specs import TransformerSpec
 
@@ -62,16 +62,19 @@ def kernel_times(
     kernels = layer_kernels(layer)
     state = (torch.randn(seq_len, micro_batch, spec.hidden_size, device=device, dtype=dtype),)
     out = {"forward": {}, "backward": {}}
+    flush = cache_flusher(device)  # each kernel timed with a cold L2, as a step runs it
     for name, kernel in zip(FORWARD_KERNELS, kernels, strict=True):
         leaves = tuple(t.detach().requires_grad_() for t in state)
         with torch.no_grad():
-            out["forward"][name] = median_seconds(lambda k=kernel, x=leaves: k(x), repeats, device)
+            out["forward"][name] = median_seconds(
+                lambda k=kernel, x=leaves: k(x), repeats, device, before=flush
+            )
 
         def backward(k=kernel, x=leaves):
             ys = [y for y in k(x) if y.requires_grad]
             torch.autograd.backward(ys, [torch.ones_like(y) for y in ys])
 
-        total = median_seconds(backward, repeats, device)
+        total = median_seconds(backward, repeats, device, before=flush)
         out["backward"][name + "_b"] = max(total - out["forward"][name], 0.0)
         with torch.no_grad():
             state = kernel(leaves)

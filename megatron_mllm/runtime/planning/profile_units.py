@@ -13,10 +13,10 @@ import torch
 
 from megatron_mllm.models.config import MLLMConfig
 from megatron_mllm.models.stages import causal_mask
-from megatron_mllm.runtime.engine.clock import median_seconds
+from megatron_mllm.runtime.engine.clock import cache_flusher, median_seconds
 
 
-def _fwd_bwd(unit, make_input, repeats: int, device: torch.device) -> tuple[float, float]:
+def _fwd_bwd(unit, make_input, repeats: int, device: torch.device, flush) -> tuple[float, float]:
     def forward():
         return unit(make_input())
 
@@ -24,8 +24,8 @@ def _fwd_bwd(unit, make_input, repeats: int, device: torch.device) -> tuple[floa
         y = unit(make_input())
         y.backward(torch.ones_like(y))
 
-    fwd = median_seconds(forward, repeats, device)
-    return fwd, max(median_seconds(both, repeats, device) - fwd, 0.0)
+    fwd = median_seconds(forward, repeats, device, before=flush)
+    return fwd, max(median_seconds(both, repeats, device, before=flush) - fwd, 0.0)
 
 
 def profile_units(
@@ -96,8 +96,9 @@ def profile_units(
             leaf(llm_h),
         ),
     }
+    flush = cache_flusher(device)  # each unit timed cold, as a step runs it
     for (model, name), (fn, make) in units.items():
-        fwd, bwd = _fwd_bwd(fn, make, repeats, device)
+        fwd, bwd = _fwd_bwd(fn, make, repeats, device, flush)
         out[model]["forward"][name] = fwd
         out[model]["backward"][name + "_b"] = bwd
     if cfg.vit_native:
