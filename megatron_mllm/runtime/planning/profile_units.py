@@ -36,12 +36,14 @@ def profile_units(
     repeats: int = 5,
     dtype: torch.dtype = torch.float32,
     bucket_params: int | None = None,
+    cold: bool = True,
 ) -> dict:
     """Run in fresh processes (see `launch.spawn`). With several ranks they all profile at once,
     so the times include the contention a real multi-rank step sees on a shared machine, and
     a DDP bucket's DP collectives are timed over them (`link_probe.dp_collective_gbps`,
     `bucket_params`: the job's bucket size). `dtype`: the parameters' and activations' (bf16
-    runs profile in bf16)."""
+    runs profile in bf16). `cold`: each unit timed after a cache flush, as a step runs it
+    (False: cache-hot repeats, the ablation of tools/bench_unit_profile.py)."""
     from megatron_mllm.data.batch import image_then_text
     from megatron_mllm.data.synthetic import microbatch
     from megatron_mllm.parallel.groups import build_colocated_groups
@@ -96,7 +98,7 @@ def profile_units(
             leaf(llm_h),
         ),
     }
-    flush = cache_flusher(device)  # each unit timed cold, as a step runs it
+    flush = cache_flusher(device) if cold else None  # each unit timed cold, as a step runs it
     for (model, name), (fn, make) in units.items():
         fwd, bwd = _fwd_bwd(fn, make, repeats, device, flush)
         out[model]["forward"][name] = fwd
