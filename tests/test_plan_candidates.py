@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import warnings
+from dataclasses import replace
 from functools import partial
 
 import pytest
@@ -83,6 +84,26 @@ def test_the_split_backward_is_one_more_candidate_and_stays_split_when_replanned
     record = {"schedule": split[0].schedule.to_csv(), "units": "layer"}
     schedule, workload = kept_plan({"plan_candidates": record}, costs)
     assert schedule.ranks == split[0].schedule.ranks and workload.encoder_wgt[0][0]
+
+
+def test_a_replan_keeps_the_current_plan_where_its_split_would_not_fit(monkeypatch):
+    """Re-planned from measured times, a split schedule stays split only where the split plan
+    fits in memory (it holds output gradients the new options were not chosen with); else
+    the re-plan keeps the current plan (None)."""
+    from megatron_mllm.runtime.planning import replan as replanning
+
+    costs = JobCosts(job_of(TINY, PLAN, 1, N), unit="layer")
+    cands = plan_candidates(costs, 2, wgrad_split=True)
+    job = _job({}, next(c for c in cands if c.schedule.meta.splits_weight_grads).schedule)
+    samples = [{("vision", "backward", "layer_b"): [0.02]}, {("llm", "forward", "layer"): [0.01]}]
+    assert replanning.replan_job(job, samples) is not None
+    real = replanning.simulate
+
+    def over_memory(schedule, workload, **kw):
+        return replace(real(schedule, workload, **kw), peak_memory_bytes=1e15)
+
+    monkeypatch.setattr(replanning, "simulate", over_memory)
+    assert replanning.replan_job(job, samples) is None
 
 
 def test_the_backbone_split_is_one_more_candidate_and_stays_split_when_replanned():

@@ -22,8 +22,15 @@ import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+if TYPE_CHECKING:
+    from megatron_mllm.models.config import MLLMConfig
+    from megatron_mllm.schedule.config import MLLMJob
+    from megatron_mllm.schedule.planner import Planned
+    from megatron_mllm.schedule.workload import Workload
 
 PROFILES = ("hot", "cold")
 UNITS = (
@@ -36,7 +43,7 @@ UNITS = (
 )
 
 
-def one_repeat(cfg, args, state) -> dict:
+def one_repeat(cfg: MLLMConfig, args: argparse.Namespace, state: dict, repeat: int) -> dict:
     """Both profiles and one job run: per unit the job's seconds and each profile's, the
     measured step and each prediction of it."""
     import torch
@@ -53,13 +60,15 @@ def one_repeat(cfg, args, state) -> dict:
     from megatron_mllm.schedule.simulator import simulate
 
     plan, bucket = ParallelPlan(1, 1, 2), args.ddp_bucket_size
+    order = PROFILES if repeat % 2 == 0 else PROFILES[::-1]  # neither always profiles first
     profiles = {
         name: spawn(profile_units, 2, cfg, 1, 5, torch.bfloat16, bucket, name == "cold")[0]
-        for name in PROFILES
+        for name in order
     }
     run = bench_run(cfg, args, plan, args.microbatches, 1)
-    planning = run.planning_job()
-    best, _, _ = plan_optimus(JobCosts(planning, profiles["cold"], unit="layer"))
+    best, _, _ = plan_optimus(JobCosts(run.planning_job(), profiles["cold"], unit="layer"))
+    # Every prediction for the same stages: the cold plan's layer split, whatever the times
+    planning = replace(run.planning_job(), backbone_split=tuple(best.schedule.meta.backbone_layers))
     job = replace(
         run.runtime_job(None, state),
         steps=args.steps + 1,
@@ -75,7 +84,8 @@ def one_repeat(cfg, args, state) -> dict:
         name: simulate(best.schedule, _workload(planning, best, times)).step_time_s
         for name, times in profiles.items()
     }
-    predicted["in_job"] = simulate(best.schedule, measured_workload(job, samples)).step_time_s
+    ran = measured_workload(job, samples)
+    predicted["in_job"] = simulate(best.schedule, ran).step_time_s if ran else float("nan")
     units = {
         "/".join(key): {
             "job_s": _unit(in_job, key),
@@ -91,8 +101,9 @@ def _unit(times: dict, key: tuple[str, str, str]) -> float:
     return times[model][direction][name]
 
 
-def _workload(planning, best, times: dict):
-    """The costs of `best`'s schedule under unit `times` (its options, other times)."""
+def _workload(planning: MLLMJob, best: Planned, times: dict) -> Workload:
+    """The costs of `best`'s schedule under unit `times` (its options and layer split, other
+    times)."""
     from megatron_mllm.schedule.blocks import JobCosts
     from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
 
@@ -101,7 +112,7 @@ def _workload(planning, best, times: dict):
     return workload
 
 
-def summarise(repeats: list[dict], args) -> dict:
+def summarise(repeats: list[dict], args: argparse.Namespace) -> dict:
     """Medians over repeats (min-max) of every unit's job / profile ratio and of each
     prediction's error against the measured step."""
 
@@ -168,7 +179,7 @@ def main() -> int:
 
     cfg = {"tiny": BENCH, "medium": BENCH_MEDIUM}[args.size]
     state = spawn(make_full_state, 1, cfg, 0)[0]
-    result = summarise([one_repeat(cfg, args, state) for _ in range(args.repeats)], args)
+    result = summarise([one_repeat(cfg, args, state, r) for r in range(args.repeats)], args)
     if args.json:
         print(json.dumps(result))
     else:

@@ -24,14 +24,14 @@ def startup_summary(run: RunConfig, enc_plan, stage0: bool, p, schedule: Schedul
         where += "; frozen: forward only, its projector trains"
     if args.encoder_wgrad_split:  # the planner keeps the split only where it predicts a gain
         kept = "backward split" if schedule.meta.splits_weight_grads else None
-        where += _split_note(args, kept, "the split backward", "--encoder-wgrad-split", "")
+        where += _split_note(args, kept, "the split backward", SPLIT_FLAGS["wgrad_split"], "")
     bb_split = ""
     if args.backbone_wgrad_split:
         points = schedule.meta.backbone_wgrad
         kept = f"backward split at {len(points)} (stage, micro-batch) points" if points else None
         why = ", or the plan cannot split: the encoder on stage 0, or its TP not 1"
         bb_split = _split_note(
-            args, kept, "the split backbone backward", "--backbone-wgrad-split", why
+            args, kept, "the split backbone backward", SPLIT_FLAGS["backbone_wgrad_split"], why
         )
     return "\n".join(
         [
@@ -129,6 +129,30 @@ def _image_tokens(cfg) -> str:
             f"and {cfg.image_tokens} backbone tokens at --img-h {cfg.image_size}{windows}"
         )
     return f"{cfg.encoder_seq_len} tokens per image"
+
+
+# ScheduleMeta.split_options()' names -> the flag that asks for the split
+SPLIT_FLAGS = {
+    "wgrad_split": "--encoder-wgrad-split",
+    "backbone_wgrad_split": "--backbone-wgrad-split",
+}
+
+
+def replan_line(replanned: tuple | None) -> str:
+    """The re-plan's line: the new schedule's predicted step and bubbles and the splits it
+    kept (`replanned`: (schedule, workload, ...)), or that the current plan stays (None)."""
+    if replanned is None:
+        return " > re-planning kept the current plan"
+    from megatron_mllm.schedule.simulator import simulate
+
+    schedule, workload = replanned[:2]
+    new = simulate(schedule, workload)
+    splits = [SPLIT_FLAGS[name] for name, on in schedule.meta.split_options().items() if on]
+    kept = f"; {' and '.join(splits)} kept" if splits else ""
+    return (
+        f" > re-planned from measured unit times: predicted step {1000 * new.step_time_s:.1f}"
+        f" ms, bubble ratio {new.bubble_ratio:.1%}{kept}"
+    )
 
 
 def _split_note(args, kept: str | None, what: str, flag: str, why: str) -> str:

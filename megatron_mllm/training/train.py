@@ -21,6 +21,7 @@ from megatron_mllm.training.log import (
     dry_run_summary,
     log_line,
     lookahead_line,
+    replan_line,
     startup_summary,
 )
 from megatron_mllm.training.model_args import initial_weights
@@ -312,24 +313,8 @@ def _candidate_phase_step(args, run, iteration: int) -> None:
 
 
 def _replan(run, rank: int) -> None:
+    """--replan-after-iters: plan again from the unit times measured so far (collective); rank
+    0 says what came of it."""
     replanned = run.replan()
-    if rank != 0:
-        return
-    if not replanned:
-        print(" > re-planning kept the current plan", flush=True)
-        return
-    from megatron_mllm.schedule.simulator import simulate
-
-    schedule = run.replanned[0]
-    new = simulate(schedule, run.replanned[1])
-    flags = {
-        "wgrad_split": "--encoder-wgrad-split",
-        "backbone_wgrad_split": "--backbone-wgrad-split",
-    }
-    splits = [flags[name] for name, on in schedule.meta.split_options().items() if on]
-    kept = f"; {' and '.join(splits)} kept" if splits else ""
-    print(
-        f" > re-planned from measured unit times: predicted step "
-        f"{1000 * new.step_time_s:.1f} ms, bubble ratio {new.bubble_ratio:.1%}{kept}",
-        flush=True,
-    )
+    if rank == 0:
+        print(replan_line(run.replanned if replanned else None), flush=True)

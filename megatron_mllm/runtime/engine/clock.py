@@ -85,10 +85,10 @@ def last_level_cache_bytes(device: torch.device | str, caches: Path = CPU_CACHES
         try:
             level = int((index / "level").read_text())
             text = (index / "size").read_text().strip()
+            scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
+            sizes.append((level, int(text.rstrip("KMG")) * scale))
         except (OSError, ValueError):
             continue
-        scale = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1:], 1)
-        sizes.append((level, int(text.rstrip("KMG")) * scale))
     return max(sizes)[1] if sizes else 2**25
 
 

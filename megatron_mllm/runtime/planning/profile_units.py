@@ -9,6 +9,8 @@ Returns the measured-times mapping that `JobCosts(..., unit="layer")` reads:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from megatron_mllm.models.config import MLLMConfig
@@ -16,7 +18,9 @@ from megatron_mllm.models.stages import causal_mask
 from megatron_mllm.runtime.engine.clock import cache_flusher, median_seconds
 
 
-def _fwd_bwd(unit, make_input, repeats: int, device: torch.device, flush) -> tuple[float, float]:
+def _fwd_bwd(
+    unit, make_input, repeats: int, device: torch.device, flush: Callable[[], object] | None
+) -> tuple[float, float]:
     def forward():
         return unit(make_input())
 
@@ -104,7 +108,9 @@ def profile_units(
         out[model]["forward"][name] = fwd
         out[model]["backward"][name + "_b"] = bwd
     if cfg.vit_native:
-        out["vit"]["tower"] = profile_tower(enc, cfg, micro_batch, min(repeats, 3), device, dtype)
+        out["vit"]["tower"] = profile_tower(
+            enc, cfg, micro_batch, min(repeats, 3), device, dtype, flush
+        )
     rates = dp_collective_gbps(device, bucket_params, dtype)
     if rates:
         out["dp"] = {"gbps": rates}
@@ -125,10 +131,18 @@ def tower_sides(cfg: MLLMConfig, micro_batch: int) -> list[int]:
     return sorted({*sides, side, most})
 
 
-def profile_tower(enc, cfg: MLLMConfig, micro_batch: int, repeats: int, device, dtype):
+def profile_tower(
+    enc,
+    cfg: MLLMConfig,
+    micro_batch: int,
+    repeats: int,
+    device,
+    dtype,
+    flush: Callable[[], object] | None = None,
+) -> list[list[float]]:
     """[patches, seconds] of the whole native tower's forward + backward on one image of each
-    of `tower_sides` (a masked sequence of that many patches): `patch_loads.profiled` reads
-    them."""
+    of `tower_sides` (a masked sequence of that many patches, each timed after `flush`):
+    `patch_loads.profiled` reads them."""
     out = []
     for side in tower_sides(cfg, micro_batch):
         grids = torch.tensor([[1, side, side]])
@@ -137,7 +151,7 @@ def profile_tower(enc, cfg: MLLMConfig, micro_batch: int, repeats: int, device, 
         def both(patches=patches, grids=grids):
             enc(patches, grids).float().sum().backward()
 
-        out.append([side * side, median_seconds(both, repeats, device)])
+        out.append([side * side, median_seconds(both, repeats, device, before=flush)])
     return out
 
 

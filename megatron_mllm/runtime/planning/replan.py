@@ -21,6 +21,7 @@ from megatron_mllm.schedule.bubble_scheduler import optimus_schedule
 from megatron_mllm.schedule.config import MLLMJob
 from megatron_mllm.schedule.planner import plan_optimus
 from megatron_mllm.schedule.schedule import Schedule
+from megatron_mllm.schedule.simulator import simulate
 from megatron_mllm.schedule.validator import validate
 from megatron_mllm.schedule.workload import Workload
 
@@ -72,7 +73,8 @@ def replan(
     """The best Optimus schedule under the measured times for the current encoder plan and
     backbone split (`planning`'s), with the times used; None where the best one needs another
     layer split. Where `current` splits the encoder's backward (EW actions) or the backbone's
-    (W actions), so does the new one (its best options, split)."""
+    (W actions), so does the new one (its best options, split; None where that does not fit
+    in memory)."""
     times = measured_times(samples, JobCosts(planning, unit=unit), unit)
     costs = JobCosts(planning, times, unit=unit)
     best, _, _ = plan_optimus(costs, encoder_plan=encoder_plan)
@@ -82,6 +84,8 @@ def replan(
     if any(splits.values()):
         schedule, workload = optimus_schedule(costs, replace(best.options, **splits))
         validate(schedule)
+        if simulate(schedule, workload).peak_memory_gb > planning.hw.memory_gb:
+            return None  # the split holds output gradients the re-planned options may not fit
         return schedule, workload, times
     return best.schedule, best.workload, times
 
@@ -123,8 +127,6 @@ def replan_job(job: RuntimeJob, samples: list[dict]) -> tuple[Schedule, Workload
 def predicted_with_measured(job: RuntimeJob, samples: list[dict]) -> float | None:
     """The simulator's step time for `job`'s schedule under the times measured in `samples`
     (every rank's); None where its costs cannot be rebuilt."""
-    from megatron_mllm.schedule.simulator import simulate
-
     workload = measured_workload(job, samples)
     return None if workload is None else simulate(job.schedule, workload).step_time_s
 
@@ -148,7 +150,6 @@ def fitted_latency(
     The plan candidates' calibration before the latency was measured, kept as its ablation:
     it charges whatever the model misses per message.
     Step time grows monotonically with latency, so bisection finds it."""
-    from megatron_mllm.schedule.simulator import simulate
 
     def step(latency: float) -> float:
         return simulate(schedule, calibrated(workload, overhead_s, latency)).step_time_s
