@@ -267,8 +267,8 @@ def test_the_last_level_cache_is_read_from_sysfs(tmp_path):
 @pytest.mark.parametrize("cold", [True, False])
 def test_the_unit_profile_times_every_unit_after_a_cache_flush(cold):
     """`profile_units` runs a flush of twice the last-level cache before every timed call (a
-    unit in a step runs cold, after other units): cache-hot repeats measured the job's units
-    20-30% short. `cold=False` (the benchmark's ablation) times them without it."""
+    unit in a step runs cold, after other units, not cache-hot from its own last run);
+    `cold=False` (tools/bench_unit_profile.py's ablation) times them without it."""
     from megatron_mllm.runtime.assembly.launch import spawn
 
     flushers, timed, flushed = spawn(_profile_recording_flushes, 1, cold)[0]
