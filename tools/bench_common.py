@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import statistics
+
 
 def bench_run(cfg, args, plan, num_microbatches: int, micro_batch: int, *flags: str):
     """The benchmark's run (a `training.run_config.RunConfig`) as pretrain_mllm.py's arguments
@@ -27,6 +29,11 @@ def bench_run(cfg, args, plan, num_microbatches: int, micro_batch: int, *flags: 
     if getattr(args, "precision", "fp32") == "bf16":
         argv += ["--bf16", "--use-distributed-optimizer", "--overlap-param-gather"]
     return parse_run([*argv, *flags], plan.world_size)
+
+
+def over_repeats(values: list[float]) -> tuple[float, float, float]:
+    """(median, min, max) of one figure over a benchmark's repeats."""
+    return statistics.median(values), min(values), max(values)
 
 
 def demo_data_or_exit(path: str) -> None:

@@ -480,7 +480,7 @@ def one_repeat(setup: dict, args) -> dict:
         "optimus_vs_megatron_core": m["megatron_core_1f1b"] / m["optimus"],
         "optimus_vs_balanced": m["balanced"] / m["optimus"],
         "optimus_over_limit": m["optimus"] / limit,
-        # the ceiling: no schedule of this work measures faster than the limit against mcore
+        # about the most any schedule of this work could measure against megatron-core
         "megatron_core_over_limit": m["megatron_core_1f1b"] / limit,
         "predicted_error_optimus": (setup["predicted"]["optimus"] - m["optimus"]) / m["optimus"],
     }
@@ -512,8 +512,7 @@ def summarise(setup: dict, repeats: list[dict], memory: dict, args) -> dict:
     last repeat, per run and rank."""
     names = list(setup["jobs"])
 
-    def over(values):
-        return statistics.median(values), min(values), max(values)
+    from bench_common import over_repeats as over
 
     predicted = dict(setup["predicted"])
     predicted["optimus_replanned"] = statistics.median(r["replan_predicted_s"] for r in repeats)

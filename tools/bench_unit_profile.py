@@ -116,8 +116,7 @@ def summarise(repeats: list[dict], args: argparse.Namespace) -> dict:
     """Medians over repeats (min-max) of every unit's job / profile ratio and of each
     prediction's error against the measured step."""
 
-    def over(values: list[float]) -> list[float]:
-        return [statistics.median(values), min(values), max(values)]
+    from bench_common import over_repeats as over
 
     out: dict = {"size": args.size, "repeats": args.repeats, "steps": args.steps, "units": {}}
     for unit in repeats[0]["units"]:

@@ -235,8 +235,7 @@ def _summary(setup: dict, repeats: list[dict], args) -> dict:
     planning facts summed over repeats."""
     jobs, per_token = setup["jobs"], setup["per_token"]
 
-    def over(values: list[float]) -> tuple[float, float, float]:
-        return statistics.median(values), min(values), max(values)
+    from bench_common import over_repeats as over
 
     result = {
         "microbatches": setup["n"],

@@ -73,13 +73,17 @@ def median_seconds(
 
 
 CPU_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+UNKNOWN_CACHE_BYTES = 2**25  # where neither the device nor sysfs says
 
 
 def last_level_cache_bytes(device: torch.device | str, caches: Path = CPU_CACHES) -> int:
     """The device's last-level cache: a GPU's L2, else the host's highest cache level in sysfs
-    (`caches`; 32 MiB where neither says)."""
+    (`caches`; `UNKNOWN_CACHE_BYTES` where neither says)."""
     if torch.device(device).type == "cuda":
-        return int(getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 2**25)
+        return int(
+            getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0)
+            or UNKNOWN_CACHE_BYTES
+        )
     sizes = []
     for index in caches.glob("index*"):
         try:
@@ -89,7 +93,7 @@ def last_level_cache_bytes(device: torch.device | str, caches: Path = CPU_CACHES
             sizes.append((level, int(text.rstrip("KMG")) * scale))
         except (OSError, ValueError):
             continue
-    return max(sizes)[1] if sizes else 2**25
+    return max(sizes)[1] if sizes else UNKNOWN_CACHE_BYTES
 
 
 def cache_flusher(device: torch.device | str) -> Callable[[], object]:
