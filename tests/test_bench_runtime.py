@@ -6,21 +6,23 @@ from __future__ import annotations
 import bench_runtime
 import pytest
 
-from megatron_mllm.training.plan_candidates import CandidatePhase
+from megatron_mllm.training.plan_candidates import CandidatePhase, windows
 
 
 def test_each_prediction_is_scaled_by_the_reference_runs_drift_over_its_timed_steps():
     phase = CandidatePhase(candidates=(None, None), steps_each=3, warmup=4)
     # the reference run's seconds: calibration steps 2-3; windows 4-5 (candidate 0), 6-8 (1),
-    # 9-10 (0 again); each window's first step is not timed
-    ref = [9.0, 9.0, 1.0, 1.0, 5.0, 1.0, 5.0, 2.0, 2.0, 5.0, 1.4]
+    # 9-10 (0 again); each window's first step is not timed; then the 7 steps a second look
+    # would have taken (here the kept plan's)
+    ref = [9.0, 9.0, 1.0, 1.0, 5.0, 1.0, 5.0, 2.0, 2.0, 5.0, 1.4] + [1.0] * 7
+    assert len(ref) == phase.steps
     outs = {
-        "executor_megatron": [{"seconds": ref}, {"seconds": [0.5] * 11}],  # the slowest rank's
-        "optimus_candidates": [{"seconds": [1.0] * 11, "candidate_of_step": [0] * 11}],
+        "executor_megatron": [{"seconds": ref}, {"seconds": [0.5] * 18}],  # the slowest rank's
+        "optimus_candidates": [{"seconds": [1.0] * 18, "candidate_of_step": [0] * 18}],
     }
     steps = bench_runtime.phase_steps(outs, phase)
     rows = [{"predicted_s": 1.0, "measured_s": 1.5}, {"predicted_s": 0.5, "measured_s": 1.25}]
-    got = bench_runtime.drift_corrected(rows, steps, [0, 1], phase)
+    got = bench_runtime.drift_corrected(rows, steps, windows([0, 1], 3), phase)
     assert [r["drift"] for r in got] == pytest.approx([1.2, 2.0])
     assert got[1]["predicted_s"] == pytest.approx(1.0)
     assert bench_runtime.worst_error(got, "predicted_s") == pytest.approx(0.2)
@@ -35,7 +37,7 @@ def test_the_floor_is_how_far_a_plans_first_window_misses_its_measurement():
     seconds = [9, 9, 9, 1.0, 1.2, 9, 2.0, 2.0, 9, 3, 3, 3, 3, 9, 2.5, 2.5, 9, 1.1, 1.1]
     steps = {"optimus_candidates": seconds}
     rows = [{"measured_s": 2.25}, {"measured_s": 1.1}, {"measured_s": 3.0}]
-    floor = bench_runtime.window_floor(rows, steps, [1, 0, 2], phase)
+    floor = bench_runtime.window_floor(rows, steps, windows([1, 0, 2], 5), phase)
     assert floor == pytest.approx(max(0.25 / 2.25, 0.0))
 
 

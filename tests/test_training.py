@@ -285,16 +285,16 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--plan-candidates", "1", "--bubble-schedule", "megatron"], "--bubble-schedule optimus"),
         (["--plan-candidates", "1", "--replan-after-iters", "2"], "--replan-after-iters"),
         (["--plan-candidates", "2", "--train-iters", "5"], "ends inside the plan-candidate phase"),
-        (  # the split variant is a third candidate: 21 steps, not 15
-            [*"--plan-candidates 1 --encoder-wgrad-split --train-iters 15".split()],
-            "up to 21 iterations for K=1",
+        (  # the split variant is a third candidate: 21 steps and a second look's 11, not 26
+            [*"--plan-candidates 1 --encoder-wgrad-split --train-iters 31".split()],
+            "up to 32 iterations for K=1",
         ),
         (  # and the backbone's split a fourth
             [
                 *"--plan-candidates 1 --encoder-wgrad-split --backbone-wgrad-split".split(),
-                *"--pipeline-model-parallel-size 2 --train-iters 21".split(),
+                *"--pipeline-model-parallel-size 2 --train-iters 32".split(),
             ],
-            "up to 27 iterations for K=1",
+            "up to 38 iterations for K=1",
         ),  # fmt: skip
     ],
 )

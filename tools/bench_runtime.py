@@ -373,15 +373,15 @@ def worst_error(rows: list[dict], key: str) -> float:
     return max(abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows)
 
 
-def drift_corrected(rows: list[dict], steps: dict, order: list[int], phase) -> list[dict]:
+def drift_corrected(rows: list[dict], steps: dict, ran: list, phase) -> list[dict]:
     """The candidates' rows with each prediction scaled by the machine's drift from the
     calibration steps to that candidate's timed steps, as the Megatron schedule's run (stepping
     in turn with the phase; `steps`: `phase_steps`) measured it: what the prediction would be
-    on the machine as it was when the candidate ran. `order`: the order the candidates ran."""
+    on the machine as it was when the candidate ran. `ran`: the phase's windows as they ran."""
     from megatron_mllm.training.plan_candidates import timed_steps
 
     ref = steps["executor_megatron"]
-    timed = timed_steps(order, phase)
+    timed = timed_steps(ran, phase.warmup)
     calib = range(phase.warmup - phase.calibration_steps, phase.warmup)
     base = statistics.median(ref[s] for s in calib)
     out = []
@@ -392,18 +392,18 @@ def drift_corrected(rows: list[dict], steps: dict, order: list[int], phase) -> l
     return out
 
 
-def window_floor(rows: list[dict], steps: dict, order: list[int], phase) -> float:
+def window_floor(rows: list[dict], steps: dict, ran: list, phase) -> float:
     """The prediction error the machine itself allows: over the candidates timed in two windows,
     the largest |first window's median - measured| / measured, i.e. how far a plan's own
-    measurement minutes earlier misses its measurement (`steps`: `phase_steps`; `order`: the
-    order the candidates ran)."""
+    measurement minutes earlier misses its measurement (`steps`: `phase_steps`; `ran`: the
+    phase's windows as they ran)."""
     from megatron_mllm.training.plan_candidates import timed_windows
 
     seconds = steps["optimus_candidates"]
     errors = [
         abs(statistics.median(seconds[s] for s in first) - rows[i]["measured_s"])
         / rows[i]["measured_s"]
-        for i, (first, *later) in timed_windows(order, phase).items()
+        for i, (first, *later) in timed_windows(ran, phase.warmup).items()
         if later
     ]
     return max(errors, default=float("nan"))
@@ -450,6 +450,7 @@ def one_repeat(setup: dict, args) -> dict:
     out["candidate_build_s"] = outs["optimus_candidates"][0]["candidate_build_s"]
     out["calibration"] = outs["optimus_candidates"][0]["candidate_calibration"]
     out["phase_steps"] = phase_steps(outs, setup["phase"])
+    out["second_look"] = outs["optimus_candidates"][0]["candidate_second_look"]
     replanned = outs["optimus_replanned"][0]["replan_predicted_s"]
     out["replan_predicted_s"] = replanned if replanned is not None else float("nan")
     # The limit from the same measured steps as the medians: each step's compute on every rank.
@@ -459,7 +460,7 @@ def one_repeat(setup: dict, args) -> dict:
     )
     m, limit = out["measured_s"], out["limit_s"]
     kept = next(r for r in out["candidates"] if r["kept"])
-    order = outs["optimus_candidates"][0]["candidate_order"]
+    ran = outs["optimus_candidates"][0]["candidate_windows"]
     out["ratios"] = {
         "candidates_vs_executor_megatron": m["executor_megatron"] / m["optimus_candidates"],
         "candidates_vs_optimus": m["optimus"] / m["optimus_candidates"],
@@ -468,11 +469,11 @@ def one_repeat(setup: dict, args) -> dict:
         # the ablation: one latency per message fitted to the warm-up steps, as before
         "candidate_prediction_error_fitted": worst_error(out["candidates"], "predicted_fitted_s"),
         "candidate_prediction_error_drift_corrected": worst_error(
-            drift_corrected(out["candidates"], out["phase_steps"], order, setup["phase"]),
+            drift_corrected(out["candidates"], out["phase_steps"], ran, setup["phase"]),
             "predicted_s",
         ),
         "candidate_prediction_error_floor": window_floor(
-            out["candidates"], out["phase_steps"], order, setup["phase"]
+            out["candidates"], out["phase_steps"], ran, setup["phase"]
         ),
         "kept_prediction_error": (kept["predicted_s"] - m["optimus_candidates"])
         / m["optimus_candidates"],
@@ -540,6 +541,9 @@ def summarise(setup: dict, repeats: list[dict], memory: dict, args) -> dict:
     result["phase_steps"] = [r["phase_steps"] for r in repeats]
     result["kept_candidate"] = [
         next(c["label"] for c in r["candidates"] if c["kept"]) for r in repeats
+    ]
+    result["candidate_second_look"] = [  # the close call looked at again, per repeat
+        [r["candidates"][i]["label"] for i in r["second_look"] or ()] for r in repeats
     ]
     n = setup["n"]
     breakdown = {}

@@ -37,8 +37,10 @@ from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.training.plan_candidates import (
     CandidatePhase,
     after_warmup,
+    close_call,
+    fastest,
     layout_key,
-    timed_steps,
+    windows,
 )
 
 
@@ -84,8 +86,7 @@ class CandidateRun:
             sum(_state_bytes(run).values()) for run in list(built.values())[1:]
         )
         self._set_order(list(range(len(self.runs))))
-        self.current, self.kept = 0, None
-        self.phase_end = phase.steps  # fewer once re-planned candidates meet in one schedule
+        self.current, self.kept, self.second_look = 0, None, None
         self.steps: list[dict] = []  # per step: what it measured and computed
         self.on_switch = None  # called with the new run (the LR scheduler follows it)
         self.scratch = None
@@ -123,7 +124,7 @@ class CandidateRun:
         if step + 1 == self.phase.warmup:
             self._plan_in_job()
         if step + 1 == self.phase_end:
-            self._keep_fastest(step + 1)
+            self._phase_ends(step + 1)
 
     def replan(self) -> bool:
         return False
@@ -147,14 +148,18 @@ class CandidateRun:
             f" > plan candidates: {len(p.candidates)} ({names}) on {self.layouts} module "
             f"layout(s), built in {self.build_s:.1f} s with {self.extra_state_bytes / 1e6:.1f} "
             f"MB of model states beside the first's; {p.warmup} warm-up steps, then "
-            f"{p.steps_each - 1} timed each in mirrored windows (iterations 1-{p.steps} at most)"
+            f"{p.steps_each - 1} timed each in mirrored windows, a second look at a close call "
+            f"(iterations 1-{p.steps} at most)"
         )
 
     def table(self) -> str:
         """The phase's table (after it): predicted, measured, kept."""
+        out = table(self.rows, self.build_s, self.layouts, self.extra_state_bytes)
+        if self.second_look:
+            a, b = (self.rows[i].label for i in self.second_look)
+            out += f"\n   a close call: {a} and {b} ran a second round (measured: both rounds)"
         return (
-            table(self.rows, self.build_s, self.layouts, self.extra_state_bytes)
-            + f"\n   the phase's own cost: re-planning {self.plan_s:.1f} s, switching layouts "
+            out + f"\n   the phase's own cost: re-planning {self.plan_s:.1f} s, switching layouts "
             f"{self.switch_s:.1f} s"
         )
 
@@ -171,6 +176,8 @@ class CandidateRun:
             candidates=[vars(r) for r in self.rows],
             candidate_of_step=[s["candidate"] for s in self.steps],
             candidate_order=list(self.order),
+            candidate_windows=[list(w) for w in self.ran],
+            candidate_second_look=self.second_look,
             candidate_build_s=self.build_s,
             candidate_layouts=self.layouts,
             candidate_extra_state_bytes=self.extra_state_bytes,
@@ -192,7 +199,13 @@ class CandidateRun:
     def _set_order(self, order: list[int]) -> None:
         """Candidates run in `order` (each step's candidate laid out once, not per step)."""
         self.order = order
-        self._ran = after_warmup(order, self.phase.steps_each)
+        self._set_windows(windows(order, self.phase.steps_each))
+
+    def _set_windows(self, ran: list[tuple[int, int]]) -> None:
+        """The phase runs the windows `ran` after warm-up, and ends after them."""
+        self.ran = ran
+        self._ran = after_warmup(ran)
+        self.phase_end = self.phase.end(ran)
 
     def _switch(self, want: int, iteration: int) -> None:
         """Train on candidate `want` from step `iteration` (collective)."""
@@ -267,7 +280,6 @@ class CandidateRun:
                 self.rows[i].same_as = self.rows[same].label
         unique = [i for i in range(len(self.jobs)) if self.rows[i].same_as is None]
         self._set_order(sorted(unique, key=lambda i: (self.rows[i].predicted_s, i)))
-        self.phase_end = self.phase.end(self.order)
 
     def _calibration(self, gathered: list[dict]) -> dict:
         """The cost model's terms measured on the warm-up plan (collective): the host overhead
@@ -313,11 +325,21 @@ class CandidateRun:
             return job
         return replace(job, plans=replace(job.plans, schedule=out[0]))
 
-    def _keep_fastest(self, iteration: int) -> None:
-        """The candidate whose timed steps (slowest rank per step) had the lowest median."""
+    def _phase_ends(self, iteration: int) -> None:
+        """After the phase's windows (collective): at a close call between the two fastest, a
+        second look at them (once); else the fastest is kept."""
         seconds = torch.tensor([s["seconds"] for s in self.steps], dtype=torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        best, timed = fastest(seconds.tolist(), self.order, self.phase)
+        best, timed = fastest(seconds.tolist(), self.ran, self.phase.warmup)
+        pair = close_call(timed, self.phase.close_call_z) if self.second_look is None else None
+        if pair is not None:
+            self.second_look = sorted(pair, key=lambda i: i != self.current)  # no switch first
+            self._set_windows(self.ran + windows(self.second_look, self.phase.steps_each))
+            return
+        self._keep(best, timed, iteration)
+
+    def _keep(self, best: int, timed: dict, iteration: int) -> None:
+        """Train on with candidate `best` alone (collective); `timed`: each one's timed steps."""
         for i, values in timed.items():
             self.rows[i].timed, self.rows[i].measured_s = values, statistics.median(values)
         self.rows[best].kept = True
@@ -329,15 +351,6 @@ class CandidateRun:
         gc.collect()
         if self.scratch is not None and dist.get_rank() == 0:
             shutil.rmtree(self.scratch, ignore_errors=True)
-
-
-def fastest(seconds: list[float], order: list[int], phase: CandidatePhase) -> tuple[int, dict]:
-    """The candidate kept and each one's timed step seconds, from every step's seconds (the
-    slowest rank's) in the phase, its candidates run in `order` (`windows`). Ties go to the
-    earlier candidate."""
-    timed = {i: [seconds[s] for s in steps] for i, steps in timed_steps(order, phase).items()}
-    best = min(order, key=lambda i: (statistics.median(timed[i]), i))
-    return best, timed
 
 
 def _state_bytes(run) -> dict:

@@ -8,11 +8,17 @@ fastest trains on (`candidate_run.py` runs the phase).
 * Candidates run in order of that prediction, `steps_each - 1` timed steps each, in windows
   mirrored around the phase's middle (A B C C B A, the middle one's two merged; each window's
   first step warms its candidate up and is not timed), so that a drift of the machine's speed
-  over the phase weighs every candidate alike; the fastest median is kept.
+  over the phase weighs every candidate alike.
+* A close call gets a second look: where the two fastest medians differ by less than the timed
+  steps' own noise can tell apart (`close_call`), those two run one more round of mirrored
+  windows, and the lower median over both rounds is kept. Two plans that close cost about the
+  same per step, so the round costs little beyond its switches.
 """
 
 from __future__ import annotations
 
+import math
+import statistics
 from dataclasses import dataclass, replace
 
 from megatron_mllm.errors import ConfigError
@@ -22,6 +28,9 @@ from megatron_mllm.schedule.schedule import Schedule
 # Steps a candidate trains by default: four timed (two a window), so that one noisy step does
 # not decide; each window's first step warms it up.
 STEPS_EACH = 5
+# A close call: the two fastest medians less than this many standard errors of their
+# difference apart (about 95% two-sided), the error estimated from the timed steps' spread.
+CLOSE_CALL_Z = 2.0
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,7 @@ class CandidatePhase:
     candidates: tuple[Candidate, ...]
     steps_each: int = STEPS_EACH
     warmup: int = 4
+    close_call_z: float = CLOSE_CALL_Z  # inf: always a second look (tests)
 
     @property
     def calibration_steps(self) -> int:
@@ -51,12 +61,22 @@ class CandidatePhase:
     @property
     def steps(self) -> int:
         """Steps until the kept plan runs alone (at most: candidates that re-planning makes one
-        run once)."""
-        return self.end(range(len(self.candidates)))
+        run once; a second look only at a close call)."""
+        n = len(self.candidates)
+        second = self.second_look_steps if n > 1 else 0
+        return self.end(windows(list(range(n)), self.steps_each)) + second
 
-    def end(self, order) -> int:
-        """The step after the phase when its candidates run in `order`."""
-        return self.warmup + len(after_warmup(list(order), self.steps_each))
+    @property
+    def second_look_steps(self) -> int:
+        """The steps a close call's second look adds (none with one timed step per window:
+        then there is no spread to call it close by)."""
+        if self.steps_each < 3:
+            return 0
+        return sum(n for _, n in windows([0, 1], self.steps_each))
+
+    def end(self, ran: list[tuple[int, int]]) -> int:
+        """The step after the phase when its windows after warm-up are `ran`."""
+        return self.warmup + sum(n for _, n in ran)
 
 
 def windows(order: list[int], steps_each: int) -> list[tuple[int, int]]:
@@ -71,26 +91,54 @@ def windows(order: list[int], steps_each: int) -> list[tuple[int, int]]:
     return head + [(order[-1], 1 + timed)] + [(i, 1 + second) for i in reversed(order[:-1])]
 
 
-def after_warmup(order: list[int], steps_each: int) -> list[tuple[int, bool]]:
-    """(candidate, timed) of every step after warm-up, its `windows` laid out step by step."""
-    return [(i, k > 0) for i, n in windows(order, steps_each) for k in range(n)]
+def after_warmup(ran: list[tuple[int, int]]) -> list[tuple[int, bool]]:
+    """(candidate, timed) of every step after warm-up, the windows `ran` laid out step by
+    step."""
+    return [(i, k > 0) for i, n in ran for k in range(n)]
 
 
-def timed_windows(order: list[int], phase: CandidatePhase) -> dict[int, list[list[int]]]:
+def timed_windows(ran: list[tuple[int, int]], warmup: int) -> dict[int, list[list[int]]]:
     """Each candidate's timed steps (indices from the run's first step), window by window, when
-    the phase's candidates run in `order`."""
-    out: dict[int, list[list[int]]] = {i: [] for i in order}
-    start = phase.warmup
-    for i, n in windows(order, phase.steps_each):
+    the windows `ran` followed `warmup` steps."""
+    out: dict[int, list[list[int]]] = {i: [] for i, _ in ran}
+    start = warmup
+    for i, n in ran:
         out[i].append(list(range(start + 1, start + n)))  # its first step warms it up
         start += n
     return out
 
 
-def timed_steps(order: list[int], phase: CandidatePhase) -> dict[int, list[int]]:
-    """Each candidate's timed steps (indices from the run's first step) when the phase's
-    candidates run in `order`."""
-    return {i: [s for w in ws for s in w] for i, ws in timed_windows(order, phase).items()}
+def timed_steps(ran: list[tuple[int, int]], warmup: int) -> dict[int, list[int]]:
+    """Each candidate's timed steps (indices from the run's first step) when the windows `ran`
+    followed `warmup` steps."""
+    return {i: [s for w in ws for s in w] for i, ws in timed_windows(ran, warmup).items()}
+
+
+def fastest(seconds: list[float], ran: list[tuple[int, int]], warmup: int) -> tuple[int, dict]:
+    """The candidate kept and each one's timed step seconds, from every step's seconds (the
+    slowest rank's) when the windows `ran` followed `warmup` steps: the lowest median; ties go
+    to the earlier candidate."""
+    steps = timed_steps(ran, warmup)
+    timed = {i: [seconds[s] for s in at] for i, at in steps.items()}
+    best = min(timed, key=lambda i: (statistics.median(timed[i]), i))
+    return best, timed
+
+
+def close_call(timed: dict[int, list[float]], z: float = CLOSE_CALL_Z) -> tuple[int, int] | None:
+    """(fastest, runner-up) where their medians differ by less than `z` standard errors of the
+    difference, the per-step noise estimated robustly from every candidate's timed steps about
+    its own median; None where one is clearly fastest, or with fewer than two timed steps
+    each (no spread to judge by)."""
+    ranked = sorted(timed, key=lambda i: (statistics.median(timed[i]), i))
+    if len(ranked) < 2 or min(len(v) for v in timed.values()) < 2:
+        return None
+    first, second = ranked[:2]
+    deviations = [abs(t - statistics.median(v)) for v in timed.values() for t in v]
+    sigma = 1.4826 * statistics.median(deviations)  # the MAD of a normal's spread
+    n = min(len(timed[first]), len(timed[second]))
+    error = math.sqrt(math.pi / 2) * sigma * math.sqrt(2 / n)  # two medians' difference
+    gap = statistics.median(timed[second]) - statistics.median(timed[first])
+    return (first, second) if gap < z * error else None
 
 
 def check_counts(k: int, steps_each: int) -> None:
