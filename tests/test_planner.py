@@ -296,3 +296,30 @@ def _profile_recording_flushes(rank: int, world: int, cold: bool) -> tuple[int, 
     profile.profile_units(rank, world, TINY, 1, 1, cold=cold)
     flushed = sum(before is not None and before is flushes[0] for before in calls)
     return len(flushes), len(calls), flushed
+
+
+def test_the_jobs_own_head_time_prices_the_head_at_either_unit():
+    """In-job samples with the LM head timed apart (the last stage's "head" / "head_b"): the
+    head block costs what the job measured, at kernel units (the layer's kernels shared out of
+    its measured time) as at layer units, instead of the analytic figure."""
+    from megatron_mllm.models.config import TINY
+    from megatron_mllm.parallel.plans import ParallelPlan
+    from megatron_mllm.runtime.planning.replan import measured_times
+    from megatron_mllm.runtime.planning.schedules import job_of
+    from megatron_mllm.schedule.blocks import JobCosts
+
+    job = job_of(TINY, ParallelPlan(1, 1, 2), 1, 4)
+    samples = [
+        {("llm", "forward", "layer"): [2e-3], ("llm", "backward", "layer_b"): [4e-3]},
+        {
+            ("llm", "forward", "layer"): [2e-3],
+            ("llm", "backward", "layer_b"): [4e-3],
+            ("llm", "forward", "head"): [1e-3, 3e-3],
+            ("llm", "backward", "head_b"): [5e-3],
+        },
+    ]
+    for unit in ("kernel", "layer"):
+        costs = JobCosts(job, measured_times(samples, JobCosts(job, unit=unit), unit), unit)
+        head = costs.head(1)
+        assert sum(k.compute_s for k in head.fwd) == pytest.approx(2e-3), unit
+        assert sum(k.compute_s for k in head.bwd) == pytest.approx(5e-3), unit

@@ -181,6 +181,20 @@ def test_four_ways_agree(reference, layout):
         ends = [s for o in outs for s in o["spans"] if s.action.key == STEP_END_SENDS]
         assert {s.rank for s in ends} == set(range(plan.world_size))
         assert all(s.stream == "p2p" for s in ends)
+        # The LM head is timed apart, on the last stage's ranks only: once per micro-batch
+        # and step each way, a part of its backbone actions' time, not of their layers'.
+        heads = [o["unit_times"] for o in outs if ("llm", "forward", "head") in o["unit_times"]]
+        assert len(heads) == plan.tp, [sorted(o["unit_times"]) for o in outs]
+        for times in heads:
+            for key in (("llm", "forward", "head"), ("llm", "backward", "head_b")):
+                assert len(times[key]) == N * TRAIN["steps"] and min(times[key]) > 0, key
+        if plan.pp > 1 and plan.vpp == 1:  # last step, last stage: layers + head = the span
+            last = next(o for o in outs if ("llm", "forward", "head") in o["unit_times"])
+            times, layers = last["unit_times"], schedule.meta.backbone_layers[-1]
+            timed = layers * sum(times["llm", "forward", "layer"][-N:])
+            timed += sum(times["llm", "forward", "head"][-N:])
+            spans = [s for s in last["spans"] if s.stream == "compute" and s.action.kind == "F"]
+            assert timed == pytest.approx(sum(s.end - s.start for s in spans), rel=1e-6)
 
 
 def _stripped(action) -> str:

@@ -126,7 +126,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         type=int,
         default=STEPS_EACH,
         help="with --plan-candidates: timed steps per candidate plus one (split into two windows "
-        "mirrored around the phase's middle, each with one warm-up step)",
+        "mirrored around the phase's middle, each with one warm-up step); a close call between "
+        "the two fastest runs them once more",
     )
     g.add_argument(
         "--coreset-lookahead",

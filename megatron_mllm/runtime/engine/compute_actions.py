@@ -48,6 +48,8 @@ class ComputeActions:
             summed = self.loss_norm is not None and not self.evaluate
             out = self.backbone.loss(out, self._batch(a.mb), summed=summed)
             self._losses[a.mb] = out.detach()  # read at step end, after the one synchronize
+        if last and self.head_timer is not None:
+            self.head_timer.forward_done()
         else:
             s, c = meta.stage_chunk(v + 1)
             self._put(str(TensorKey.act(s, c, a.mb)), out.detach())
@@ -62,7 +64,9 @@ class ComputeActions:
             if v == meta.num_virtual_stages - 1:
                 norm = self.loss_norm
                 loss = out / meta.num_microbatches if norm is None else out * norm
+                start = self.head_timer.backward_started()
                 (loss * self.loss_scale if self.loss_scale is not None else loss).backward()
+                self.head_timer.backward_done(start)
             else:
                 out.backward(self._take(self._needs(a)[0]))
         if v > 0:

@@ -31,6 +31,7 @@ from megatron_mllm.runtime.assembly.data_parallel import reductions_held
 from megatron_mllm.runtime.engine.clock import StepClock
 from megatron_mllm.runtime.engine.compute_actions import ComputeActions, planned_encoder_live
 from megatron_mllm.runtime.engine.fill_pacing import FillPacer, fill_budgets, planned_bubbles
+from megatron_mllm.runtime.engine.head_timing import HeadTimer
 from megatron_mllm.runtime.engine.messages import Messages, PeerFailure
 from megatron_mllm.runtime.engine.program import Op
 from megatron_mllm.runtime.engine.step_types import PassKind, PassOptions, StepResult
@@ -127,6 +128,12 @@ class Executor(ComputeActions):
         )
         self._sends = Counter(op.key for op in program if op.kind == "send")
         self.last_layer_inputs: dict[int, torch.Tensor] = {}
+        # The LM head timed apart from the last stage's layers (its own unit, as profiled).
+        self.head_timer = (
+            HeadTimer(self.backbone, lambda: self.clock.mark(), not self.forward_only)
+            if self.backbone.post_process
+            else None
+        )
         # A split encoder backward (EW actions): the linears' weight products wait for EW.
         split = meta.splits_weight_grads and not self.forward_only
         stages = [enc for enc in self.encoders if enc is not None]
@@ -150,13 +157,14 @@ class Executor(ComputeActions):
     # -- one step ------------------------------------------------------------------------------
     def run_step(self) -> StepResult:
         self._start_step()
-        hook = self._capture_hook()
+        hooks = [self._capture_hook(), *(self.head_timer.attach() if self.head_timer else ())]
         try:
             with torch.no_grad() if self.forward_only else contextlib.nullcontext():
                 self._run_program()
         finally:
-            if hook is not None:
-                hook.remove()
+            for hook in hooks:
+                if hook is not None:
+                    hook.remove()
         if self.after_program is not None:
             self.picked = self.after_program(self)
         start = self.clock.mark()
@@ -426,6 +434,18 @@ class Executor(ComputeActions):
 
         self._later.append(read)
 
+    def _head_spans(self) -> list[tuple]:
+        """The head's spans inside the action that just ran (none off the last stage), each
+        timed as the job's "head" / "head_b" unit."""
+        if self.head_timer is None:
+            return []
+        out = []
+        for direction, a, b in self.head_timer.take():
+            name = "head" if direction == "forward" else "head_b"
+            self._time_later("llm", direction, name, a, b)
+            out.append((a, b))
+        return out
+
     def _gathered(self, action: Action) -> None:
         """Before a part's forward: its parameters gathered (overlapped AG); the wait, if
         any, is a DP span (the gather's unhidden part)."""
@@ -454,7 +474,9 @@ class Executor(ComputeActions):
                 self.handlers[action.kind](action)
         end = self.clock.mark()
         if backbone:
-            self._backbone_time_later(action, start, end, self._fill_marks[first_fill:] + blocked)
+            heads = self._head_spans()
+            cut = self._fill_marks[first_fill:] + blocked + heads
+            self._backbone_time_later(action, start, end, cut)
             for a, b in blocked:  # the TP collectives' waits inside it (fills may hide them)
                 self._span_later("comm", action, "tp", a, b)
         category = "backbone" if backbone else "encoder" if action.kind in ENCODER_KINDS else "dp"

@@ -58,6 +58,9 @@ def measured_times(
                 out.setdefault("llm", {})[direction] = {
                     k.name: k.compute_s * layer / analytic for k in kernels
                 }
+            head = "head" if direction == "forward" else "head_b"
+            if head in llm.get(direction, {}):  # the LM head, timed apart on the last stage
+                out.setdefault("llm", {}).setdefault(direction, {})[head] = llm[direction][head]
     elif llm:
         out.setdefault("llm", {}).update(llm)
     return out
