@@ -40,6 +40,8 @@ UNITS = (
     ("vit", "backward", "projector_b"),
     ("llm", "forward", "layer"),
     ("llm", "backward", "layer_b"),
+    ("llm", "forward", "head"),  # timed apart in the job on the last stage
+    ("llm", "backward", "head_b"),
 )
 
 

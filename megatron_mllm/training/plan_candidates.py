@@ -50,7 +50,9 @@ class CandidatePhase:
 
     candidates: tuple[Candidate, ...]
     steps_each: int = STEPS_EACH
-    warmup: int = 4
+    # Six, the last three read: a job's first steps run slower than its later ones (memory
+    # first touched, the optimizer's state made), which a prediction read from them carries.
+    warmup: int = 6
     close_call_z: float = CLOSE_CALL_Z  # inf: always a second look (tests)
 
     @property
