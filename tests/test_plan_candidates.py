@@ -172,7 +172,8 @@ def test_a_close_call_gets_a_second_look_and_a_clear_win_none():
     """The two fastest medians within two standard errors of their difference (the noise read
     from every candidate's spread about its own median) are a close call; far apart, or with
     one timed step each (no spread), they are not. The second look's windows count in the
-    phase's longest length, and what they time joins the first round's in the decision."""
+    phase's longest length, what they time joins the first round's in the decision, and the
+    kept plan is one of the pair."""
     noisy = {0: [1.00, 1.10, 0.90, 1.05], 1: [1.02, 0.95, 1.12, 1.00], 2: [1.5, 1.6, 1.4, 1.5]}
     assert close_call(noisy) == (1, 0)  # 1's median is lower
     clear = {0: [1.00, 1.01, 0.99, 1.00], 1: [1.10, 1.11, 1.09, 1.10], 2: [1.5] * 4}
@@ -189,6 +190,9 @@ def test_a_close_call_gets_a_second_look_and_a_clear_win_none():
     best, timed = fastest(seconds, ran, 2)
     assert timed == {0: [1.0, 1.2, 1.0, 0.9], 1: [0.9, 1.1, 1.3, 1.4]} and best == 0
     assert fastest(seconds, first, 2)[0] == 1  # the first round alone kept the other
+    faster = [0.1 if s in (10, 15) else t for s, t in enumerate(seconds)]  # 1's second look
+    assert fastest(faster, ran, 2)[0] == 1 and fastest(faster, ran, 2, among=[0])[0] == 0
+    assert close_call({0: [1.0, 1.0], 1: [2.0, 2.0]}, z=math.inf) == (0, 1)  # no spread
 
 
 def _job(state, schedule=None, **kw):
@@ -262,7 +266,8 @@ def test_candidate_steps_train_as_one_run(split):
         assert len(looked) == 2 and (looked[0] == a or a not in looked)  # no switch first
     assert [len(r["timed"]) for r in rows] == [4 if i in looked else 2 for i in range(3)]
     assert all(r["predicted_s"] > 0 for r in rows), rows  # all ran
-    assert kept[0]["measured_s"] == min(r["measured_s"] for r in rows)
+    among = [r for i, r in enumerate(rows) if i in looked or not looked]  # a second look's pair
+    assert kept[0]["measured_s"] == min(r["measured_s"] for r in among)
     assert outs[0]["candidate_layouts"] == 2
     calibration = outs[0]["candidate_calibration"]  # measured between the stages, not fitted
     assert 0 < calibration["message_s"] < 1 and calibration["latency_s"] >= 0

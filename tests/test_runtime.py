@@ -188,7 +188,7 @@ def test_four_ways_agree(reference, layout):
         for times in heads:
             for key in (("llm", "forward", "head"), ("llm", "backward", "head_b")):
                 assert len(times[key]) == N * TRAIN["steps"] and min(times[key]) > 0, key
-        if plan.pp > 1 and plan.vpp == 1:  # last step, last stage: layers + head = the span
+        if plan.pp > 1 and plan.vpp == plan.tp == 1:  # last step's last stage: layers + head
             last = next(o for o in outs if ("llm", "forward", "head") in o["unit_times"])
             times, layers = last["unit_times"], schedule.meta.backbone_layers[-1]
             timed = layers * sum(times["llm", "forward", "layer"][-N:])

@@ -330,7 +330,7 @@ class CandidateRun:
         second look at them (once); else the fastest is kept."""
         seconds = torch.tensor([s["seconds"] for s in self.steps], dtype=torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        best, timed = fastest(seconds.tolist(), self.ran, self.phase.warmup)
+        best, timed = fastest(seconds.tolist(), self.ran, self.phase.warmup, self.second_look)
         pair = close_call(timed, self.phase.close_call_z) if self.second_look is None else None
         if pair is not None:
             self.second_look = sorted(pair, key=lambda i: i != self.current)  # no switch first

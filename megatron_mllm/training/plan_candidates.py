@@ -11,8 +11,9 @@ fastest trains on (`candidate_run.py` runs the phase).
   over the phase weighs every candidate alike.
 * A close call gets a second look: where the two fastest medians differ by less than the timed
   steps' own noise can tell apart (`close_call`), those two run one more round of mirrored
-  windows, and the lower median over both rounds is kept. Two plans that close cost about the
-  same per step, so the round costs little beyond its switches.
+  windows, and the lower of their medians over both rounds is kept (the others, timed once, are
+  out). Two plans that close cost about the same per step, so the round costs little beyond
+  its switches.
 """
 
 from __future__ import annotations
@@ -116,13 +117,15 @@ def timed_steps(ran: list[tuple[int, int]], warmup: int) -> dict[int, list[int]]
     return {i: [s for w in ws for s in w] for i, ws in timed_windows(ran, warmup).items()}
 
 
-def fastest(seconds: list[float], ran: list[tuple[int, int]], warmup: int) -> tuple[int, dict]:
+def fastest(
+    seconds: list[float], ran: list[tuple[int, int]], warmup: int, among=None
+) -> tuple[int, dict]:
     """The candidate kept and each one's timed step seconds, from every step's seconds (the
-    slowest rank's) when the windows `ran` followed `warmup` steps: the lowest median; ties go
-    to the earlier candidate."""
+    slowest rank's) when the windows `ran` followed `warmup` steps: the lowest median (of
+    those in `among`, every one that ran if None); ties go to the earlier candidate."""
     steps = timed_steps(ran, warmup)
     timed = {i: [seconds[s] for s in at] for i, at in steps.items()}
-    best = min(timed, key=lambda i: (statistics.median(timed[i]), i))
+    best = min(among or timed, key=lambda i: (statistics.median(timed[i]), i))
     return best, timed
 
 
@@ -135,6 +138,8 @@ def close_call(timed: dict[int, list[float]], z: float = CLOSE_CALL_Z) -> tuple[
     if len(ranked) < 2 or min(len(v) for v in timed.values()) < 2:
         return None
     first, second = ranked[:2]
+    if math.isinf(z):
+        return first, second
     deviations = [abs(t - statistics.median(v)) for v in timed.values() for t in v]
     sigma = 1.4826 * statistics.median(deviations)  # the MAD of a normal's spread
     n = min(len(timed[first]), len(timed[second]))

@@ -42,19 +42,25 @@ class ComputeActions:
         self._capture_next = False
         if pool:  # a coreset pool's micro-batch: the selection reads the output layer's input
             self.last_layer_inputs[a.mb] = self._captured.pop()
+            self._head_done(timed=False)  # no loss: its head is not the unit's
         elif last:
             if self.evaluate:
                 self._matches[a.mb] = self.backbone.exact_matches(out, self._batch(a.mb))
             summed = self.loss_norm is not None and not self.evaluate
             out = self.backbone.loss(out, self._batch(a.mb), summed=summed)
             self._losses[a.mb] = out.detach()  # read at step end, after the one synchronize
-        if last and self.head_timer is not None:
-            self.head_timer.forward_done()
+            self._head_done(timed=True)
         else:
             s, c = meta.stage_chunk(v + 1)
             self._put(str(TensorKey.act(s, c, a.mb)), out.detach())
         if trains:  # a forward-only pass has no backward to keep it for
             self.bb_ctx[(a.stage, a.chunk, a.mb)] = (inputs, out)
+
+    def _head_done(self, timed: bool) -> None:
+        """The last stage's head forward ends here (its span cut from the layers' time; a
+        sample of the head's unit where `timed`)."""
+        if self.head_timer is not None:
+            self.head_timer.forward_done(timed)
 
     def _backward(self, a: Action) -> None:
         meta = self.meta
@@ -64,9 +70,13 @@ class ComputeActions:
             if v == meta.num_virtual_stages - 1:
                 norm = self.loss_norm
                 loss = out / meta.num_microbatches if norm is None else out * norm
-                start = self.head_timer.backward_started()
+                # A split backward leaves the output layer's weight gradient to its W (counted
+                # with the layers'): its head is not timed apart.
+                timer = None if self._split(a) else self.head_timer
+                start = timer.backward_started() if timer is not None else None
                 (loss * self.loss_scale if self.loss_scale is not None else loss).backward()
-                self.head_timer.backward_done(start)
+                if timer is not None:
+                    timer.backward_done(start)
             else:
                 out.backward(self._take(self._needs(a)[0]))
         if v > 0:

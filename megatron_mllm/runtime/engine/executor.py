@@ -426,25 +426,41 @@ class Executor(ComputeActions):
 
         def read() -> None:
             own = sum(
-                self.clock.between(x0, x1) - sum(self.clock.between(y0, y1) for y0, y1 in cut)
-                for x0, x1, cut in parts
+                self.clock.between(x0, x1) - self._covered(cut, x0, x1) for x0, x1, cut in parts
             )
             name = "layer" if forward else "layer_b"
             self._time("llm", "forward" if forward else "backward", name, own / layers)
 
         self._later.append(read)
 
-    def _head_spans(self) -> list[tuple]:
+    def _head_spans(self, others: list[tuple]) -> list[tuple]:
         """The head's spans inside the action that just ran (none off the last stage), each
-        timed as the job's "head" / "head_b" unit."""
+        timed as the job's "head" / "head_b" unit without the fills and TP waits in `others`
+        that fall inside it (those are measured apart)."""
         if self.head_timer is None:
             return []
         out = []
-        for direction, a, b in self.head_timer.take():
+        for direction, a, b, timed in self.head_timer.take():
             name = "head" if direction == "forward" else "head_b"
-            self._time_later("llm", direction, name, a, b)
+            if timed:
+                self._later.append(
+                    lambda d=direction, n=name, a=a, b=b: self._time(
+                        "llm", d, n, self.clock.between(a, b) - self._covered(others, a, b)
+                    )
+                )
             out.append((a, b))
         return out
+
+    def _covered(self, spans: list[tuple], a, b) -> float:
+        """Seconds of [a, b] that the union of mark pairs `spans` covers (after the clock's
+        finish: fills, TP waits and head spans may nest or overlap)."""
+        at = self.clock.since_start
+        total, reached, hi = 0.0, at(a), at(b)
+        for x, y in sorted((at(x), at(y)) for x, y in spans):
+            x, y = max(x, reached), min(y, hi)
+            if y > x:
+                total, reached = total + y - x, y
+        return total
 
     def _gathered(self, action: Action) -> None:
         """Before a part's forward: its parameters gathered (overlapped AG); the wait, if
@@ -474,8 +490,8 @@ class Executor(ComputeActions):
                 self.handlers[action.kind](action)
         end = self.clock.mark()
         if backbone:
-            heads = self._head_spans()
-            cut = self._fill_marks[first_fill:] + blocked + heads
+            others = self._fill_marks[first_fill:] + blocked
+            cut = others + self._head_spans(others)
             self._backbone_time_later(action, start, end, cut)
             for a, b in blocked:  # the TP collectives' waits inside it (fills may hide them)
                 self._span_later("comm", action, "tp", a, b)

@@ -28,7 +28,7 @@ class HeadTimer:
         self.module: torch.nn.Module = norm if norm is not None else gpt.output_layer
         self.mark, self.backward = mark, backward
         self.opened = self.closed = None
-        self.spans: list[tuple[str, object, object]] = []  # (direction, start, end)
+        self.spans: list[tuple[str, object, object, bool]] = []  # direction, start, end, timed
 
     def attach(self) -> list:
         """The hooks, registered (remove them after the step)."""
@@ -37,10 +37,11 @@ class HeadTimer:
             hooks.append(self.module.register_full_backward_hook(self._close))
         return hooks
 
-    def forward_done(self) -> None:
-        """After the loss: the head's forward ends here."""
+    def forward_done(self, timed: bool = True) -> None:
+        """After the loss: the head's forward ends here (`timed`: a sample of its unit; a pool
+        micro-batch's, with no loss, is only cut from the layers')."""
         if self.opened is not None:
-            self.spans.append(("forward", self.opened, self.mark()))
+            self.spans.append(("forward", self.opened, self.mark(), timed))
             self.opened = None
 
     def backward_started(self):
@@ -51,9 +52,9 @@ class HeadTimer:
     def backward_done(self, start) -> None:
         """After the backward from `start`: the head's part of it, if it reached the norm."""
         if self.closed is not None:
-            self.spans.append(("backward", start, self.closed))
+            self.spans.append(("backward", start, self.closed, True))
 
-    def take(self) -> list[tuple[str, object, object]]:
+    def take(self) -> list[tuple[str, object, object, bool]]:
         """The spans since the last call."""
         out, self.spans = self.spans, []
         return out

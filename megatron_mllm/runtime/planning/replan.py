@@ -2,8 +2,9 @@
 measured, and plan the Optimus schedule again for the same modules.
 
 The encoder's units are timed one by one (layer- or kernel-sized, as the run executes them);
-the backbone is timed per layer (a chunk's F or B over its layer count, so the first and last
-chunks carry the embedding and the LM head). In kernel-granularity plans the backbone's kernels
+the backbone is timed per layer (a chunk's F or B over its layer count, so the first chunk
+carries the embedding) and the LM head apart on the last stage ("head" / "head_b", as the unit
+profile times it; engine/head_timing.py). In kernel-granularity plans the backbone's kernels
 keep the analytic proportions, scaled to the measured layer time. The encoder plan and the
 backbone's layer split stay what they are (both are built into the modules); the planner
 re-decides micro-batch splits, warm-up, placement into bubbles and TP fills.
