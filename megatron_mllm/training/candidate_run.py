@@ -194,7 +194,8 @@ class CandidateRun:
             return self.kept
         if step < self.phase.warmup:
             return 0
-        return self._ran[min(step - self.phase.warmup, len(self._ran) - 1)][0]
+        at = min(step - self.phase.warmup, len(self._step_candidates) - 1)
+        return self._step_candidates[at][0]
 
     def _set_order(self, order: list[int]) -> None:
         """Candidates run in `order` (each step's candidate laid out once, not per step)."""
@@ -204,7 +205,7 @@ class CandidateRun:
     def _set_windows(self, ran: list[tuple[int, int]]) -> None:
         """The phase runs the windows `ran` after warm-up, and ends after them."""
         self.ran = ran
-        self._ran = after_warmup(ran)
+        self._step_candidates = after_warmup(ran)  # (candidate, timed) per step
         self.phase_end = self.phase.end(ran)
 
     def _switch(self, want: int, iteration: int) -> None:

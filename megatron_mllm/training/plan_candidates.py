@@ -134,18 +134,18 @@ def close_call(timed: dict[int, list[float]], z: float = CLOSE_CALL_Z) -> tuple[
     difference, the per-step noise estimated robustly from every candidate's timed steps about
     its own median; None where one is clearly fastest, or with fewer than two timed steps
     each (no spread to judge by)."""
-    ranked = sorted(timed, key=lambda i: (statistics.median(timed[i]), i))
+    medians = {i: statistics.median(v) for i, v in timed.items()}
+    ranked = sorted(timed, key=lambda i: (medians[i], i))
     if len(ranked) < 2 or min(len(v) for v in timed.values()) < 2:
         return None
     first, second = ranked[:2]
     if math.isinf(z):
         return first, second
-    deviations = [abs(t - statistics.median(v)) for v in timed.values() for t in v]
+    deviations = [abs(t - medians[i]) for i, v in timed.items() for t in v]
     sigma = 1.4826 * statistics.median(deviations)  # the MAD of a normal's spread
     n = min(len(timed[first]), len(timed[second]))
     error = math.sqrt(math.pi / 2) * sigma * math.sqrt(2 / n)  # two medians' difference
-    gap = statistics.median(timed[second]) - statistics.median(timed[first])
-    return (first, second) if gap < z * error else None
+    return (first, second) if medians[second] - medians[first] < z * error else None
 
 
 def check_counts(k: int, steps_each: int) -> None:

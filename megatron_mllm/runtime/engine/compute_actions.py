@@ -73,10 +73,8 @@ class ComputeActions:
                 # A split backward leaves the output layer's weight gradient to its W (counted
                 # with the layers'): its head is not timed apart.
                 timer = None if self._split(a) else self.head_timer
-                start = timer.backward_started() if timer is not None else None
-                (loss * self.loss_scale if self.loss_scale is not None else loss).backward()
-                if timer is not None:
-                    timer.backward_done(start)
+                with timer.backward() if timer is not None else contextlib.nullcontext():
+                    (loss * self.loss_scale if self.loss_scale is not None else loss).backward()
             else:
                 out.backward(self._take(self._needs(a)[0]))
         if v > 0:

@@ -439,17 +439,22 @@ class Executor(ComputeActions):
         that fall inside it (those are measured apart)."""
         if self.head_timer is None:
             return []
-        out = []
-        for direction, a, b, timed in self.head_timer.take():
-            name = "head" if direction == "forward" else "head_b"
+        spans = self.head_timer.take()
+        for direction, a, b, timed in spans:
             if timed:
-                self._later.append(
-                    lambda d=direction, n=name, a=a, b=b: self._time(
-                        "llm", d, n, self.clock.between(a, b) - self._covered(others, a, b)
-                    )
-                )
-            out.append((a, b))
-        return out
+                self._head_time_later(direction, a, b, others)
+        return [(a, b) for _, a, b, _ in spans]
+
+    def _head_time_later(self, direction: str, a, b, others: list[tuple]) -> None:
+        """The head's own seconds from `a` to `b`, less what of `others` lies inside."""
+        name = "head" if direction == "forward" else "head_b"
+
+        def read() -> None:
+            self._time(
+                "llm", direction, name, self.clock.between(a, b) - self._covered(others, a, b)
+            )
+
+        self._later.append(read)
 
     def _covered(self, spans: list[tuple], a, b) -> float:
         """Seconds of [a, b] that the union of mark pairs `spans` covers (after the clock's

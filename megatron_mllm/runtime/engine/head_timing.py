@@ -14,6 +14,7 @@ they are events on the stream the work runs on.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
@@ -26,14 +27,14 @@ class HeadTimer:
         gpt = chunk.gpt
         norm = getattr(gpt.decoder, "final_layernorm", None)
         self.module: torch.nn.Module = norm if norm is not None else gpt.output_layer
-        self.mark, self.backward = mark, backward
+        self.mark, self.hooks_backward = mark, backward
         self.opened = self.closed = None
         self.spans: list[tuple[str, object, object, bool]] = []  # direction, start, end, timed
 
     def attach(self) -> list:
         """The hooks, registered (remove them after the step)."""
         hooks = [self.module.register_forward_pre_hook(self._open)]
-        if self.backward:
+        if self.hooks_backward:
             hooks.append(self.module.register_full_backward_hook(self._close))
         return hooks
 
@@ -44,13 +45,12 @@ class HeadTimer:
             self.spans.append(("forward", self.opened, self.mark(), timed))
             self.opened = None
 
-    def backward_started(self):
-        """Before the loss's backward: its start mark."""
-        self.closed = None
-        return self.mark()
-
-    def backward_done(self, start) -> None:
-        """After the backward from `start`: the head's part of it, if it reached the norm."""
+    @contextlib.contextmanager
+    def backward(self):
+        """Around the loss's backward: the head's part of it, from its start to the gradient
+        at the norm's input (if it got there)."""
+        self.closed, start = None, self.mark()
+        yield
         if self.closed is not None:
             self.spans.append(("backward", start, self.closed, True))
 
