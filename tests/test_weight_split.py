@@ -195,3 +195,22 @@ def test_a_deferred_linear_gives_megatron_cores_gradients_for_an_odd_strided_gra
     assert w.grad is None and torch.equal(c.grad, expected[0]) and torch.equal(b.grad, expected[2])
     store.apply(("u",))
     torch.testing.assert_close(w.grad, expected[1], rtol=0, atol=1e-6)
+
+
+def test_a_deferred_weight_gradient_reaches_its_parameter_without_a_copy():
+    """The weight product made by `apply` is the tensor the parameter's accumulator keeps (a
+    gradient passed in from Python would be copied there: a second pass over every weight)."""
+    import torch
+
+    from megatron_mllm.runtime.engine.weight_grads import DeferredWeightGrads
+
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    store = DeferredWeightGrads([])
+    x, grad = torch.randn(5, 4), torch.randn(5, 6)
+    with store.unit(("u",)):
+        store.keep(w, x, grad)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        assert store.apply(("u",)) == 1
+    ops = {e.name for e in prof.events()}
+    assert "aten::mm" in ops and not ops & {"aten::clone", "aten::copy_"}, sorted(ops)
+    torch.testing.assert_close(w.grad, grad.t() @ x, rtol=0, atol=0)
