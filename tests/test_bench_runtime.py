@@ -47,3 +47,41 @@ def test_the_balancing_bound_is_each_steps_time_over_its_even_compute():
 
     repeat = {"times": {"optimus": [2.0, 3.0, 1.0]}, "limit": {"optimus": [1.0, 2.0, 1.0]}}
     assert bench_varying_load._over_limit(repeat, "optimus") == pytest.approx(1.5)
+
+
+def test_the_real_job_benchmark_reads_the_table_the_job_prints():
+    """tools/bench_plan_candidates.py parses the candidate table pretrain_mllm.py prints (labels
+    longer than its column included) and summarises the worst error and the kept plan's speed
+    against the Megatron candidate over repeats."""
+    import argparse
+
+    import bench_plan_candidates as bpc
+
+    from megatron_mllm.training.candidate_run import table
+
+    def row(label, pred, meas, kept=False):
+        return {"label": label, "predicted_startup_s": 5.0, "predicted_s": pred,
+                "measured_s": meas, "kept": kept, "same_as": None}  # fmt: skip
+
+    long = "optimus DP2 TP1 PP1 even fine +1 split bb-split"  # 47 characters
+    repeats = [
+        [row(long, 1.10, 1.00), row("optimus x", 0.95, 1.00, True), row("megatron", 1.2, 1.5)],
+        [row(long, 1.00, 1.00, True), row("megatron", 1.1, 1.0)],
+    ]
+    text = [table(rows, 1.0, 2, 0) + "\n   the phase's own cost: ..." for rows in repeats]
+    parsed = [bpc.parse_table(t) for t in text]
+    assert [[r["label"] for r in rows] for rows in parsed] == [
+        [long, "optimus x", "megatron"],
+        [long, "megatron"],
+    ]
+    assert parsed[0][1]["kept"] and parsed[0][2]["measured_s"] == pytest.approx(1.5)
+    args = argparse.Namespace(size="tiny", microbatches=8, micro_batch=1, plan_candidates=2,
+                              train_iters=50, ddp_bucket_size=0, precision="bf16",
+                              encoder_wgrad_split=False, backbone_wgrad_split=False)  # fmt: skip
+    out = bpc.summarise(parsed, args)
+    assert out["candidate_prediction_error"] == pytest.approx((0.2 + 0.1) / 2)
+    assert (out["candidate_prediction_error_min"], out["candidate_prediction_error_max"]) == (
+        pytest.approx(0.1),
+        pytest.approx(0.2),
+    )
+    assert out["kept_vs_megatron_candidate"] == pytest.approx((1.5 + 1.0) / 2)

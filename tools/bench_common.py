@@ -5,14 +5,12 @@ from __future__ import annotations
 import statistics
 
 
-def bench_run(cfg, args, plan, num_microbatches: int, micro_batch: int, *flags: str):
-    """The benchmark's run (a `training.run_config.RunConfig`) as pretrain_mllm.py's arguments
-    give it, checked by the same rules: the model `cfg` on the backbone `plan`, Adam at 1e-4
-    clipped at 1.0, megatron-core's DDP with overlapped reduction (fp32 gradient reduction);
-    with --precision bf16 its distributed optimizer with overlapped gathers, as Megatron recipes
-    run; `flags`: more of pretrain_mllm.py's arguments."""
+def bench_argv(cfg, args, plan, num_microbatches: int, micro_batch: int) -> list[str]:
+    """pretrain_mllm.py's arguments for the benchmarks' runs: the model `cfg` on the backbone
+    `plan`, Adam at 1e-4 clipped at 1.0, megatron-core's DDP with overlapped reduction (fp32
+    gradient reduction); with --precision bf16 its distributed optimizer with overlapped
+    gathers, as Megatron recipes run."""
     from megatron_mllm.training.model_args import model_argv
-    from megatron_mllm.training.run_config import parse_run
 
     argv = [
         *model_argv(cfg),
@@ -28,6 +26,15 @@ def bench_run(cfg, args, plan, num_microbatches: int, micro_batch: int, *flags: 
         argv += ["--ddp-bucket-size", str(args.ddp_bucket_size)]
     if getattr(args, "precision", "fp32") == "bf16":
         argv += ["--bf16", "--use-distributed-optimizer", "--overlap-param-gather"]
+    return argv
+
+
+def bench_run(cfg, args, plan, num_microbatches: int, micro_batch: int, *flags: str):
+    """The benchmark's run (a `training.run_config.RunConfig`) as pretrain_mllm.py's arguments
+    give it (`bench_argv`, and `flags`: more of them), checked by the same rules."""
+    from megatron_mllm.training.run_config import parse_run
+
+    argv = bench_argv(cfg, args, plan, num_microbatches, micro_batch)
     return parse_run([*argv, *flags], plan.world_size)
 
 

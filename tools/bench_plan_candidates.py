@@ -1,0 +1,153 @@
+#!/usr/bin/env python
+"""Benchmark: the plan-candidate phase as a real job runs it.
+
+`pretrain_mllm.py --plan-candidates K` on 2 ranks (torchrun, 1 thread each), bench_runtime's
+model and settings (bf16, distributed optimizer, overlapped reduce and gather), one job per
+repeat in fresh processes with nothing else in them. bench_runtime runs the same phase with
+eight other runs stepping in turn in the same processes (so machine drift hits them alike); here
+each step follows the job's own. From the table the job prints after its phase, per repeat:
+each candidate's prediction made in the job after warm-up against its measurement, and the kept
+plan against the Megatron schedule's candidate (both measured in the same job, in mirrored
+windows). The start-up plan is pretrain_mllm.py's own (the analytic cost model).
+
+    python tools/bench_plan_candidates.py --size tiny|medium [--microbatches 4] --repeats 3 \\
+        --encoder-wgrad-split --backbone-wgrad-split [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+ROW = re.compile(r"^ {3}(\S.*?)\s+([\d.]+) ms\s+([\d.]+) ms\s*([\d.]+) ms\s*(yes)?\s*$")
+
+
+def main() -> int:
+    args = parse_args()
+    repeats = []
+    for r in range(args.repeats):
+        rows = run_job(args)
+        repeats.append(rows)
+        print(f"repeat {r + 1}/{args.repeats}:", flush=True)
+        for row in rows:
+            print(
+                f"   {row['label']:<50} predicted {1e3 * row['predicted_s']:8.1f} ms  measured "
+                f"{1e3 * row['measured_s']:8.1f} ms  error {error(row):+.3f}"
+                + ("  kept" if row["kept"] else ""),
+                flush=True,
+            )
+    result = summarise(repeats, args)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        for key in ("candidate_prediction_error", "kept_vs_megatron_candidate"):
+            v = result[key]
+            print(f"{key}: {v:.3f} ({result[key + '_min']:.3f}-{result[key + '_max']:.3f})")
+    return 0
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
+    ap.add_argument("--size", choices=["tiny", "medium"], default="tiny")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=3, help="jobs, one after another")
+    ap.add_argument("--plan-candidates", type=int, default=2)
+    ap.add_argument("--train-iters", type=int, default=50, help="at least the phase's length")
+    ap.add_argument("--ddp-bucket-size", type=int, default=2_000_000)
+    ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
+    ap.add_argument("--encoder-wgrad-split", action="store_true")
+    ap.add_argument("--backbone-wgrad-split", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    return ap.parse_args()
+
+
+def job_argv(args) -> list[str]:
+    """pretrain_mllm.py's arguments: bench_runtime's run, with the candidate phase."""
+    from bench_common import bench_argv
+
+    from megatron_mllm.models.config import BENCH, BENCH_MEDIUM
+    from megatron_mllm.parallel.plans import ParallelPlan
+
+    cfg = {"tiny": BENCH, "medium": BENCH_MEDIUM}[args.size]
+    argv = bench_argv(cfg, args, ParallelPlan(1, 1, 2), args.microbatches, args.micro_batch)
+    argv += ["--bubble-schedule", "optimus", "--plan-candidates", str(args.plan_candidates)]
+    argv += ["--train-iters", str(args.train_iters), "--log-interval", str(args.train_iters)]
+    argv += ["--encoder-wgrad-split"] * args.encoder_wgrad_split
+    argv += ["--backbone-wgrad-split"] * args.backbone_wgrad_split
+    return argv
+
+
+def run_job(args) -> list[dict]:
+    """One job in fresh processes; its candidate table's rows."""
+    with socket.socket() as s:  # a free port for the job's rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(port), str(ROOT / "pretrain_mllm.py"), *job_argv(args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
+        raise SystemExit("error: the job failed:\n" + "\n".join(tail))
+    rows = parse_table(out.stdout)
+    if not rows:
+        raise SystemExit(
+            "error: the job printed no candidate table (phase longer than --train-iters?)"
+        )
+    return rows
+
+
+def parse_table(text: str) -> list[dict]:
+    """The rows of the candidate table pretrain_mllm.py prints after its phase."""
+    rows = []
+    for line in text.splitlines():
+        m = ROW.match(line)
+        if m:
+            label, start, pred, meas, kept = m.groups()
+            rows.append(
+                {
+                    "label": label,
+                    "predicted_startup_s": float(start) / 1e3,
+                    "predicted_s": float(pred) / 1e3,
+                    "measured_s": float(meas) / 1e3,
+                    "kept": kept is not None,
+                }
+            )
+    return rows
+
+
+def error(row: dict) -> float:
+    """(predicted - measured) / measured."""
+    return row["predicted_s"] / row["measured_s"] - 1
+
+
+def summarise(repeats: list[list[dict]], args) -> dict:
+    """Medians and min-max over repeats of the worst prediction error and of the kept plan's
+    speed against the Megatron schedule's candidate."""
+    from bench_common import over_repeats
+
+    worst = [max(abs(error(r)) for r in rows) for rows in repeats]
+    kept = []
+    for rows in repeats:
+        meg = next((r for r in rows if r["label"] == "megatron"), None)
+        mine = next(r for r in rows if r["kept"])
+        kept.append(meg["measured_s"] / mine["measured_s"] if meg else float("nan"))
+    out = {"size": args.size, "microbatches": args.microbatches, "repeats": len(repeats)}
+    figures = {"candidate_prediction_error": worst, "kept_vs_megatron_candidate": kept}
+    for key, values in figures.items():
+        out[key], out[key + "_min"], out[key + "_max"] = over_repeats(values)
+    out["candidates"] = repeats
+    out["argv"] = job_argv(args)
+    return out
+
+
+if __name__ == "__main__":
+    sys.exit(main())
