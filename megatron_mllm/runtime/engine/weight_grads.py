@@ -138,8 +138,7 @@ class _WeightProduct(torch.autograd.Function):
     """A deferred weight gradient as a graph node: its backward makes g^T x inside the
     autograd engine, where the parameter's accumulator takes it as is. A gradient handed in
     from Python (`backward(params, grads)`) is still referenced there, so the accumulator
-    copies it: one more pass over every weight gradient, which in a step measured the deferred
-    products' time twice over."""
+    copies it: one more pass over every weight gradient's memory."""
 
     @staticmethod
     def forward(ctx, weight, x, grad):
