@@ -32,11 +32,16 @@ from megatron_mllm.schedule.blocks import JobCosts
 from megatron_mllm.training.candidate_run import CandidateRun
 from megatron_mllm.training.plan_candidates import (
     CLOSE_CALL_Z,
+    LAYOUT_WARMUP,
+    STEPS_EACH,
+    Candidate,
     CandidatePhase,
+    check_counts,
     check_phase,
     close_call,
     fastest,
     layout_key,
+    most_steps,
     plan_candidates,
     windows,
 )
@@ -57,8 +62,30 @@ def test_plan_candidates_are_the_k_best_and_the_megatron_schedule():
         optimus = [c.predicted_s for c in cands if c.label != "megatron"]
         assert optimus == sorted(optimus)
     assert plan_candidates(costs, 2)[0].label == plan_candidates(costs, 1)[0].label
-    layouts = [layout_key(c.schedule, PLAN, c.units) for c in plan_candidates(costs, 3)]
+    three = plan_candidates(costs, 3)
+    layouts = [layout_key(c.schedule, PLAN, c.units) for c in three]
     assert len(set(layouts)) == len(layouts)  # one candidate per module layout
+    assert [c.layout for c in three] == list(range(len(three)))
+
+
+def test_each_module_layout_warms_up_on_its_first_candidate():
+    """Candidates on layouts 0, 0, 1, 2: the first plan's `warmup` steps, then LAYOUT_WARMUP on
+    candidates 2 and 3; each layout's read steps are its last ones but the first after a switch;
+    0 turns it off (every candidate predicted from the first plan's warm-up)."""
+    cands = tuple(Candidate(str(i), None, layout=j) for i, j in enumerate((0, 0, 1, 2)))
+    phase = CandidatePhase(cands, steps_each=3, warmup=4)
+    assert phase.warmup_windows == [(0, 4), (2, LAYOUT_WARMUP), (3, LAYOUT_WARMUP)]
+    assert phase.warmup_steps == 4 + 2 * LAYOUT_WARMUP == 10
+    assert phase.read_steps() == {0: range(2, 4), 1: range(5, 7), 2: range(8, 10)}
+    assert [phase.warmup_candidate(s) for s in range(10)] == [0] * 4 + [2] * 3 + [3] * 3
+    off = replace(phase, layout_warmup=0)
+    assert off.warmup_windows == [(0, 4)] and off.steps == phase.steps - 2 * LAYOUT_WARMUP
+    assert most_steps(1, 1, 5, LAYOUT_WARMUP) == most_steps(1, 1, 5, 0) + LAYOUT_WARMUP
+    costs = JobCosts(job_of(TINY, PLAN, 1, N), unit="layer")
+    real = CandidatePhase(tuple(plan_candidates(costs, 2, "layer", True, True)))
+    assert real.steps <= most_steps(2, 2, STEPS_EACH, LAYOUT_WARMUP)  # the refusal's bound
+    with pytest.raises(ConfigError, match="layout-warmup 1: give 0"):
+        check_counts(1, 5, 1)
 
 
 def test_the_split_backward_is_one_more_candidate_and_stays_split_when_replanned():
@@ -76,6 +103,7 @@ def test_the_split_backward_is_one_more_candidate_and_stays_split_when_replanned
     base = next(c for c in plain if c.label != "megatron")
     assert split[0].label == base.label + " split"
     assert layout_key(split[0].schedule, PLAN, "layer") == layout_key(base.schedule, PLAN, "layer")
+    assert split[0].layout == next(c.layout for c in cands if c.label == base.label)
     optimus = [c.predicted_s for c in cands if c.label != "megatron"]
     assert optimus == sorted(optimus) and cands[-1].label == "megatron"
     assert not any(c.schedule.meta.splits_weight_grads for c in plain)
@@ -125,6 +153,7 @@ def test_the_backbone_split_is_one_more_candidate_and_stays_split_when_replanned
     base = next(c for c in plain if c.label != "megatron")
     assert split[0].label == base.label + " bb-split"
     assert layout_key(split[0].schedule, PLAN, "layer") == layout_key(base.schedule, PLAN, "layer")
+    assert split[0].layout == next(c.layout for c in cands if c.label == base.label)
     job = _job({}, split[0].schedule)
     samples = [{("vision", "backward", "layer_b"): [0.02]}, {("llm", "forward", "layer"): [0.01]}]
     again = replan_job(job, samples)
@@ -255,14 +284,15 @@ def test_candidate_steps_train_as_one_run(split):
         assert all(mine[k] == pytest.approx(v, abs=1e-5) for k, v in losses.items()), step
     ran = outs[0]["candidate_of_step"]
     a, b, c = outs[0]["candidate_order"]
-    assert ran[:13] == [0, 0] + [a] * 2 + [b] * 2 + [c] * 3 + [b] * 2 + [a] * 2
+    # warm-up: 2 steps on the first plan, 3 on the Megatron schedule's layout (candidate 2)
+    assert ran[:16] == [0, 0, 2, 2, 2] + [a] * 2 + [b] * 2 + [c] * 3 + [b] * 2 + [a] * 2
     rows = outs[0]["candidates"]
     kept = [r for r in rows if r["kept"]]
     assert len(kept) == 1 and ran[-1] == rows.index(kept[0])
     looked = outs[0]["candidate_second_look"] or []  # a close call: two more timed each
     assert looked or split != "wgrad_split"
     if looked:  # its windows after the first round's, the one running first
-        assert ran[13:20] == [looked[0]] * 2 + [looked[1]] * 3 + [looked[0]] * 2
+        assert ran[16:23] == [looked[0]] * 2 + [looked[1]] * 3 + [looked[0]] * 2
         assert len(looked) == 2 and (looked[0] == a or a not in looked)  # no switch first
     assert [len(r["timed"]) for r in rows] == [4 if i in looked else 2 for i in range(3)]
     assert all(r["predicted_s"] > 0 for r in rows), rows  # all ran
@@ -270,6 +300,7 @@ def test_candidate_steps_train_as_one_run(split):
     assert kept[0]["measured_s"] == min(r["measured_s"] for r in among)
     assert outs[0]["candidate_layouts"] == 2
     calibration = outs[0]["candidate_calibration"]  # measured between the stages, not fitted
+    assert len(calibration["by_layout"]) == 2  # each layout's own warm-up read
     assert 0 < calibration["message_s"] < 1 and calibration["latency_s"] >= 0
     assert abs(calibration["unexplained_s"]) < 1
     assert set(calibration["dp_gbps"]) == {"reduce_scatter", "all_gather"}  # timed in the job

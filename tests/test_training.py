@@ -286,15 +286,15 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--plan-candidates", "1", "--replan-after-iters", "2"], "--replan-after-iters"),
         (["--plan-candidates", "2", "--train-iters", "5"], "ends inside the plan-candidate phase"),
         (  # the split variant is a third candidate: 23 steps and a second look's 11
-            [*"--plan-candidates 1 --encoder-wgrad-split --train-iters 33".split()],
-            "up to 34 iterations for K=1",
+            [*"--plan-candidates 1 --encoder-wgrad-split --train-iters 36".split()],
+            "up to 37 iterations for K=1",
         ),
         (  # and the backbone's split a fourth
             [
                 *"--plan-candidates 1 --encoder-wgrad-split --backbone-wgrad-split".split(),
-                *"--pipeline-model-parallel-size 2 --train-iters 39".split(),
+                *"--pipeline-model-parallel-size 2 --train-iters 42".split(),
             ],
-            "up to 40 iterations for K=1",
+            "up to 43 iterations for K=1",
         ),  # fmt: skip
     ],
 )
@@ -551,30 +551,31 @@ def test_coreset_selects_from_energon_pools_and_resumes_exactly(tmp_path, llava_
 
 
 def test_plan_candidates_train_and_resume_bit_exactly_after_the_phase(tmp_path):
-    """--plan-candidates 1 on PP 2: the planner's best and the Megatron schedule each train 2
-    steps after 6 warm-up steps; the table names the one kept; the save at iteration 8 falls
-    inside the phase and is taken when it ends (10); resumed from 10, the kept plan trains on
-    (no new phase) with the uninterrupted run's losses and iteration-12 tensors, bit for bit."""
-    args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "12"]
+    """--plan-candidates 1 on PP 2: the planner's best and the Megatron schedule (another
+    module layout) each train 2 steps after 6 warm-up steps on the first and 3 on the second;
+    the table names the one kept; the save at iteration 11 falls inside the phase and is taken
+    when it ends (13); resumed from 13, the kept plan trains on (no new phase) with the
+    uninterrupted run's losses and iteration-15 tensors, bit for bit."""
+    args = ["--pipeline-model-parallel-size", "2", *COMMON, "--train-iters", "15"]
     args += ["--plan-candidates", "1", "--plan-candidate-steps", "2"]
-    straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "8")
+    straight = torchrun(*args, "--save", str(tmp_path / "a"), "--save-interval", "11")
     assert straight.returncode == 0, straight.stderr[-2000:]
     out = straight.stdout
     assert "plan candidates: 2 (" in out and out.count("yes") == 1, out
-    assert "the save at iteration 8 fell inside the plan-candidate phase" in out
+    assert "the save at iteration 11 fell inside the plan-candidate phase" in out
     assert sorted(p.name for p in (tmp_path / "a").glob("iter_*")) == [
-        "iter_0000010",
-        "iter_0000012",
+        "iter_0000013",
+        "iter_0000015",
     ]
     ref = losses(out)
-    assert len(ref) == 12
-    (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("10")
+    assert len(ref) == 15
+    (tmp_path / "a" / "latest_checkpointed_iteration.txt").write_text("13")
     resumed = torchrun(*args, "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"))
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "the plan the checkpoint's candidate phase kept" in resumed.stdout
     assert "plan candidates: 2 (" not in resumed.stdout
-    assert losses(resumed.stdout) == {i: ref[i] for i in (11, 12)}
-    assert_same_checkpoint(tmp_path / "a" / "iter_0000012", tmp_path / "b" / "iter_0000012")
+    assert losses(resumed.stdout) == {i: ref[i] for i in (14, 15)}
+    assert_same_checkpoint(tmp_path / "a" / "iter_0000015", tmp_path / "b" / "iter_0000015")
 
 
 @pytest.mark.slow  # a torchrun job stopped from outside

@@ -40,7 +40,7 @@ import sys
 import warnings
 
 from megatron_mllm.errors import exit_on_config_error
-from megatron_mllm.training.plan_candidates import STEPS_EACH
+from megatron_mllm.training.plan_candidates import LAYOUT_WARMUP, STEPS_EACH
 
 warnings.filterwarnings("ignore", message=".*absl.*")
 
@@ -68,6 +68,13 @@ def main() -> int:
         type=int,
         default=STEPS_EACH,
         help="with --plan-candidates: timed steps per candidate plus one (pretrain_mllm.py's flag)",
+    )
+    ap.add_argument(
+        "--plan-candidate-layout-warmup",
+        type=int,
+        default=LAYOUT_WARMUP,
+        help="with --plan-candidates: warm-up steps on each other module layout "
+        "(pretrain_mllm.py's flag; 0: predicted from the first plan's warm-up only)",
     )
     ap.add_argument(
         "--size",
@@ -175,7 +182,9 @@ def main() -> int:
     from megatron_mllm.training.plan_candidates import check_counts
 
     try:
-        check_counts(args.plan_candidates, args.plan_candidate_steps)
+        check_counts(
+            args.plan_candidates, args.plan_candidate_steps, args.plan_candidate_layout_warmup
+        )
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -332,7 +341,8 @@ def plan_runs(args, cfg, dtype) -> dict:
 
     splits = (args.encoder_wgrad_split, args.backbone_wgrad_split)
     cands = tuple(candidates_of(fill_costs, args.plan_candidates, unit, *splits))
-    phase = CandidatePhase(cands, args.plan_candidate_steps)
+    warmup = args.plan_candidate_layout_warmup
+    phase = CandidatePhase(cands, args.plan_candidate_steps, layout_warmup=warmup)
     opening = phase.candidates[0]
     jobs["optimus_candidates"] = job(
         PlanParts(plan, schedule=opening.schedule, encoder_units=opening.units)
@@ -381,11 +391,10 @@ def drift_corrected(rows: list[dict], steps: dict, ran: list, phase) -> list[dic
     from megatron_mllm.training.plan_candidates import timed_steps
 
     ref = steps["executor_megatron"]
-    timed = timed_steps(ran, phase.warmup)
-    calib = range(phase.warmup - phase.calibration_steps, phase.warmup)
-    base = statistics.median(ref[s] for s in calib)
+    timed, reads = timed_steps(ran, phase.warmup_steps), phase.read_steps()
     out = []
     for i, row in enumerate(rows):
+        base = statistics.median(ref[s] for s in reads[phase.layout_of(i)])
         mine = timed.get(i, [])
         drift = statistics.median(ref[s] for s in mine) / base if mine else float("nan")
         out.append({**row, "predicted_s": row["predicted_s"] * drift, "drift": drift})
@@ -403,7 +412,7 @@ def window_floor(rows: list[dict], steps: dict, ran: list, phase) -> float:
     errors = [
         abs(statistics.median(seconds[s] for s in first) - rows[i]["measured_s"])
         / rows[i]["measured_s"]
-        for i, (first, *later) in timed_windows(ran, phase.warmup).items()
+        for i, (first, *later) in timed_windows(ran, phase.warmup_steps).items()
         if later
     ]
     return max(errors, default=float("nan"))

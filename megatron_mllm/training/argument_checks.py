@@ -213,9 +213,9 @@ def _check_plan_candidates(args) -> None:
     k = args.plan_candidates
     if k is None:
         return
-    from megatron_mllm.training.plan_candidates import CandidatePhase, check_counts
+    from megatron_mllm.training.plan_candidates import check_counts, most_steps
 
-    check_counts(k, args.plan_candidate_steps)
+    check_counts(k, args.plan_candidate_steps, args.plan_candidate_layout_warmup)
     others = {
         "--bubble-schedule optimus-adaptive (it plans every step itself)": (
             ScheduleChoice(args.bubble_schedule).per_step
@@ -234,9 +234,8 @@ def _check_plan_candidates(args) -> None:
             f"--plan-candidates tries Optimus plans; use --bubble-schedule optimus (got "
             f"{args.bubble_schedule})"
         )
-    # the Megatron schedule and the split variants
-    count = k + 1 + bool(args.encoder_wgrad_split) + bool(args.backbone_wgrad_split)
-    steps = CandidatePhase((None,) * count, args.plan_candidate_steps).steps
+    splits = bool(args.encoder_wgrad_split) + bool(args.backbone_wgrad_split)
+    steps = most_steps(k, splits, args.plan_candidate_steps, args.plan_candidate_layout_warmup)
     if args.train_iters < steps:
         raise ConfigError(
             f"--train-iters {args.train_iters} ends inside the plan-candidate phase (up to "

@@ -9,7 +9,7 @@ import os
 from megatron_mllm.errors import ConfigError, OneLineParser
 from megatron_mllm.schedule.lookahead import SHIFTS
 from megatron_mllm.training.argument_checks import ENCODER_SPEC_KEYS, MODEL_ARGS, validate_args
-from megatron_mllm.training.plan_candidates import STEPS_EACH
+from megatron_mllm.training.plan_candidates import LAYOUT_WARMUP, STEPS_EACH
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +128,15 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         help="with --plan-candidates: timed steps per candidate plus one (split into two windows "
         "mirrored around the phase's middle, each with one warm-up step); a close call between "
         "the two fastest runs them once more",
+    )
+    g.add_argument(
+        "--plan-candidate-layout-warmup",
+        type=int,
+        default=LAYOUT_WARMUP,
+        metavar="N",
+        help="with --plan-candidates: warm-up steps on each module layout after the first plan's "
+        "(the first not read), so that each candidate is predicted from the unit times of its "
+        "own modules; 0: every candidate predicted from the first plan's warm-up",
     )
     g.add_argument(
         "--coreset-lookahead",

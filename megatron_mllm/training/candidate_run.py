@@ -6,13 +6,14 @@ warm-up, and keeps the fastest measured.
 * At start-up every distinct module layout among the candidates (encoder plan and placement,
   backbone split) is built once on the job's ranks; candidates that differ only in their bubble
   schedule share one. The start-up line says what that cost in seconds and parameter bytes.
-* After warm-up every candidate's schedule is planned again for its modules from the unit
-  times measured in the job's last warm-up steps (both ranks, its dtype, DDP and optimizer),
-  the cost model's per-action overhead is the one measured there, its message latency is what
-  a backbone activation's exchange between two stages measured beyond the model's figure
-  (`runtime.planning.link_probe`), and what the warm-up plan's steps took beyond its
-  simulated step is added to every candidate's; each candidate's step is predicted before it
-  runs.
+* After warm-up (the first candidate's steps, then a few on each other module layout's first
+  candidate) every candidate's schedule is planned again for its modules from the unit times
+  measured in its layout's last warm-up steps (both ranks, its dtype, DDP and optimizer), the
+  cost model's per-action overhead is the one measured there, its message latency is what a
+  backbone activation's exchange between two stages measured beyond the model's figure
+  (`runtime.planning.link_probe`), and what the layout's warm-up plan took beyond its
+  simulated step is added to each of the layout's candidates; each candidate's step is
+  predicted before its timed steps.
 * Every step is a training step of the one run: a switch between layouts carries parameters,
   Adam moments and fp32 main values through a checkpoint in a scratch folder (the resume path:
   training/checkpointing.py), and every candidate reads the same data stream, so no sample is
@@ -74,11 +75,13 @@ class CandidateRun:
         self.rows = [Row(c.label, c.predicted_s) for c in phase.candidates]
         built: dict[tuple, ExecutorRun] = {}
         t0, self.runs, data = time.perf_counter(), [], None
-        for j in self.jobs:
+        for j, c in zip(self.jobs, phase.candidates, strict=True):
             key = layout_key(j.schedule, j.backbone, j.plans.encoder_units)
             if key not in built:
                 built[key] = ExecutorRun(rank, world, j, device, data=data)
                 data = built[key].data
+            if list(built).index(key) != c.layout:  # the warm-up reads each layout's own units
+                raise ValueError(f"candidate {c.label}: layout {c.layout}, built as another")
             self.runs.append(built[key])
         self.build_s = time.perf_counter() - t0
         self.layouts = len(built)
@@ -107,8 +110,8 @@ class CandidateRun:
         if want != self.current or self.run.job.schedule is not self.jobs[want].schedule:
             self._switch(want, step)
         run = self.run
-        if step == self.phase.warmup - self.phase.calibration_steps:  # what the plan reads
-            run.unit_times.clear()
+        if any(step == read.start for read in self.phase.read_steps().values()):
+            run.unit_times.clear()  # what the in-job plan reads of this layout starts here
         run.step(step)
         self.steps.append(
             {
@@ -121,7 +124,7 @@ class CandidateRun:
                 "dp_seconds": run.dp_seconds[-1],
             }
         )
-        if step + 1 == self.phase.warmup:
+        if step + 1 == self.phase.warmup_steps:
             self._plan_in_job()
         if step + 1 == self.phase_end:
             self._phase_ends(step + 1)
@@ -147,7 +150,8 @@ class CandidateRun:
         return (
             f" > plan candidates: {len(p.candidates)} ({names}) on {self.layouts} module "
             f"layout(s), built in {self.build_s:.1f} s with {self.extra_state_bytes / 1e6:.1f} "
-            f"MB of model states beside the first's; {p.warmup} warm-up steps, then "
+            f"MB of model states beside the first's; {p.warmup_steps} warm-up steps ({p.warmup} "
+            f"on the first, {p.layout_warmup} on each other layout's first), then "
             f"{p.steps_each - 1} timed each in mirrored windows, a second look at a close call "
             f"(iterations 1-{p.steps} at most)"
         )
@@ -192,9 +196,9 @@ class CandidateRun:
         """Which candidate trains step `step`."""
         if self.kept is not None:
             return self.kept
-        if step < self.phase.warmup:
-            return 0
-        at = min(step - self.phase.warmup, len(self._step_candidates) - 1)
+        if step < self.phase.warmup_steps:
+            return self.phase.warmup_candidate(step)
+        at = min(step - self.phase.warmup_steps, len(self._step_candidates) - 1)
         return self._step_candidates[at][0]
 
     def _set_order(self, order: list[int]) -> None:
@@ -262,9 +266,16 @@ class CandidateRun:
         from megatron_mllm.runtime.planning.replan import calibrated, measured_workload
         from megatron_mllm.schedule.simulator import simulate
 
-        gathered = self.run.gathered_unit_times()
-        cal = self.calibration = self._calibration(gathered)
+        reads = self.phase.read_steps()
+        measured = {}  # layout -> (its units as measured, its calibration)
+        for i, _ in self.phase.warmup_windows:
+            run, layout = self.runs[i], self.phase.layout_of(i)
+            gathered = run.gathered_unit_times()
+            measured[layout] = gathered, self._calibration(gathered, run, len(reads[layout]))
+        first = measured[self.phase.layout_of(0)]
+        self.calibration = {**first[1], "by_layout": [cal for _, cal in measured.values()]}
         for i, cand_job in enumerate(self.jobs):
+            gathered, cal = measured.get(self.phase.layout_of(i), first)  # not warmed: the first
             self.jobs[i] = cand_job = self._replanned(cand_job, gathered)
             workload = measured_workload(cand_job, gathered)
             if workload is not None:
@@ -282,12 +293,12 @@ class CandidateRun:
         unique = [i for i in range(len(self.jobs)) if self.rows[i].same_as is None]
         self._set_order(sorted(unique, key=lambda i: (self.rows[i].predicted_s, i)))
 
-    def _calibration(self, gathered: list[dict]) -> dict:
-        """The cost model's terms measured on the warm-up plan (collective): the host overhead
-        per action, a backbone activation's one-way time and the latency it adds beyond the
-        model's figure, the DP collectives' rates (in `gathered`), and the seconds its steps
-        took beyond its simulated step (charged to every candidate alike: what no action holds,
-        and the model's error on this job)."""
+    def _calibration(self, gathered: list[dict], run, n: int) -> dict:
+        """The cost model's terms measured on a layout's warm-up plan over its last `n` steps
+        in `run` (collective): the host overhead per action, a backbone activation's one-way
+        time and the latency it adds beyond the model's figure, the DP collectives' rates (in
+        `gathered`), and the seconds its steps took beyond its simulated step (charged to every
+        candidate of the layout alike: what no action holds, and the model's error on it)."""
         from megatron_mllm.runtime.planning.link_probe import message_latency, message_seconds
         from megatron_mllm.runtime.planning.replan import (
             calibrated,
@@ -296,7 +307,6 @@ class CandidateRun:
         )
         from megatron_mllm.schedule.simulator import simulate
 
-        run, n = self.run, self.phase.calibration_steps
         last = [None] * dist.get_world_size()
         steps = zip(run.seconds[-n:], run.breakdowns[-n:], strict=True)
         dist.all_gather_object(last, [(s, b.overhead_per_action_s) for s, b in steps])
@@ -331,7 +341,7 @@ class CandidateRun:
         second look at them (once); else the fastest is kept."""
         seconds = torch.tensor([s["seconds"] for s in self.steps], dtype=torch.float64)
         dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        best, timed = fastest(seconds.tolist(), self.ran, self.phase.warmup, self.second_look)
+        best, timed = fastest(seconds.tolist(), self.ran, self.phase.warmup_steps, self.second_look)
         pair = close_call(timed, self.phase.close_call_z) if self.second_look is None else None
         if pair is not None:
             self.second_look = sorted(pair, key=lambda i: i != self.current)  # no switch first

@@ -3,8 +3,11 @@ fastest (the Megatron schedule on our executor always among them; with --encoder
 the best one's split variant too) each train a few real steps, and the one that measured
 fastest trains on (`candidate_run.py` runs the phase).
 
-* The first `warmup` steps run on the planner's first choice; then every candidate is planned
-  again and predicted from what the job measured (`CandidateRun`).
+* The first `warmup` steps run on the planner's first choice, then `LAYOUT_WARMUP` steps on the
+  first candidate of each other module layout (the modules' units run at another speed in
+  each: an encoder replicated over the ranks reduces its gradients beside their compute, one
+  on stage 0 runs its layers back to back); then every candidate is planned again and
+  predicted from what the job measured on its own layout (`CandidateRun`).
 * Candidates run in order of that prediction, `steps_each - 1` timed steps each, in windows
   mirrored around the phase's middle (A B C C B A, the middle one's two merged; each window's
   first step warms its candidate up and is not timed), so that a drift of the machine's speed
@@ -29,6 +32,9 @@ from megatron_mllm.schedule.schedule import Schedule
 # Steps a candidate trains by default: four timed (two a window), so that one noisy step does
 # not decide; each window's first step warms it up.
 STEPS_EACH = 5
+# Warm-up steps on each module layout after the first: the first after the switch runs cold
+# and is not read, the other two are.
+LAYOUT_WARMUP = 3
 # A close call: the two fastest medians less than this many standard errors of their
 # difference apart (about 95% two-sided), the error estimated from the timed steps' spread.
 CLOSE_CALL_Z = 2.0
@@ -43,6 +49,7 @@ class Candidate:
     units: str = "layer"
     predicted_s: float = float("nan")
     workload: object = None  # its costs at start-up (a Workload)
+    layout: int = 0  # its module layout's index in the phase (equal: the same modules)
 
 
 @dataclass(frozen=True)
@@ -55,11 +62,53 @@ class CandidatePhase:
     # first touched, the optimizer's state made), which a prediction read from them carries.
     warmup: int = 6
     close_call_z: float = CLOSE_CALL_Z  # inf: always a second look (tests)
+    # Warm-up steps on each other module layout; 0: every candidate is predicted from the first
+    # plan's warm-up (the ablation).
+    layout_warmup: int = LAYOUT_WARMUP
 
     @property
     def calibration_steps(self) -> int:
-        """The last warm-up steps the in-job plan reads (the first ones run cold)."""
+        """The last steps of the first layout's warm-up the in-job plan reads (the first ones
+        run cold)."""
         return max(self.warmup // 2, 1)
+
+    @property
+    def warmup_windows(self) -> list[tuple[int, int]]:
+        """(candidate, steps) of the warm-up: the first candidate's `warmup`, then
+        `layout_warmup` on the first candidate of each other module layout."""
+        out, seen = [(0, self.warmup)], {_layout(self.candidates[0])}
+        for i, c in enumerate(self.candidates if self.layout_warmup else ()):
+            if _layout(c) not in seen:
+                seen.add(_layout(c))
+                out.append((i, self.layout_warmup))
+        return out
+
+    @property
+    def warmup_steps(self) -> int:
+        """Steps before the candidates' timed windows (every layout's warm-up)."""
+        return sum(n for _, n in self.warmup_windows)
+
+    def layout_of(self, i: int) -> int:
+        """Candidate `i`'s module layout index."""
+        return _layout(self.candidates[i])
+
+    def read_steps(self) -> dict[int, range]:
+        """Each module layout's warm-up steps the in-job plan reads, by layout index."""
+        out, start = {}, 0
+        for k, (i, n) in enumerate(self.warmup_windows):
+            read = self.calibration_steps if k == 0 else n - 1
+            out[_layout(self.candidates[i])] = range(start + n - read, start + n)
+            start += n
+        return out
+
+    def warmup_candidate(self, step: int) -> int:
+        """Which candidate trains warm-up step `step`."""
+        start = 0
+        for i, n in self.warmup_windows:
+            if step < start + n:
+                return i
+            start += n
+        raise ValueError(f"step {step} is after the warm-up")
 
     @property
     def steps(self) -> int:
@@ -79,7 +128,12 @@ class CandidatePhase:
 
     def end(self, ran: list[tuple[int, int]]) -> int:
         """The step after the phase when its windows after warm-up are `ran`."""
-        return self.warmup + sum(n for _, n in ran)
+        return self.warmup_steps + sum(n for _, n in ran)
+
+
+def _layout(candidate: Candidate | None) -> int:
+    """A candidate's module layout index (0 for a stand-in without one)."""
+    return getattr(candidate, "layout", 0)
 
 
 def windows(order: list[int], steps_each: int) -> list[tuple[int, int]]:
@@ -148,8 +202,22 @@ def close_call(timed: dict[int, list[float]], z: float = CLOSE_CALL_Z) -> tuple[
     return (first, second) if medians[second] - medians[first] < z * error else None
 
 
-def check_counts(k: int, steps_each: int) -> None:
+def most_steps(k: int, splits: int, steps_each: int, layout_warmup: int) -> int:
+    """The longest phase K plans, the Megatron schedule and `splits` split variants can take:
+    each plan on its own module layout (the split variants on the first's)."""
+    stand_ins = [Candidate(f"plan {j}", None, layout=j) for j in range(k + 1)]
+    stand_ins += [Candidate("split", None)] * splits
+    return CandidatePhase(tuple(stand_ins), steps_each, layout_warmup=layout_warmup).steps
+
+
+def check_counts(k: int, steps_each: int, layout_warmup: int = LAYOUT_WARMUP) -> None:
     """K plans and steps per candidate that a phase can run (ConfigError in one line)."""
+    if layout_warmup == 1 or layout_warmup < 0:
+        raise ConfigError(
+            f"--plan-candidate-layout-warmup {layout_warmup}: give 0 (predict every candidate "
+            "from the first plan's warm-up) or at least 2 (the first step after a switch is "
+            "not read)"
+        )
     if k < 1:
         raise ConfigError(f"--plan-candidates {k}: give K >= 1, at least 1 of the planner's plans")
     if steps_each < 2:
@@ -224,7 +292,16 @@ def plan_candidates(
         built = megatron_schedule(layers)
         seconds = simulate(*built).step_time_s
         out.append(Candidate("megatron", built[0], "layer", seconds, built[1]))
-    return out
+    return with_layouts(out, costs.job.plan)
+
+
+def with_layouts(candidates: list[Candidate], backbone) -> list[Candidate]:
+    """The candidates, each with its module layout's index (in order of first appearance)."""
+    index: dict[tuple, int] = {}
+    return [
+        replace(c, layout=index.setdefault(layout_key(c.schedule, backbone, c.units), len(index)))
+        for c in candidates
+    ]
 
 
 def _optimus_candidate(costs, opts, unit: str, seconds: float = float("nan")) -> Candidate:

@@ -84,7 +84,8 @@ def plan_candidates_of(run: RunConfig) -> tuple:
             return None, kept
     k, splits = args.plan_candidates, (args.encoder_wgrad_split, args.backbone_wgrad_split)
     cands = tuple(plan_candidates(costs, k, args.fill_granularity, *splits))
-    return CandidatePhase(cands, args.plan_candidate_steps), None
+    warmup = args.plan_candidate_layout_warmup
+    return CandidatePhase(cands, args.plan_candidate_steps, layout_warmup=warmup), None
 
 
 def coreset_schedules(run: RunConfig, schedule, workload) -> tuple:
