@@ -78,7 +78,7 @@ def test_the_real_job_benchmark_reads_the_table_the_job_prints():
     args = argparse.Namespace(size="tiny", microbatches=8, micro_batch=1, plan_candidates=2,
                               train_iters=50, ddp_bucket_size=0, precision="bf16",
                               encoder_wgrad_split=False, backbone_wgrad_split=False)  # fmt: skip
-    out = bpc.summarise(parsed, args)
+    out = bpc.summarise(parsed, args, 3)
     assert out["candidate_prediction_error"] == pytest.approx((0.2 + 0.1) / 2)
     assert (out["candidate_prediction_error_min"], out["candidate_prediction_error_max"]) == (
         pytest.approx(0.1),

@@ -9,9 +9,11 @@ each step follows the job's own. From the table the job prints after its phase, 
 each candidate's prediction made in the job after warm-up against its measurement, and the kept
 plan against the Megatron schedule's candidate (both measured in the same job, in mirrored
 windows). The start-up plan is pretrain_mllm.py's own (the analytic cost model).
+`--layout-warmups 3,0`: per repeat one job for each --plan-candidate-layout-warmup, in turn
+(the order alternating between repeats), side by side.
 
     python tools/bench_plan_candidates.py --size tiny|medium [--microbatches 4] --repeats 3 \\
-        --encoder-wgrad-split --backbone-wgrad-split [--json]
+        --encoder-wgrad-split --backbone-wgrad-split [--layout-warmups 3,0] [--json]
 """
 
 from __future__ import annotations
@@ -25,31 +27,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+from megatron_mllm.training.plan_candidates import LAYOUT_WARMUP
+
 ROOT = Path(__file__).resolve().parent.parent
 ROW = re.compile(r"^ {3}(\S.*?)\s+([\d.]+) ms\s+([\d.]+) ms\s*([\d.]+) ms\s*(yes)?\s*$")
 
 
 def main() -> int:
     args = parse_args()
-    repeats = []
+    repeats: dict[int, list] = {w: [] for w in args.layout_warmups}
     for r in range(args.repeats):
-        rows = run_job(args)
-        repeats.append(rows)
-        print(f"repeat {r + 1}/{args.repeats}:", flush=True)
-        for row in rows:
-            print(
-                f"   {row['label']:<50} predicted {1e3 * row['predicted_s']:8.1f} ms  measured "
-                f"{1e3 * row['measured_s']:8.1f} ms  error {error(row):+.3f}"
-                + ("  kept" if row["kept"] else ""),
-                flush=True,
-            )
-    result = summarise(repeats, args)
-    if args.json:
-        print(json.dumps(result, indent=1))
-    else:
+        order = args.layout_warmups if r % 2 == 0 else args.layout_warmups[::-1]
+        for warmup in order:
+            rows = run_job(args, warmup)
+            repeats[warmup].append(rows)
+            print(f"repeat {r + 1}/{args.repeats}, layout warm-up {warmup}:", flush=True)
+            for row in rows:
+                print(
+                    f"   {row['label']:<50} predicted {1e3 * row['predicted_s']:8.1f} ms  "
+                    f"measured {1e3 * row['measured_s']:8.1f} ms  error {error(row):+.3f}"
+                    + ("  kept" if row["kept"] else ""),
+                    flush=True,
+                )
+    result = {str(w): summarise(rows, args, w) for w, rows in repeats.items()}
+    for w, out in result.items():
         for key in ("candidate_prediction_error", "kept_vs_megatron_candidate"):
-            v = result[key]
-            print(f"{key}: {v:.3f} ({result[key + '_min']:.3f}-{result[key + '_max']:.3f})")
+            v, lo, hi = out[key], out[key + "_min"], out[key + "_max"]
+            print(f"layout warm-up {w}: {key} {v:.3f} ({lo:.3f}-{hi:.3f})")
+    if args.json:  # last, after the lines above
+        print(json.dumps(result, indent=1))
     return 0
 
 
@@ -65,11 +71,17 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--encoder-wgrad-split", action="store_true")
     ap.add_argument("--backbone-wgrad-split", action="store_true")
+    ap.add_argument(
+        "--layout-warmups",
+        type=lambda text: [int(x) for x in text.split(",")],
+        default=[LAYOUT_WARMUP],
+        help="--plan-candidate-layout-warmup values, one job each per repeat (e.g. 3,0)",
+    )
     ap.add_argument("--json", action="store_true")
     return ap.parse_args()
 
 
-def job_argv(args) -> list[str]:
+def job_argv(args, layout_warmup: int) -> list[str]:
     """pretrain_mllm.py's arguments: bench_runtime's run, with the candidate phase."""
     from bench_common import bench_argv
 
@@ -82,16 +94,21 @@ def job_argv(args) -> list[str]:
     argv += ["--train-iters", str(args.train_iters), "--log-interval", str(args.train_iters)]
     argv += ["--encoder-wgrad-split"] * args.encoder_wgrad_split
     argv += ["--backbone-wgrad-split"] * args.backbone_wgrad_split
-    return argv
+    return argv + ["--plan-candidate-layout-warmup", str(layout_warmup)]
 
 
-def run_job(args) -> list[dict]:
+def run_job(args, layout_warmup: int) -> list[dict]:
     """One job in fresh processes; its candidate table's rows."""
     with socket.socket() as s:  # a free port for the job's rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(port), str(ROOT / "pretrain_mllm.py"), *job_argv(args)]
+    cmd += [
+        "--master-port",
+        str(port),
+        str(ROOT / "pretrain_mllm.py"),
+        *job_argv(args, layout_warmup),
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
@@ -129,7 +146,7 @@ def error(row: dict) -> float:
     return row["predicted_s"] / row["measured_s"] - 1
 
 
-def summarise(repeats: list[list[dict]], args) -> dict:
+def summarise(repeats: list[list[dict]], args, layout_warmup: int) -> dict:
     """Medians and min-max over repeats of the worst prediction error and of the kept plan's
     speed against the Megatron schedule's candidate."""
     from bench_common import over_repeats
@@ -145,7 +162,7 @@ def summarise(repeats: list[list[dict]], args) -> dict:
     for key, values in figures.items():
         out[key], out[key + "_min"], out[key + "_max"] = over_repeats(values)
     out["candidates"] = repeats
-    out["argv"] = job_argv(args)
+    out["argv"] = job_argv(args, layout_warmup)
     return out
 
 
