@@ -76,7 +76,7 @@ def test_the_real_job_benchmark_reads_the_table_the_job_prints():
     ]
     assert parsed[0][1]["kept"] and parsed[0][2]["measured_s"] == pytest.approx(1.5)
     args = argparse.Namespace(size="tiny", microbatches=8, micro_batch=1, plan_candidates=2,
-                              train_iters=50, ddp_bucket_size=0, precision="bf16",
+                              train_iters=None, ddp_bucket_size=0, precision="bf16",
                               encoder_wgrad_split=False, backbone_wgrad_split=False)  # fmt: skip
     out = bpc.summarise(parsed, args, 3)
     assert out["candidate_prediction_error"] == pytest.approx((0.2 + 0.1) / 2)

@@ -27,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from megatron_mllm.training.plan_candidates import LAYOUT_WARMUP
+from megatron_mllm.training.plan_candidates import LAYOUT_WARMUP, STEPS_EACH, most_steps
 
 ROOT = Path(__file__).resolve().parent.parent
 ROW = re.compile(r"^ {3}(\S.*?)\s+([\d.]+) ms\s+([\d.]+) ms\s*([\d.]+) ms\s*(yes)?\s*$")
@@ -66,7 +66,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=3, help="jobs, one after another")
     ap.add_argument("--plan-candidates", type=int, default=2)
-    ap.add_argument("--train-iters", type=int, default=50, help="at least the phase's length")
+    ap.add_argument(
+        "--train-iters", type=int, default=None, help="default: the longest phase's length + 2"
+    )
     ap.add_argument("--ddp-bucket-size", type=int, default=2_000_000)
     ap.add_argument("--precision", choices=["bf16", "fp32"], default="bf16")
     ap.add_argument("--encoder-wgrad-split", action="store_true")
@@ -91,7 +93,13 @@ def job_argv(args, layout_warmup: int) -> list[str]:
     cfg = {"tiny": BENCH, "medium": BENCH_MEDIUM}[args.size]
     argv = bench_argv(cfg, args, ParallelPlan(1, 1, 2), args.microbatches, args.micro_batch)
     argv += ["--bubble-schedule", "optimus", "--plan-candidates", str(args.plan_candidates)]
-    argv += ["--train-iters", str(args.train_iters), "--log-interval", str(args.train_iters)]
+    iters = args.train_iters or 2 + most_steps(
+        args.plan_candidates,
+        args.encoder_wgrad_split + args.backbone_wgrad_split,
+        STEPS_EACH,
+        layout_warmup,
+    )
+    argv += ["--train-iters", str(iters), "--log-interval", str(iters)]
     argv += ["--encoder-wgrad-split"] * args.encoder_wgrad_split
     argv += ["--backbone-wgrad-split"] * args.backbone_wgrad_split
     return argv + ["--plan-candidate-layout-warmup", str(layout_warmup)]
@@ -112,8 +120,9 @@ def run_job(args, layout_warmup: int) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
     if out.returncode != 0:
-        tail = (out.stdout + out.stderr).strip().splitlines()[-5:]
-        raise SystemExit("error: the job failed:\n" + "\n".join(tail))
+        lines = (out.stdout + out.stderr).strip().splitlines()
+        said = [line for line in lines if line.lower().startswith("error")] or lines[-5:]
+        raise SystemExit("error: the job failed: " + "\n".join(said[:3]))
     rows = parse_table(out.stdout)
     if not rows:
         raise SystemExit(
