@@ -85,3 +85,6 @@ def test_the_real_job_benchmark_reads_the_table_the_job_prints():
         pytest.approx(0.2),
     )
     assert out["kept_vs_megatron_candidate"] == pytest.approx((1.5 + 1.0) / 2)
+    # relative to the first candidate's 1.1: 0.95 / 1.1 - 1 and 0.8 / 1.1 - 1; then 1.1 / 1 - 1
+    assert out["megatron_relative_error"] == pytest.approx([0.8 / 1.1 - 1, 0.1])
+    assert out["candidate_relative_error"] == pytest.approx((1 - 0.8 / 1.1 + 0.1) / 2)

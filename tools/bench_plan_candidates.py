@@ -51,7 +51,11 @@ def main() -> int:
                 )
     result = {str(w): summarise(rows, args, w) for w, rows in repeats.items()}
     for w, out in result.items():
-        for key in ("candidate_prediction_error", "kept_vs_megatron_candidate"):
+        for key in (
+            "candidate_prediction_error",
+            "candidate_relative_error",
+            "kept_vs_megatron_candidate",
+        ):
             v, lo, hi = out[key], out[key + "_min"], out[key + "_max"]
             print(f"layout warm-up {w}: {key} {v:.3f} ({lo:.3f}-{hi:.3f})")
     if args.json:  # last, after the lines above
@@ -155,21 +159,35 @@ def error(row: dict) -> float:
     return row["predicted_s"] / row["measured_s"] - 1
 
 
+def relative_errors(rows: list[dict]) -> dict[str, float]:
+    """Each later candidate's predicted / measured over the first's, less one: its error with
+    what the whole job drifted between the warm-up and the timed windows taken out."""
+    first = rows[0]["predicted_s"] / rows[0]["measured_s"]
+    return {r["label"]: r["predicted_s"] / r["measured_s"] / first - 1 for r in rows[1:]}
+
+
 def summarise(repeats: list[list[dict]], args, layout_warmup: int) -> dict:
-    """Medians and min-max over repeats of the worst prediction error and of the kept plan's
-    speed against the Megatron schedule's candidate."""
+    """Medians and min-max over repeats of the worst prediction error (as it is, and relative
+    to the first candidate's) and of the kept plan's speed against the Megatron schedule's
+    candidate; the Megatron candidate's relative error in each repeat."""
     from bench_common import over_repeats
 
     worst = [max(abs(error(r)) for r in rows) for rows in repeats]
+    relative = [max(map(abs, relative_errors(rows).values()), default=0.0) for rows in repeats]
     kept = []
     for rows in repeats:
         meg = next((r for r in rows if r["label"] == "megatron"), None)
         mine = next(r for r in rows if r["kept"])
         kept.append(meg["measured_s"] / mine["measured_s"] if meg else float("nan"))
     out = {"size": args.size, "microbatches": args.microbatches, "repeats": len(repeats)}
-    figures = {"candidate_prediction_error": worst, "kept_vs_megatron_candidate": kept}
+    figures = {
+        "candidate_prediction_error": worst,
+        "candidate_relative_error": relative,
+        "kept_vs_megatron_candidate": kept,
+    }
     for key, values in figures.items():
         out[key], out[key + "_min"], out[key + "_max"] = over_repeats(values)
+    out["megatron_relative_error"] = [relative_errors(r).get("megatron") for r in repeats]
     out["candidates"] = repeats
     out["argv"] = job_argv(args, layout_warmup)
     return out
