@@ -88,3 +88,8 @@ def test_the_real_job_benchmark_reads_the_table_the_job_prints():
     # relative to the first candidate's 1.1: 0.95 / 1.1 - 1 and 0.8 / 1.1 - 1; then 1.1 / 1 - 1
     assert out["megatron_relative_error"] == pytest.approx([0.8 / 1.1 - 1, 0.1])
     assert out["candidate_relative_error"] == pytest.approx((1 - 0.8 / 1.1 + 0.1) / 2)
+    # a candidate with no prediction (its costs not rebuilt) is read, and left out of the worst
+    nan_rows = bpc.parse_table(table([row(long, float("nan"), 1.0), row("megatron", 1.1, 1.0)],
+                                     1.0, 2, 0))  # fmt: skip
+    assert len(nan_rows) == 2 and nan_rows[0]["predicted_s"] != nan_rows[0]["predicted_s"]
+    assert bpc._worst(bpc.error(r) for r in nan_rows) == pytest.approx(0.1)

@@ -285,7 +285,7 @@ def test_log_line_counts_nan_and_skipped_iterations():
         (["--plan-candidates", "1", "--bubble-schedule", "megatron"], "--bubble-schedule optimus"),
         (["--plan-candidates", "1", "--replan-after-iters", "2"], "--replan-after-iters"),
         (["--plan-candidates", "2", "--train-iters", "5"], "ends inside the plan-candidate phase"),
-        (  # the split variant is a third candidate: 23 steps and a second look's 11
+        (  # the split variant a third candidate: 9 warm-up steps, 17 more and a second look's 11
             [*"--plan-candidates 1 --encoder-wgrad-split --train-iters 36".split()],
             "up to 37 iterations for K=1",
         ),

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import socket
@@ -30,7 +31,8 @@ from pathlib import Path
 from megatron_mllm.training.plan_candidates import LAYOUT_WARMUP, STEPS_EACH, most_steps
 
 ROOT = Path(__file__).resolve().parent.parent
-ROW = re.compile(r"^ {3}(\S.*?)\s+([\d.]+) ms\s+([\d.]+) ms\s*([\d.]+) ms\s*(yes)?\s*$")
+NUMBER = r"(nan|[\d.]+)"  # a candidate whose costs could not be rebuilt has no prediction
+ROW = re.compile(rf"^ {{3}}(\S.*?)\s+{NUMBER} ms\s+{NUMBER} ms\s*{NUMBER} ms\s*(yes)?\s*$")
 
 
 def main() -> int:
@@ -79,7 +81,7 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--backbone-wgrad-split", action="store_true")
     ap.add_argument(
         "--layout-warmups",
-        type=lambda text: [int(x) for x in text.split(",")],
+        type=lambda text: list(dict.fromkeys(int(x) for x in text.split(","))),
         default=[LAYOUT_WARMUP],
         help="--plan-candidate-layout-warmup values, one job each per repeat (e.g. 3,0)",
     )
@@ -122,11 +124,13 @@ def run_job(args, layout_warmup: int) -> list[dict]:
         *job_argv(args, layout_warmup),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False)
+    out = subprocess.run(
+        cmd, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=3600
+    )
     if out.returncode != 0:
         lines = (out.stdout + out.stderr).strip().splitlines()
-        said = [line for line in lines if line.lower().startswith("error")] or lines[-5:]
-        raise SystemExit("error: the job failed: " + "\n".join(said[:3]))
+        said = [line for line in lines if line.lower().startswith("error")][:3] or lines[-5:]
+        raise SystemExit("error: the job failed: " + "\n".join(said))
     rows = parse_table(out.stdout)
     if not rows:
         raise SystemExit(
@@ -161,9 +165,16 @@ def error(row: dict) -> float:
 
 def relative_errors(rows: list[dict]) -> dict[str, float]:
     """Each later candidate's predicted / measured over the first's, less one: its error with
-    what the whole job drifted between the warm-up and the timed windows taken out."""
+    what the job drifted between the warm-up and the timed windows (and the first candidate's
+    own error) divided out; NaN where a prediction is missing."""
     first = rows[0]["predicted_s"] / rows[0]["measured_s"]
     return {r["label"]: r["predicted_s"] / r["measured_s"] / first - 1 for r in rows[1:]}
+
+
+def _worst(errors) -> float:
+    """The largest |error| among those with a prediction (NaN where none has one)."""
+    known = [abs(e) for e in errors if not math.isnan(e)]
+    return max(known, default=float("nan"))
 
 
 def summarise(repeats: list[list[dict]], args, layout_warmup: int) -> dict:
@@ -172,8 +183,8 @@ def summarise(repeats: list[list[dict]], args, layout_warmup: int) -> dict:
     candidate; the Megatron candidate's relative error in each repeat."""
     from bench_common import over_repeats
 
-    worst = [max(abs(error(r)) for r in rows) for rows in repeats]
-    relative = [max(map(abs, relative_errors(rows).values()), default=0.0) for rows in repeats]
+    worst = [_worst(error(r) for r in rows) for rows in repeats]
+    relative = [_worst(relative_errors(rows).values()) for rows in repeats]
     kept = []
     for rows in repeats:
         meg = next((r for r in rows if r["label"] == "megatron"), None)

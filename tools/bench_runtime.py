@@ -394,7 +394,8 @@ def drift_corrected(rows: list[dict], steps: dict, ran: list, phase) -> list[dic
     timed, reads = timed_steps(ran, phase.warmup_steps), phase.read_steps()
     out = []
     for i, row in enumerate(rows):
-        base = statistics.median(ref[s] for s in reads[phase.layout_of(i)])
+        read = reads.get(phase.layout_of(i), reads[phase.layout_of(0)])  # not warmed: the first
+        base = statistics.median(ref[s] for s in read)
         mine = timed.get(i, [])
         drift = statistics.median(ref[s] for s in mine) / base if mine else float("nan")
         out.append({**row, "predicted_s": row["predicted_s"] * drift, "drift": drift})

@@ -239,7 +239,8 @@ def _check_plan_candidates(args) -> None:
     if args.train_iters < steps:
         raise ConfigError(
             f"--train-iters {args.train_iters} ends inside the plan-candidate phase (up to "
-            f"{steps} iterations for K={k}); train longer or lower --plan-candidates"
+            f"{steps} iterations for K={k}); train longer, lower --plan-candidates or give "
+            "--plan-candidate-layout-warmup 0"
         )
 
 

@@ -77,11 +77,12 @@ class CandidateRun:
         t0, self.runs, data = time.perf_counter(), [], None
         for j, c in zip(self.jobs, phase.candidates, strict=True):
             key = layout_key(j.schedule, j.backbone, j.plans.encoder_units)
+            index = list(built).index(key) if key in built else len(built)
+            if index != c.layout:  # the warm-up reads each layout's own units
+                raise ValueError(f"candidate {c.label}: layout {c.layout}, built as {index}")
             if key not in built:
                 built[key] = ExecutorRun(rank, world, j, device, data=data)
                 data = built[key].data
-            if list(built).index(key) != c.layout:  # the warm-up reads each layout's own units
-                raise ValueError(f"candidate {c.label}: layout {c.layout}, built as another")
             self.runs.append(built[key])
         self.build_s = time.perf_counter() - t0
         self.layouts = len(built)
@@ -272,10 +273,10 @@ class CandidateRun:
             run, layout = self.runs[i], self.phase.layout_of(i)
             gathered = run.gathered_unit_times()
             measured[layout] = gathered, self._calibration(gathered, run, len(reads[layout]))
-        first = measured[self.phase.layout_of(0)]
-        self.calibration = {**first[1], "by_layout": [cal for _, cal in measured.values()]}
+        opening = measured[self.phase.layout_of(0)]
+        self.calibration = {**opening[1], "by_layout": [cal for _, cal in measured.values()]}
         for i, cand_job in enumerate(self.jobs):
-            gathered, cal = measured.get(self.phase.layout_of(i), first)  # not warmed: the first
+            gathered, cal = measured.get(self.phase.layout_of(i), opening)  # not warmed up
             self.jobs[i] = cand_job = self._replanned(cand_job, gathered)
             workload = measured_workload(cand_job, gathered)
             if workload is not None:

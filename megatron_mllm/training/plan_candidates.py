@@ -3,11 +3,12 @@ fastest (the Megatron schedule on our executor always among them; with --encoder
 the best one's split variant too) each train a few real steps, and the one that measured
 fastest trains on (`candidate_run.py` runs the phase).
 
-* The first `warmup` steps run on the planner's first choice, then `LAYOUT_WARMUP` steps on the
-  first candidate of each other module layout (the modules' units run at another speed in
-  each: an encoder replicated over the ranks reduces its gradients beside their compute, one
-  on stage 0 runs its layers back to back); then every candidate is planned again and
-  predicted from what the job measured on its own layout (`CandidateRun`).
+* The first `warmup` steps run on the planner's first choice, then `layout_warmup` steps
+  (--plan-candidate-layout-warmup, default 3) on the first candidate of each other module
+  layout (the modules' units run at another speed in each: an encoder replicated over the
+  ranks reduces its gradients beside their compute, one on stage 0 runs its layers back to
+  back); then every candidate is planned again and predicted from what the job measured on
+  its own layout (`CandidateRun`).
 * Candidates run in order of that prediction, `steps_each - 1` timed steps each, in windows
   mirrored around the phase's middle (A B C C B A, the middle one's two merged; each window's
   first step warms its candidate up and is not timed), so that a drift of the machine's speed
@@ -65,6 +66,10 @@ class CandidatePhase:
     # Warm-up steps on each other module layout; 0: every candidate is predicted from the first
     # plan's warm-up (the ablation).
     layout_warmup: int = LAYOUT_WARMUP
+
+    def __post_init__(self) -> None:
+        if self.layout_warmup == 1 or self.layout_warmup < 0:
+            raise ValueError(f"layout_warmup {self.layout_warmup}: 0 or at least 2")
 
     @property
     def calibration_steps(self) -> int:

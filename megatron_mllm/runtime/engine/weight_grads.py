@@ -124,7 +124,9 @@ class DeferredWeightGrads:
         with torch.enable_grad():
             roots = [
                 _WeightProduct.apply(
-                    param, x.detach().reshape(-1, x.shape[-1]), grad.reshape(-1, grad.shape[-1])
+                    param,
+                    x.detach().reshape(-1, x.shape[-1]),
+                    grad.detach().reshape(-1, grad.shape[-1]),
                 )
                 for param, x, grad in products
             ]
