@@ -5,6 +5,13 @@ from __future__ import annotations
 import statistics
 
 
+def bench_config(size: str):
+    """The benchmarks' model at `size`: "tiny" (the fast default) or "medium" (compute-bound)."""
+    from megatron_mllm.models.config import BENCH, BENCH_MEDIUM
+
+    return {"tiny": BENCH, "medium": BENCH_MEDIUM}[size]
+
+
 def bench_argv(cfg, args, plan, num_microbatches: int, micro_batch: int) -> list[str]:
     """pretrain_mllm.py's arguments for the benchmarks' runs: the model `cfg` on the backbone
     `plan`, Adam at 1e-4 clipped at 1.0, megatron-core's DDP with overlapped reduction (fp32

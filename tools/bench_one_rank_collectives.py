@@ -114,11 +114,10 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     import torch
+    from bench_common import bench_config
     from bench_runtime import plan_runs
 
-    from megatron_mllm.models.config import BENCH, BENCH_MEDIUM
-
-    cfg = {"tiny": BENCH, "medium": BENCH_MEDIUM}[args.size]
+    cfg = bench_config(args.size)
     setup_args = argparse.Namespace(
         microbatches=8, micro_batch=1, fill_granularity="layer", ddp_bucket_size=2_000_000,
         encoder_wgrad_split=False, plan_candidates=2, plan_candidate_steps=5,

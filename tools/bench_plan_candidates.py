@@ -91,12 +91,11 @@ def parse_args() -> argparse.Namespace:
 
 def job_argv(args, layout_warmup: int) -> list[str]:
     """pretrain_mllm.py's arguments: bench_runtime's run, with the candidate phase."""
-    from bench_common import bench_argv
+    from bench_common import bench_argv, bench_config
 
-    from megatron_mllm.models.config import BENCH, BENCH_MEDIUM
     from megatron_mllm.parallel.plans import ParallelPlan
 
-    cfg = {"tiny": BENCH, "medium": BENCH_MEDIUM}[args.size]
+    cfg = bench_config(args.size)
     argv = bench_argv(cfg, args, ParallelPlan(1, 1, 2), args.microbatches, args.micro_batch)
     argv += ["--bubble-schedule", "optimus", "--plan-candidates", str(args.plan_candidates)]
     iters = args.train_iters or 2 + most_steps(

@@ -193,10 +193,9 @@ def main() -> int:
 
         return varying_load(args)
     import torch
+    from bench_common import bench_config
 
-    from megatron_mllm.models.config import BENCH, BENCH_MEDIUM
-
-    cfg = {"tiny": BENCH, "medium": BENCH_MEDIUM}[args.size]
+    cfg = bench_config(args.size)
     dtype = torch.bfloat16 if args.precision == "bf16" else torch.float32
     setup = plan_runs(args, cfg, dtype)
     repeats = [one_repeat(setup, args) for _ in range(args.repeats)]

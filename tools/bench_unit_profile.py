@@ -174,11 +174,12 @@ def main() -> int:
         ap.error("--repeats, --steps and --microbatches must be at least 1")
     args.precision = "bf16"
 
-    from megatron_mllm.models.config import BENCH, BENCH_MEDIUM
+    from bench_common import bench_config
+
     from megatron_mllm.runtime.assembly.launch import spawn
     from megatron_mllm.runtime.modes.reference import make_full_state
 
-    cfg = {"tiny": BENCH, "medium": BENCH_MEDIUM}[args.size]
+    cfg = bench_config(args.size)
     state = spawn(make_full_state, 1, cfg, 0)[0]
     result = summarise([one_repeat(cfg, args, state, r) for r in range(args.repeats)], args)
     if args.json:

@@ -68,7 +68,7 @@ class CandidatePhase:
     layout_warmup: int = LAYOUT_WARMUP
 
     def __post_init__(self) -> None:
-        if self.layout_warmup == 1 or self.layout_warmup < 0:
+        if not layout_warmup_fits(self.layout_warmup):
             raise ValueError(f"layout_warmup {self.layout_warmup}: 0 or at least 2")
 
     @property
@@ -207,6 +207,11 @@ def close_call(timed: dict[int, list[float]], z: float = CLOSE_CALL_Z) -> tuple[
     return (first, second) if medians[second] - medians[first] < z * error else None
 
 
+def layout_warmup_fits(n: int) -> bool:
+    """A layout warm-up of `n` steps: none, or one after the switch that is not read and more."""
+    return n == 0 or n >= 2
+
+
 def most_steps(k: int, splits: int, steps_each: int, layout_warmup: int) -> int:
     """The longest phase K plans, the Megatron schedule and `splits` split variants can take:
     each plan on its own module layout (the split variants on the first's)."""
@@ -217,7 +222,7 @@ def most_steps(k: int, splits: int, steps_each: int, layout_warmup: int) -> int:
 
 def check_counts(k: int, steps_each: int, layout_warmup: int = LAYOUT_WARMUP) -> None:
     """K plans and steps per candidate that a phase can run (ConfigError in one line)."""
-    if layout_warmup == 1 or layout_warmup < 0:
+    if not layout_warmup_fits(layout_warmup):
         raise ConfigError(
             f"--plan-candidate-layout-warmup {layout_warmup}: give 0 (predict every candidate "
             "from the first plan's warm-up) or at least 2 (the first step after a switch is "
