@@ -28,7 +28,13 @@ from megatron_mllm.runtime.job import (
 from megatron_mllm.runtime.modes.reference import make_full_state
 from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
 from megatron_mllm.schedule.actions import B, F
-from megatron_mllm.schedule.lookahead import with_fewer_ahead, with_lookahead
+from megatron_mllm.schedule.lookahead import (
+    lookahead_merge,
+    with_fewer_ahead,
+    with_lookahead,
+    with_searched_counts,
+)
+from megatron_mllm.schedule.merge_search import is_pool_action, searched_merge
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.simulator import simulate
 from megatron_mllm.schedule.validator import ScheduleError, validate
@@ -98,6 +104,48 @@ def test_a_merge_with_fewer_pool_micro_batches_keeps_the_rest_in_order():
         with_fewer_ahead(merged, POOL + 1)
 
 
+def _subsequence(acts, keep) -> list:
+    return [a for a in acts if keep(a)]
+
+
+def test_the_searched_merge_keeps_both_orders_and_is_no_slower_than_its_seed():
+    """--coreset-lookahead-order searched: each rank's pool groups moved between the step's
+    groups; the step's order and the pool's order stay, the merge is valid, never slower in
+    simulation than the shift merge it starts from, and the same on every call (every rank
+    searches alone)."""
+    step, workload, pool = schedules("optimus")
+    merged = with_lookahead(step, pool, workload)
+    searched = searched_merge(merged, workload, evals=300)
+    validate(searched)
+    assert searched.meta == merged.meta
+    for before, after in zip(merged.ranks, searched.ranks, strict=True):
+        assert sorted(map(str, before)) == sorted(map(str, after))  # the same actions
+        for pooled in (True, False):
+
+            def keep(a, pooled=pooled):
+                return is_pool_action(a, N) == pooled
+
+            assert _subsequence(after, keep) == _subsequence(before, keep)
+    seed_s = simulate(merged, workload).step_time_s
+    assert simulate(searched, workload).step_time_s <= seed_s
+    assert searched.ranks == searched_merge(merged, workload, evals=300).ranks
+    assert searched.ranks != merged.ranks  # on this pipeline the search finds a better place
+
+
+def test_searched_counts_are_what_a_merge_with_fewer_pool_micro_batches_runs():
+    step, workload, pool = schedules("optimus")
+    merged = with_lookahead(step, pool, workload)
+    searched = with_searched_counts(merged, workload, range(3, 6, 2), evals=200)
+    assert sorted(searched.fewer_ahead) == [3, 5]
+    for k in (3, 5):
+        fewer, trimmed = with_fewer_ahead(searched, k), with_fewer_ahead(merged, k)
+        assert fewer is searched.fewer_ahead[k] and fewer.meta == trimmed.meta
+        validate(fewer)
+        assert simulate(fewer, workload).step_time_s <= simulate(trimmed, workload).step_time_s
+    trimmed = with_fewer_ahead(searched, 2)  # not searched: the whole pool's merge, trimmed
+    assert trimmed.meta.lookahead == 2 and not trimmed.fewer_ahead
+
+
 def test_look_ahead_micro_batches_are_forward_only_in_the_validator_and_hold_no_memory():
     step, workload, pool = schedules("megatron", n=2, pool=2)
     merged = with_lookahead(step, pool, workload)
@@ -113,7 +161,8 @@ def test_look_ahead_micro_batches_are_forward_only_in_the_validator_and_hold_no_
     assert simulate(merged, workload).activation_peaks == pytest.approx(alone)
 
 
-def _job(state, step, workload, pool, lookahead: bool) -> RuntimeJob:
+def _job(state, step, workload, pool, lookahead: bool, order: str = "simulated") -> RuntimeJob:
+    merged = lookahead_merge(step, pool, workload, order, range(1, POOL)) if lookahead else None
     return RuntimeJob(
         ModelParts(TINY, state),
         PlanParts(PLAN, schedule=step),
@@ -122,7 +171,7 @@ def _job(state, step, workload, pool, lookahead: bool) -> RuntimeJob:
             N,
             coreset=CoresetConfig(batch_size=N, pool_ratio=2, features="zo", seed=3),
             pool_schedule=pool,
-            lookahead_schedule=with_lookahead(step, pool, workload) if lookahead else None,
+            lookahead_schedule=merged,
         ),
         optimizer=OptimizerSettings(lr=1e-2, clip_grad=0.5),
         collect=Collect(grads=False),
@@ -169,13 +218,15 @@ def _copy_weights(to, source) -> None:
         mine.load_state_dict(copy.deepcopy(theirs.state_dict()))
 
 
-def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same():
+@pytest.mark.parametrize("order", ["simulated", pytest.param("searched", marks=pytest.mark.slow)])
+def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same(order):
     """PP=2 Optimus, ordered messages: the rows chosen during step t for step t+1 are those a
     saved copy of step t's weights and selector chooses; step 0 (the same selection in both)
-    trains to the same losses with or without the next pool merged into it."""
+    trains to the same losses with or without the next pool merged into it (in either order:
+    the searched one runs a merge of its own for each count of scored micro-batches)."""
     state = spawn(make_full_state, 1, TINY, 0)[0]
     step, workload, pool = schedules("optimus")
-    jobs = [_job(state, step, workload, pool, la) for la in (True, False, False)]
+    jobs = [_job(state, step, workload, pool, la, order) for la in (True, False, False)]
     for job in jobs:
         check_job(job, 2)
     outs = spawn(_against_a_saved_copy, 2, jobs)

@@ -11,12 +11,13 @@ import statistics
 import time
 from dataclasses import asdict, replace
 
-# The look-ahead runs: --coreset-lookahead-order's default (the order simulation chose) and the
-# whole next pool first.
+# The look-ahead runs: --coreset-lookahead-order's default (the order simulation chose), the
+# whole next pool first (and selected before the update: the ablation), and searched.
 LOOKAHEADS = (
     "coreset_lookahead",
     "coreset_lookahead_pool_first",
     "coreset_lookahead_pool_first_select_before",
+    "coreset_lookahead_searched",
 )
 RUNS = ("B", "2B_accumulation", "coreset", "coreset_whole_pool", *LOOKAHEADS)
 
@@ -45,7 +46,7 @@ def pipeline_jobs(args) -> dict:
     from megatron_mllm.runtime.modes.reference import make_full_state
     from megatron_mllm.runtime.planning.profile_units import profile_units
     from megatron_mllm.runtime.planning.schedules import pool_plan, runtime_plan
-    from megatron_mllm.schedule.lookahead import SHIFTS, with_lookahead
+    from megatron_mllm.schedule.lookahead import SHIFTS, with_lookahead, with_searched_counts
 
     cfg, plan, mb = mllm_config(args, text_len=args.pipeline_text), ParallelPlan(1, 1, 2), 2
     n = args.pipeline_batch // mb
@@ -58,6 +59,9 @@ def pipeline_jobs(args) -> dict:
     coreset = CoresetConfig(batch_size=args.pipeline_batch, pool_ratio=2, features="zo", seed=0)
     merged = with_lookahead(step, pool, workload, SHIFTS["simulated"])
     first = with_lookahead(step, pool, workload, SHIFTS["pool-first"])
+    searched = None
+    if "coreset_lookahead_searched" in args.pipeline_runs:  # a search per count: ~4 s each
+        searched = with_searched_counts(merged, workload, range(1, 2 * n))
 
     # fp32: bf16 matrix products are ~65x slower on this CPU
     fp32 = argparse.Namespace(precision="fp32")
@@ -81,6 +85,9 @@ def pipeline_jobs(args) -> dict:
         ),
         "coreset_lookahead_pool_first_select_before": job(
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
+        ),
+        "coreset_lookahead_searched": job(
+            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=searched
         ),
     }
     jobs = {name: job for name, job in jobs.items() if name in args.pipeline_runs}

@@ -23,7 +23,7 @@ from megatron_mllm.schedule.loads import (
     mean_images,
     parse_distribution,
 )
-from megatron_mllm.schedule.lookahead import SHIFTS, with_lookahead
+from megatron_mllm.schedule.lookahead import SHIFTS, lookahead_merge
 from megatron_mllm.schedule.planner import PlanReport, plan_all
 from megatron_mllm.schedule.schedule import Schedule
 from megatron_mllm.schedule.simulator import BUBBLE_CAUSES, simulate
@@ -172,7 +172,7 @@ def job_from_args(args: argparse.Namespace) -> tuple[MLLMJob, dict | None]:
 
 
 def lookahead_prediction(args, job: MLLMJob, measured, report: PlanReport) -> dict | None:
-    """The Optimus step with the next coreset pool's forward merged in (`with_lookahead`):
+    """The Optimus step with the next coreset pool's forward merged in (`lookahead_merge`):
     predicted seconds, against the pool's pass alone and then the step (None without
     --coreset-pool-ratio)."""
     if args.coreset_pool_ratio is None:
@@ -186,8 +186,8 @@ def lookahead_prediction(args, job: MLLMJob, measured, report: PlanReport) -> di
     pool_job = replace(job, global_batch=pool_batch, backbone_split=layers)
     options = replace(planned.options, wgrad_split=False, backbone_wgrad_split=False)
     pool, pool_workload = optimus_schedule(JobCosts(pool_job, measured), options)
-    shifts = SHIFTS[args.coreset_lookahead_order]
-    times = with_lookahead(planned.schedule, pool, planned.workload, shifts).lookahead_times
+    order = args.coreset_lookahead_order
+    times = lookahead_merge(planned.schedule, pool, planned.workload, order).lookahead_times
     out = {
         "order": args.coreset_lookahead_order,
         "lookahead_step_s": times.step_s,

@@ -11,10 +11,13 @@ against the step's, and each rank's two lists are merged in time order, each kee
 order. Shifts run from "the whole pool first" to "the whole pool last"; the validator checks
 every candidate (a merge can deadlock where the two timelines disagree) and the fastest valid
 one in simulation is kept (`--coreset-lookahead-order simulated`, the default), or the whole
-pool first without a search (`pool-first`: at PP 2 on our executor measured no slower than
-the interleaves the simulator prefers in most invocations, slower in the latest, while at PP 8
-the simulator predicts the interleaves far ahead; docs/performance.md). `with_fewer_ahead`
-keeps a merge's first k pool micro-batches (only the rows the selection scores go forward).
+pool first without a search (`pool-first`). `searched` goes on from the shift merge: each
+rank's pool groups moved on their own (`merge_search.py`), once for the whole pool and once
+for each count of pool micro-batches that can go forward (`with_searched_counts`). Measured on
+our executor at PP 2: searched no slower than pool-first, the shift merge the slowest; at PP 8
+the simulator predicts the interleaves far ahead of pool-first (docs/performance.md).
+`with_fewer_ahead` gives a merge's lists for its first k pool micro-batches (only the rows the
+selection scores go forward): the searched ones where there are, else the merge trimmed.
 """
 
 from __future__ import annotations
@@ -25,13 +28,20 @@ from itertools import accumulate
 from megatron_mllm.errors import ConfigError
 from megatron_mllm.schedule.actions import COMPUTE_KINDS, Action
 from megatron_mllm.schedule.keys import TensorKey
+from megatron_mllm.schedule.merge_search import (
+    SEARCH_EVALS,
+    is_pool_action,
+    leading_gathers,
+    searched_merge,
+)
 from megatron_mllm.schedule.schedule import LookaheadTimes, Schedule
 from megatron_mllm.schedule.simulator import simulate
 from megatron_mllm.schedule.validator import ScheduleError, backbone_groups, validate
 from megatron_mllm.schedule.workload import Workload
 
-# --coreset-lookahead-order -> the shifts `with_lookahead` tries (0: the whole pool first).
-SHIFTS = {"simulated": 12, "pool-first": 0}
+# --coreset-lookahead-order -> the shifts `with_lookahead` tries (0: the whole pool first);
+# "searched" then moves each rank's pool groups on their own (`merge_search.py`).
+SHIFTS = {"simulated": 12, "pool-first": 0, "searched": 12}
 
 # Keys whose messages carry activations forward (the rest belong to the backward).
 FORWARD_KEYS = ("act", "eout", "eact")
@@ -82,11 +92,6 @@ def _check_alike(step: Schedule, pool: Schedule) -> None:
         )
 
 
-def _lead(acts: list[Action]) -> int:
-    """How many parameter gathers open a rank's list (they stay first: pool forwards need them)."""
-    return next((i for i, a in enumerate(acts) if a.kind != "AG"), len(acts))
-
-
 def _groups(acts: list[Action], first: int = 0) -> list[list[int]]:
     """Execution groups (a backbone action and its fills) from index `first` on."""
     return [[first + i for i in g] for g in backbone_groups(acts[first:])]
@@ -106,7 +111,7 @@ def _merged(step: Schedule, meta, timed: list, shift: float) -> Schedule:
     step's leading gathers."""
     ranks = []
     for acts, (mine, theirs) in zip(step.ranks, timed, strict=True):
-        out, i, j = list(acts[: _lead(acts)]), 0, 0
+        out, i, j = list(acts[: leading_gathers(acts)]), 0, 0
         while i < len(mine) or j < len(theirs):
             if j == len(theirs) or (i < len(mine) and mine[i][0] <= theirs[j][0] + shift):
                 out += mine[i][1]
@@ -122,7 +127,7 @@ def _pool_first(step: Schedule, ahead: list[list[Action]], meta) -> Schedule:
     """The whole pool first on every rank (after the gathers): the pool's own timeline."""
     ranks = []
     for acts, extra in zip(step.ranks, ahead, strict=True):
-        lead = _lead(acts)
+        lead = leading_gathers(acts)
         ranks.append(acts[:lead] + extra + acts[lead:])
     return Schedule(meta, ranks, step.origin)
 
@@ -141,7 +146,7 @@ def with_lookahead(
     validate(best)
     quick = {"keep_spans": False, "classify": False}
     first, alone = simulate(best, workload, **quick), simulate(step, workload, **quick)
-    leads = [_lead(acts) for acts in step.ranks]
+    leads = [leading_gathers(acts) for acts in step.ranks]
     pool_end = max(
         (
             first.action_times[(r, leads[r] + i)][1]
@@ -178,16 +183,36 @@ def with_fewer_ahead(merged: Schedule, keep: int) -> Schedule:
     meta = merged.meta
     if not 0 <= keep <= meta.lookahead:
         raise ConfigError(f"{keep} look-ahead micro-batches: the merge holds {meta.lookahead}")
+    if keep in merged.fewer_ahead:
+        return merged.fewer_ahead[keep]
     last = meta.num_microbatches + keep
-
-    def kept(a: Action) -> bool:
-        if a.kind in COMPUTE_KINDS:
-            return a.mb < last
-        if a.kind in ("SEND", "RECV"):
-            return TensorKey.parse(a.key).mb < last
-        return True
-
-    out = Schedule(replace(meta, lookahead=keep), [[a for a in r if kept(a)] for r in merged.ranks])
+    ranks = [[a for a in acts if not is_pool_action(a, last)] for acts in merged.ranks]
+    out = Schedule(replace(meta, lookahead=keep), ranks)
     out.origin, out.lookahead_times = merged.origin, merged.lookahead_times
     validate(out)
     return out
+
+
+def with_searched_counts(
+    merged: Schedule, workload: Workload, counts: range, evals: int = SEARCH_EVALS
+) -> Schedule:
+    """`merged` searched for the whole pool (`merge_search.searched_merge`), holding a merge
+    searched on its own for each of `counts` pool micro-batches going forward
+    (`Schedule.fewer_ahead`, which `with_fewer_ahead` returns)."""
+    whole = merged.meta.lookahead
+    out = searched_merge(merged, workload, evals)
+    out.fewer_ahead = {
+        k: searched_merge(with_fewer_ahead(merged, k), workload, evals)
+        for k in counts
+        if 0 < k < whole
+    }
+    return out
+
+
+def lookahead_merge(
+    step: Schedule, pool: Schedule, workload: Workload, order: str, counts: range = range(0)
+) -> Schedule:
+    """The look-ahead schedule for --coreset-lookahead-order `order`; "searched" also searches
+    each of `counts` pool micro-batches going forward."""
+    merged = with_lookahead(step, pool, workload, SHIFTS[order])
+    return with_searched_counts(merged, workload, counts) if order == "searched" else merged

@@ -11,7 +11,7 @@ from __future__ import annotations
 import csv
 import io
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_mllm.errors import ConfigError
@@ -178,6 +178,9 @@ class Schedule:
     ranks: list[list[Action]]
     origin: OptimusOptions | None = None  # the planner's candidate these lists were built from
     lookahead_times: LookaheadTimes | None = None  # set by with_lookahead
+    # A look-ahead merge's own lists for fewer pool micro-batches going forward, by count
+    # (`merge_search.with_searched_counts`); a count not here is this merge trimmed.
+    fewer_ahead: dict[int, Schedule] = field(default_factory=dict, repr=False, compare=False)
 
     def encoder_assignment(self) -> list[dict[int, int]]:
         """For each encoder, micro-batch -> the encoder pipeline that runs it (from EF actions)."""

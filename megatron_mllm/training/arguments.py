@@ -149,8 +149,10 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         choices=list(SHIFTS),
         default=None,
         help="with --coreset-lookahead: where the next pool's forwards go in each rank's list: "
-        "where simulation finds the step shortest (default: simulated), or all of them first "
-        "(pool-first)",
+        "where simulation finds the step shortest over shifts of the pool's timeline (default: "
+        "simulated), all of them first (pool-first), or searched further, each rank's pool "
+        "groups moved on their own, once per count of pool micro-batches at start-up (searched: "
+        "a few seconds each at PP 2)",
     )
     g.add_argument(
         "--coreset-features",

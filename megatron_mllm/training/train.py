@@ -109,9 +109,10 @@ def coreset_schedules(run: RunConfig, schedule, workload) -> tuple:
     )
     if not args.coreset_lookahead:
         return pool, None
-    from megatron_mllm.schedule.lookahead import SHIFTS, with_lookahead
+    from megatron_mllm.schedule.lookahead import lookahead_merge
 
-    return pool, with_lookahead(schedule, pool, workload, SHIFTS[args.coreset_lookahead_order])
+    order = args.coreset_lookahead_order
+    return pool, lookahead_merge(schedule, pool, workload, order, counts=range(1, size))
 
 
 def _train(run_config: RunConfig, schedule, pools, predicted, phase=None, faults=None) -> int:
