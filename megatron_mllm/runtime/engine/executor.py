@@ -127,6 +127,7 @@ class Executor(ComputeActions):
             for k in self._needs(a)
         )
         self._sends = Counter(op.key for op in program if op.kind == "send")
+        self._receives = [op for op in program if op.kind == "recv"]  # in the program's order
         self.last_layer_inputs: dict[int, torch.Tensor] = {}
         # The LM head timed apart from the last stage's layers (its own unit, as profiled).
         self.head_timer = (
@@ -202,6 +203,7 @@ class Executor(ComputeActions):
             self.ordered,
             self.recv_lookahead,
             self.dtype,
+            self._receives,
         )
         self._move_batches()
 

@@ -1,7 +1,11 @@
 """One rank's point-to-point messages for one step: tagged (gloo) or ordered (NCCL's matching).
 
 * Tagged: each message carries a tag from its key, so two messages between the same pair of
-  ranks never depend on the order they were posted in.
+  ranks never depend on the order they were posted in. Receives are posted when needed, with
+  the next `lookahead` of this rank's program (any sender) posted with them: gloo moves a
+  message only once its receive is posted, so a receive posted when its tensor is needed
+  waits for the whole exchange (the sender's transport thread woken on a busy core included),
+  where one posted a step earlier finds the tensor there.
 * Ordered (NCCL has no tags): every message goes with tag 0 on a process group of its own
   direction (src, dst), and each sender's messages are received in the order it sends them.
   Receives are posted lazily: when key k from sender s is needed, s's not-yet-posted receives
@@ -57,6 +61,7 @@ class Messages:
         ordered: tuple[dict, dict] | None = None,
         lookahead: int = RECV_LOOKAHEAD,
         dtype: torch.dtype = torch.float32,
+        receives: list[Op] = (),
     ) -> None:
         self.rank, self.device, self.shape_of = rank, device, shape_of
         self.dtype = dtype  # the pipeline dtype: every message is an activation or its gradient
@@ -65,12 +70,15 @@ class Messages:
         self.ordered, self.lookahead = ordered, lookahead
         self.max_posted_ahead: dict[int, int] = {}  # sender -> most outstanding at once
         self.pending: list[tuple] = []  # (work, op, tensor) of sends in flight
+        self._posted: dict[tuple[str, int], tuple] = {}  # (key, sender) -> (work, buffer)
+        # Tagged: this rank's receives in program order (`receives`), posted up to `_ahead`.
+        self._receives, self._ahead = list(receives), 0
+        self._at = {(op.key, op.peer): i for i, op in enumerate(self._receives)}
         if ordered is not None:
             orders = ordered[0]
             self._index = {s: {k: i for i, k in enumerate(ks)} for s, ks in orders.items()}
             self._next = dict.fromkeys(orders, 0)
             self._outstanding = dict.fromkeys(orders, 0)
-            self._posted: dict[tuple[str, int], tuple] = {}
 
     # -- sends -------------------------------------------------------------------------------
     def send(self, op: Op, tensor: torch.Tensor) -> None:
@@ -106,9 +114,8 @@ class Messages:
     def receive(self, op: Op) -> tuple[object, torch.Tensor]:
         """(work, buffer) of the message `op` waits for, posted if it was not yet."""
         if self.ordered is None:
-            buf = torch.empty(self.shape_of(op.key), dtype=self.dtype, device=self.device)
             with naming_peer(self.rank, op, "could not post the receive for"):
-                return dist.irecv(buf, op.peer, tag=op.tag), buf
+                return self._tagged(op)
         keys, want = self.ordered[0][op.peer], self._index[op.peer][op.key]
         with naming_peer(self.rank, op, "could not post the receive for"):
             while self._next[op.peer] <= want:  # what the sender sends first is received first
@@ -120,6 +127,24 @@ class Messages:
             ):
                 self._post_next(op.peer, keys)
         return self._posted.pop((op.key, op.peer))
+
+    def _tagged(self, op: Op) -> tuple[object, torch.Tensor]:
+        """Tagged: `op`'s receive, and the next `lookahead` of the program's posted with it."""
+        at = self._at.get((op.key, op.peer))
+        if at is None:  # not in the program's list (a caller's own message): posted alone
+            return self._post_tagged(op)
+        last = min(at + self.lookahead, len(self._receives) - 1)
+        while self._ahead <= last:
+            ahead = self._receives[self._ahead]
+            self._posted[(ahead.key, ahead.peer)] = self._post_tagged(ahead)
+            self._ahead += 1
+        most = self.max_posted_ahead
+        most[op.peer] = max(most.get(op.peer, 0), sum(1 for _, p in self._posted if p == op.peer))
+        return self._posted.pop((op.key, op.peer))
+
+    def _post_tagged(self, op: Op) -> tuple[object, torch.Tensor]:
+        buf = torch.empty(self.shape_of(op.key), dtype=self.dtype, device=self.device)
+        return dist.irecv(buf, op.peer, tag=op.tag), buf
 
     def arrived(self, op: Op) -> None:
         """`op`'s message has been waited for: one fewer outstanding from its sender."""
