@@ -156,6 +156,13 @@ def main() -> int:
         "peer waits for it (optimus_bb_split; with --encoder-wgrad-split the encoder's too), "
         "side by side",
     )
+    ap.add_argument(
+        "--recv-ablation",
+        action="store_true",
+        help="also run our executor's Megatron schedule and the static Optimus plan with each "
+        "receive posted only when its tensor is needed (recv_lookahead 0, as before the "
+        "receives went up ahead), side by side",
+    )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
         "--trace",
@@ -243,6 +250,10 @@ SPLIT_RATIOS += (
     "executor_megatron_bb_split_vs_executor_megatron",
     "predicted_error_executor_megatron_bb_split",
 )
+# With --recv-ablation: a run with receives posted ahead over the same run with each posted
+# when needed (step time when needed / ahead: above 1, ahead is faster)
+RECV_ABLATED = ("executor_megatron", "optimus")
+SPLIT_RATIOS += tuple(f"{name}_recv_ahead_gain" for name in RECV_ABLATED)
 
 
 def split_variants(args, best, fill_costs) -> dict:
@@ -330,6 +341,10 @@ def plan_runs(args, cfg, dtype) -> dict:
         megatron_split = megatron_schedule(costs, backbone_wgrad_split=True)
         jobs["executor_megatron_bb_split"] = job(PlanParts(plan, schedule=megatron_split[0]))
         predicted["executor_megatron_bb_split"] = simulate(*megatron_split).step_time_s
+    for name in RECV_ABLATED if args.recv_ablation else ():
+        ablated = replace(jobs[name].executor, recv_lookahead=0)
+        jobs[f"{name}_recv_needed"] = replace(jobs[name], executor=ablated)
+        predicted[f"{name}_recv_needed"] = predicted[name]
     # Plan candidates (--plan-candidates): the planner's K best and the Megatron schedule each
     # train real steps, the fastest measured is kept; this run's phase goes before the others.
     from functools import partial
@@ -508,6 +523,8 @@ def one_repeat(setup: dict, args) -> dict:
         ratios["executor_megatron_bb_split_vs_executor_megatron"] = m["executor_megatron"] / split
         predicted = setup["predicted"]["executor_megatron_bb_split"]
         ratios["predicted_error_executor_megatron_bb_split"] = (predicted - split) / split
+    for name in (n for n in RECV_ABLATED if f"{n}_recv_needed" in m):
+        out["ratios"][f"{name}_recv_ahead_gain"] = m[f"{name}_recv_needed"] / m[name]
     out["optimus_spans"] = [sp for o in outs["optimus"] for sp in o["spans"]]
     return out
 
