@@ -109,33 +109,35 @@ def _programs(schedule, plan):
 
 
 # -- 5: receives posted ahead, within the look-ahead ------------------------------------------
-@pytest.mark.parametrize("ordered", [True, False], ids=["ordered", "tagged"])
-def test_receives_are_posted_lazily_within_the_lookahead(state, ordered):
+@pytest.mark.parametrize(
+    "ordered, ahead", [(True, 2), (False, 2), (False, 0)], ids=["ordered", "tagged", "tagged-0"]
+)
+def test_receives_are_posted_lazily_within_the_lookahead(state, ordered, ahead):
     """NCCL matches by order and a posted receive spins until its data arrives: each sender's
     receives are posted when needed plus at most `recv_lookahead`, never all at step start.
     Tagged (gloo) alike, over the program's receives: gloo moves a message once its receive
     is posted, so the next ones go up with the one needed (at least two out at once). The
     program has more messages per sender than that bound, so posting them all up front
-    would break it."""
+    would break it. Tagged with a look-ahead of 0: each posted alone, when needed."""
     from megatron_mllm.runtime.engine.messages import RECV_LOOKAHEAD
     from megatron_mllm.runtime.engine.program import receive_orders
 
     schedule = runtime_schedule(TINY, PP2, 1, N, "optimus")
     programs = _programs(schedule, PP2)
-    bound = RECV_LOOKAHEAD + 1
+    bound = (RECV_LOOKAHEAD if ahead else 0) + 1
     per_sender = {r: receive_orders(programs, r) for r in programs}
     assert all(len(keys) > bound for orders in per_sender.values() for keys in orders.values())
     job = RuntimeJob(
         ModelParts(TINY, state),
         PlanParts(PP2, schedule=schedule),
         DataParts(1, N),
-        executor=ExecutorSettings(ordered_p2p=ordered),
+        executor=ExecutorSettings(ordered_p2p=ordered, recv_lookahead=ahead),
     )
     outs = spawn(_probe, 2, job, {})
     for rank, out in enumerate(outs):
         (step,) = out["steps"]
         assert set(step.max_posted_ahead) == set(per_sender[rank])
-        least = 1 if ordered else 2
+        least = 1 if ordered or not ahead else 2
         most = step.max_posted_ahead.values()
         assert all(least <= n <= bound for n in most), step.max_posted_ahead
         # Times are StepClock marks read at step end: every span lies inside the step.

@@ -137,11 +137,17 @@ def test_searched_counts_are_what_a_merge_with_fewer_pool_micro_batches_runs():
     merged = with_lookahead(step, pool, workload)
     searched = with_searched_counts(merged, workload, range(3, 6, 2), evals=200)
     assert sorted(searched.fewer_ahead) == [3, 5]
+    whole = searched_merge(merged, workload, evals=200)  # the search for the whole pool alone
+    assert searched.ranks == whole.ranks
     for k in (3, 5):
         fewer, trimmed = with_fewer_ahead(searched, k), with_fewer_ahead(merged, k)
         assert fewer is searched.fewer_ahead[k] and fewer.meta == trimmed.meta
+        assert fewer.lookahead_times == searched.lookahead_times  # the whole pool's
         validate(fewer)
-        assert simulate(fewer, workload).step_time_s <= simulate(trimmed, workload).step_time_s
+        # No slower than either trim it could start from: the shift merge's or the search's.
+        seconds = simulate(fewer, workload).step_time_s
+        assert seconds <= simulate(trimmed, workload).step_time_s
+        assert seconds <= simulate(with_fewer_ahead(whole, k), workload).step_time_s
     trimmed = with_fewer_ahead(searched, 2)  # not searched: the whole pool's merge, trimmed
     assert trimmed.meta.lookahead == 2 and not trimmed.fewer_ahead
 

@@ -160,8 +160,9 @@ def main() -> int:
         "--recv-ablation",
         action="store_true",
         help="also run our executor's Megatron schedule and the static Optimus plan with each "
-        "receive posted only when its tensor is needed (recv_lookahead 0, as before the "
-        "receives went up ahead), side by side",
+        "receive posted only when its tensor is needed (recv_lookahead 0, as gloo's tagged "
+        "messages ran before the receives went up ahead), side by side (CPU only: on NCCL "
+        "the receives were always posted ahead)",
     )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(
@@ -171,6 +172,8 @@ def main() -> int:
         "as one Chrome trace JSON (processes 'measured rank r' / 'predicted')",
     )
     args = ap.parse_args()
+    if args.recv_ablation and args.device == "cuda":
+        ap.error("--recv-ablation is for gloo (CPU): NCCL's receives were always posted ahead")
     if args.device == "cuda":  # the ranks then take one GPU each and talk over NCCL
         import torch
 

@@ -43,6 +43,9 @@ from megatron_mllm.schedule.workload import Workload
 # "searched" then moves each rank's pool groups on their own (`merge_search.py`).
 SHIFTS = {"simulated": 12, "pool-first": 0, "searched": 12}
 
+# The simulator without spans or idle causes (only step times are read here).
+_QUICK = {"keep_spans": False, "classify": False}
+
 # Keys whose messages carry activations forward (the rest belong to the backward).
 FORWARD_KEYS = ("act", "eout", "eact")
 
@@ -144,8 +147,7 @@ def with_lookahead(
     ahead = forward_half(pool, step.meta.num_microbatches)
     best = _pool_first(step, ahead, meta)
     validate(best)
-    quick = {"keep_spans": False, "classify": False}
-    first, alone = simulate(best, workload, **quick), simulate(step, workload, **quick)
+    first, alone = simulate(best, workload, **_QUICK), simulate(step, workload, **_QUICK)
     leads = [leading_gathers(acts) for acts in step.ranks]
     pool_end = max(
         (
@@ -169,7 +171,7 @@ def with_lookahead(
             validate(candidate)
         except ScheduleError:
             continue
-        t = simulate(candidate, workload, **quick).step_time_s
+        t = simulate(candidate, workload, **_QUICK).step_time_s
         if t < best_time - 1e-12:
             best, best_time = candidate, t
     best.lookahead_times = LookaheadTimes(best_time, alone.step_time_s, pool_end)
@@ -178,8 +180,10 @@ def with_lookahead(
 
 def with_fewer_ahead(merged: Schedule, keep: int) -> Schedule:
     """`merged` (a look-ahead schedule) going forward with only its first `keep` look-ahead
-    micro-batches: every other one's actions dropped, each rank's order otherwise unchanged
-    (look-ahead micro-batches are forward-only and independent of each other)."""
+    micro-batches: the lists searched for that count where `merged` holds them
+    (`with_searched_counts`), else every other one's actions dropped, each rank's order
+    otherwise unchanged (look-ahead micro-batches are forward-only and independent of each
+    other). Its `lookahead_times` are the whole pool's."""
     meta = merged.meta
     if not 0 <= keep <= meta.lookahead:
         raise ConfigError(f"{keep} look-ahead micro-batches: the merge holds {meta.lookahead}")
@@ -199,13 +203,12 @@ def with_searched_counts(
     """`merged` searched for the whole pool (`merge_search.searched_merge`), holding a merge
     searched on its own for each of `counts` pool micro-batches going forward
     (`Schedule.fewer_ahead`, which `with_fewer_ahead` returns)."""
-    whole = merged.meta.lookahead
     out = searched_merge(merged, workload, evals)
-    out.fewer_ahead = {
-        k: searched_merge(with_fewer_ahead(merged, k), workload, evals)
-        for k in counts
-        if 0 < k < whole
-    }
+    for k in (k for k in counts if 0 < k < merged.meta.lookahead):
+        seeds = (with_fewer_ahead(merged, k), with_fewer_ahead(out, k))
+        seed = min(seeds, key=lambda s: simulate(s, workload, **_QUICK).step_time_s)
+        out.fewer_ahead[k] = searched_merge(seed, workload, evals)
+        out.fewer_ahead[k].lookahead_times = out.lookahead_times
     return out
 
 

@@ -109,17 +109,26 @@ def searched_merge(
         ranks = [_joined(p, q) for p, q in zip(parts, points, strict=True)]
         return Schedule(meta, ranks, merged.origin)
 
+    scored: dict[tuple, float] = {}  # a move clamped or undone scores the same merge again
+
     def score(points: list[list[int]]) -> float:
-        candidate = built(points)
-        try:
-            validate(candidate)
-        except ScheduleError:
-            return math.inf
-        return simulate(candidate, workload, keep_spans=False, classify=False).step_time_s
+        key = tuple(map(tuple, points))
+        if key not in scored:
+            candidate = built(points)
+            try:
+                validate(candidate)
+            except ScheduleError:
+                scored[key] = math.inf
+            else:
+                result = simulate(candidate, workload, keep_spans=False, classify=False)
+                scored[key] = result.step_time_s
+        return scored[key]
 
     rng = random.Random(seed)
     current = best = [s[1] for s in split]
     current_s = best_s = score(current)
+    if not any(current):  # no pool groups to move
+        evals = 0
     start = START_TEMPERATURE * best_s
     for i in range(evals):
         candidate = _moved(current, rng, limits)

@@ -152,7 +152,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         "where simulation finds the step shortest over shifts of the pool's timeline (default: "
         "simulated), all of them first (pool-first), or searched further, each rank's pool "
         "groups moved on their own, once per count of pool micro-batches at start-up (searched: "
-        "a few seconds each at PP 2)",
+        "a few seconds a count at PP 2, so a pool of 16 micro-batches a rank adds about a "
+        "minute; more with more stages)",
     )
     g.add_argument(
         "--coreset-features",

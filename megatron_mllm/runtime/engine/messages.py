@@ -5,7 +5,7 @@
   the next `lookahead` of this rank's program (any sender) posted with them: gloo moves a
   message only once its receive is posted, so a receive posted when its tensor is needed
   waits for the whole exchange (the sender's transport thread woken on a busy core included),
-  where one posted a step earlier finds the tensor there.
+  where one posted a few ops earlier finds the tensor there.
 * Ordered (NCCL has no tags): every message goes with tag 0 on a process group of its own
   direction (src, dst), and each sender's messages are received in the order it sends them.
   Receives are posted lazily: when key k from sender s is needed, s's not-yet-posted receives
@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from megatron_mllm.runtime.engine.program import Op
 
-# Ordered mode: receives posted per sender beyond the one being waited for.
+# Receives posted beyond the one being waited for: per sender when ordered, over the program's
+# receives when tagged.
 RECV_LOOKAHEAD = 2
 
 
@@ -74,6 +75,8 @@ class Messages:
         # Tagged: this rank's receives in program order (`receives`), posted up to `_ahead`.
         self._receives, self._ahead = list(receives), 0
         self._at = {(op.key, op.peer): i for i, op in enumerate(self._receives)}
+        if len(self._at) < len(self._receives):
+            raise ValueError(f"rank {rank}: a message received twice in one program")
         if ordered is not None:
             orders = ordered[0]
             self._index = {s: {k: i for i, k in enumerate(ks)} for s, ks in orders.items()}
@@ -105,10 +108,14 @@ class Messages:
         self.pending = still
 
     def drain(self) -> None:
-        """Wait for every send still in flight (at step end)."""
+        """Wait for every send still in flight (at step end); a receive posted and never taken
+        is an error (its message would meet the next step's receive)."""
         for work, op, _ in self.pending:
             self.wait(work, op)
         self.pending = []
+        if self._posted:
+            left = sorted(f"{key} from rank {src}" for key, src in self._posted)[:3]
+            raise RuntimeError(f"rank {self.rank}: receives posted and never taken: {left}")
 
     # -- receives ----------------------------------------------------------------------------
     def receive(self, op: Op) -> tuple[object, torch.Tensor]:
@@ -136,7 +143,8 @@ class Messages:
         last = min(at + self.lookahead, len(self._receives) - 1)
         while self._ahead <= last:
             ahead = self._receives[self._ahead]
-            self._posted[(ahead.key, ahead.peer)] = self._post_tagged(ahead)
+            with naming_peer(self.rank, ahead, "could not post the receive for"):
+                self._posted[(ahead.key, ahead.peer)] = self._post_tagged(ahead)
             self._ahead += 1
         most = self.max_posted_ahead
         most[op.peer] = max(most.get(op.peer, 0), sum(1 for _, p in self._posted if p == op.peer))

@@ -32,7 +32,8 @@ class StepResult:
     # the backbone's per layer (a chunk's F or B compute time over its layer count) and per TP
     # collective: ("llm", "collectives", "all_reduce" | "all_gather" | "reduce_scatter" [+ "_b"]).
     unit_times: dict[tuple[str, str, str], list[float]] = field(default_factory=dict)
-    # Ordered mode: sender -> the most of its receives posted and not yet consumed at once.
+    # Sender -> the most of its receives posted and not yet consumed at once (read when one of
+    # its receives is taken).
     max_posted_ahead: dict[int, int] = field(default_factory=dict)
     max_encoder_ahead: int = 0  # dynamic mode: most encoder micro-batches run ahead at once
     # Most encoder (stage, micro-batch) activations held at once, and the plan's own peak (the
