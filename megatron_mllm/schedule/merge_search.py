@@ -94,6 +94,28 @@ def _moved(points: list[list[int]], rng: random.Random, limits: list[int]) -> li
     return out
 
 
+def _annealed(
+    start: list[list[int]], score, limits: list[int], evals: int, rng: random.Random
+) -> tuple[list[list[int]], float]:
+    """The best insertion points `evals` annealing moves from `start` found, and their score."""
+    current = best = start
+    current_s = best_s = score(current)
+    if not any(current):  # no pool groups to move
+        return best, best_s
+    temperature0 = START_TEMPERATURE * best_s
+    for i in range(evals):
+        candidate = _moved(current, rng, limits)
+        seconds = score(candidate)
+        temperature = temperature0 * (1 - i / evals)
+        if seconds < current_s or (
+            seconds < math.inf and rng.random() < math.exp(-(seconds - current_s) / temperature)
+        ):
+            current, current_s = candidate, seconds
+            if seconds < best_s:
+                best, best_s = candidate, seconds
+    return best, best_s
+
+
 def searched_merge(
     merged: Schedule, workload: Workload, evals: int = SEARCH_EVALS, seed: int = 0
 ) -> Schedule:
@@ -124,22 +146,7 @@ def searched_merge(
                 scored[key] = result.step_time_s
         return scored[key]
 
-    rng = random.Random(seed)
-    current = best = [s[1] for s in split]
-    current_s = best_s = score(current)
-    if not any(current):  # no pool groups to move
-        evals = 0
-    start = START_TEMPERATURE * best_s
-    for i in range(evals):
-        candidate = _moved(current, rng, limits)
-        seconds = score(candidate)
-        temperature = start * (1 - i / evals)
-        if seconds < current_s or (
-            seconds < math.inf and rng.random() < math.exp(-(seconds - current_s) / temperature)
-        ):
-            current, current_s = candidate, seconds
-            if seconds < best_s:
-                best, best_s = candidate, seconds
+    best, best_s = _annealed([s[1] for s in split], score, limits, evals, random.Random(seed))
     out = built(best)
     if merged.lookahead_times is not None:
         out.lookahead_times = replace(merged.lookahead_times, step_s=best_s)

@@ -137,10 +137,7 @@ class Messages:
 
     def _tagged(self, op: Op) -> tuple[object, torch.Tensor]:
         """Tagged: `op`'s receive, and the next `lookahead` of the program's posted with it."""
-        at = self._at.get((op.key, op.peer))
-        if at is None:  # not in the program's list (a caller's own message): posted alone
-            return self._post_tagged(op)
-        last = min(at + self.lookahead, len(self._receives) - 1)
+        last = min(self._at[(op.key, op.peer)] + self.lookahead, len(self._receives) - 1)
         while self._ahead <= last:
             ahead = self._receives[self._ahead]
             with naming_peer(self.rank, ahead, "could not post the receive for"):
