@@ -195,7 +195,9 @@ def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
 
     device = init_rank(rank, world, 0, 60)
     ahead, plain, saved = (ExecutorRun(rank, world, job, device) for job in jobs)
-    rows, expected, updated = [], [], []
+    rows, expected, updated, reads = [], [], [], []
+    read = ahead.coreset.pool_list
+    ahead.coreset.pool_list = lambda pool: reads.append(step) or read(pool)
     for step in range(3):
         _copy_weights(saved, ahead)
         saved.coreset.selector.load_state_dict(copy.deepcopy(ahead.coreset.selector.state_dict()))
@@ -216,7 +218,7 @@ def _against_a_saved_copy(rank: int, world: int, jobs) -> dict:
         updated.append(saved.coreset.pool_rows(pool))
     return {"rows": rows[1:], "expected": expected, "updated": updated,
             "ahead": ahead.history, "plain": plain.history,
-            "fewer": sorted(ahead.coreset._aheads)}  # fmt: skip
+            "fewer": sorted(ahead.coreset._aheads), "reads": reads}  # fmt: skip
 
 
 def _copy_weights(to, source) -> None:
@@ -229,7 +231,8 @@ def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same(order
     """PP=2 Optimus, ordered messages: the rows chosen during step t for step t+1 are those a
     saved copy of step t's weights and selector chooses; step 0 (the same selection in both)
     trains to the same losses with or without the next pool merged into it (in either order:
-    the searched one runs a merge of its own for each count of scored micro-batches)."""
+    the searched one runs a merge of its own for each count of scored micro-batches). A pool is
+    read once: step t reads step t+1's for its forward, and step t+1 picks its rows from it."""
     state = spawn(make_full_state, 1, TINY, 0)[0]
     step, workload, pool = schedules("optimus")
     jobs = [_job(state, step, workload, pool, la, order) for la in (True, False, False)]
@@ -241,6 +244,7 @@ def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same(order
         assert len(set(out["rows"][0])) == N
         assert out["updated"] != out["expected"]  # the test can tell the weights apart
         assert out["fewer"] and all(k < POOL for k in out["fewer"])  # only scored rows went
+        assert out["reads"] == [0, 0, 1, 2]  # step 0 also selects its own pool first
     last = outs[1]  # the losses live on the last stage
     assert last["ahead"][0] == last["plain"][0]
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_mllm.data.batch import MicroBatch
+from megatron_mllm.data.batch import MicroBatch, collate
 from megatron_mllm.data.sampler import broadcast_selection
 from megatron_mllm.parallel.groups import backbone_rank, new_replica_mp_groups
 from megatron_mllm.runtime.engine.program import forward_only_program, gpu_program
@@ -41,6 +41,7 @@ class CoresetSteps:
         # Look-ahead: (step, chosen rows), rows None until they arrive (stages before the last).
         self.pending: tuple[int, list[int] | None] | None = None
         self._deferred: tuple | None = None  # (step, what the last stage selects from, or None)
+        self._next_pool: tuple | None = None  # look-ahead: (step, its pool collated), read ahead
         self._posted: tuple | None = None  # last stage: (the rows' broadcast, its buffer)
         # Look-ahead: select after the update (True) or before it, the rows shared at once (the
         # benchmark's ablation).
@@ -63,11 +64,10 @@ class CoresetSteps:
         """Look-ahead: (program, meta, receive orders, get, the next pool, its picker) of step
         `step` with step + 1's pool (read now) going forward in its bubbles: micro-batch m is
         the step's own below n, the pool's from there."""
-        from megatron_mllm.data.batch import collate
-
         n = self.job.num_microbatches
         pool = self.pool_list(self.run.data.prefetch_pool(step + 1))
         whole = collate(pool)
+        self._next_pool = (step + 1, whole)  # what step + 1 picks its rows from
         scored = self._scored(whole)
         forward = self._scored_batches(whole, scored)  # only the rows the selection scores
 
@@ -129,18 +129,25 @@ class CoresetSteps:
         pool = self.run.data.pool(step)  # read one step ahead under look-ahead
         if self.pending is None or self.pending[0] != step:
             return self.select(pool)
-        batches = self.pool_list(pool)
+        whole = self._read_ahead_pool(step, pool)
         if self.pending[1] is not None:
-            return self._chosen(batches, self.pending[1])
+            return self._chosen(whole, self.pending[1])
         chosen: list[Callable[..., MicroBatch]] = []
 
         def when_needed(m: int, dp: int) -> MicroBatch:  # the rows may still be on their way
             if not chosen:
                 self.settle()
-                chosen.append(self._chosen(batches, self.pending[1]))
+                chosen.append(self._chosen(whole, self.pending[1]))
             return chosen[0](m, dp)
 
         return when_needed
+
+    def _read_ahead_pool(self, step: int, pool) -> MicroBatch:
+        """Look-ahead: `step`'s pool collated, as the previous step read it for its forward
+        (read again from `pool` after a resume)."""
+        if self._next_pool is not None and self._next_pool[0] == step:
+            return self._next_pool[1]
+        return collate(self.pool_list(pool))
 
     def pool_list(self, pool) -> list[MicroBatch]:
         """This replica's pool micro-batches."""
@@ -152,14 +159,12 @@ class CoresetSteps:
         pipeline; the last stage computes features on its output layer and selects B samples,
         every rank of the pipeline gets their positions; returns `get(mb, dp)` over them."""
         batches = self.pool_list(pool)
-        return self._chosen(batches, self.pool_rows(batches))
+        return self._chosen(collate(batches), self.pool_rows(batches))
 
     def pool_rows(self, batches: list[MicroBatch]) -> list[int]:
         """The rows of the pool `batches` to train on, chosen now with the current weights
         (collective). Only the rows the selection scores go forward through the pipeline
         (without gradients); the rows of sources kept whole do not (`score_only`)."""
-        from megatron_mllm.data.batch import collate
-
         whole = collate(batches)
         scored = self._scored(whole)
         if self.score_only:
@@ -283,11 +288,9 @@ class CoresetSteps:
             picked = broadcast_selection(picked, size, group, self._last_rank(), self.run.device)
         return picked.tolist()
 
-    def _chosen(self, batches: list[MicroBatch], rows: list[int]) -> Callable[..., MicroBatch]:
-        """`get(mb, dp)` over the pool's `rows`, in micro-batches of the job's size."""
-        from megatron_mllm.data.batch import collate
-
-        whole, mb = collate(batches), self.job.micro_batch
+    def _chosen(self, whole: MicroBatch, rows: list[int]) -> Callable[..., MicroBatch]:
+        """`get(mb, dp)` over the collated pool's `rows`, in micro-batches of the job's size."""
+        mb = self.job.micro_batch
         chosen = [whole.select(rows[m : m + mb]) for m in range(0, len(rows), mb)]
         return lambda m, dp: chosen[m]  # noqa: ARG005 - every replica has its own pool
 
