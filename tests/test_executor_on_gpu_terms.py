@@ -110,22 +110,24 @@ def _programs(schedule, plan):
 
 # -- 5: receives posted ahead, within the look-ahead ------------------------------------------
 @pytest.mark.parametrize(
-    "ordered, ahead", [(True, 2), (False, 2), (False, 0)], ids=["ordered", "tagged", "tagged-0"]
+    "ordered, ahead",
+    [(True, None), (False, None), (False, 2), (False, 0)],
+    ids=["ordered", "tagged", "tagged-2", "tagged-0"],
 )
 def test_receives_are_posted_lazily_within_the_lookahead(state, ordered, ahead):
     """NCCL matches by order and a posted receive spins until its data arrives: each sender's
-    receives are posted when needed plus at most `recv_lookahead`, never all at step start.
-    Tagged (gloo) alike, over the program's receives: gloo moves a message once its receive
-    is posted, so the next ones go up with the one needed (at least two out at once). The
-    program has more messages per sender than that bound, so posting them all up front
-    would break it. Tagged with a look-ahead of 0: each posted alone, when needed."""
+    receives are posted when needed plus at most `RECV_LOOKAHEAD`, never all at step start.
+    Tagged (gloo) by default: every receive of the program goes up with the first (all of a
+    sender's out at once); with a look-ahead of 2, the next two with the one needed (at least
+    two out at once, never more than three: the program has more messages per sender than
+    that); with 0, each posted alone, when needed."""
     from megatron_mllm.runtime.engine.messages import RECV_LOOKAHEAD
     from megatron_mllm.runtime.engine.program import receive_orders
 
     schedule = runtime_schedule(TINY, PP2, 1, N, "optimus")
     programs = _programs(schedule, PP2)
-    bound = (RECV_LOOKAHEAD if ahead else 0) + 1
     per_sender = {r: receive_orders(programs, r) for r in programs}
+    bound = (RECV_LOOKAHEAD if ahead is None else ahead) + 1
     assert all(len(keys) > bound for orders in per_sender.values() for keys in orders.values())
     job = RuntimeJob(
         ModelParts(TINY, state),
@@ -137,9 +139,13 @@ def test_receives_are_posted_lazily_within_the_lookahead(state, ordered, ahead):
     for rank, out in enumerate(outs):
         (step,) = out["steps"]
         assert set(step.max_posted_ahead) == set(per_sender[rank])
-        least = 1 if ordered or not ahead else 2
-        most = step.max_posted_ahead.values()
-        assert all(least <= n <= bound for n in most), step.max_posted_ahead
+        if not ordered and ahead is None:  # every receive from a sender out at once
+            whole = {src: len(keys) for src, keys in per_sender[rank].items()}
+            assert step.max_posted_ahead == whole
+        else:
+            least = 1 if ordered or not ahead else 2
+            most = step.max_posted_ahead.values()
+            assert all(least <= n <= bound for n in most), step.max_posted_ahead
         # Times are StepClock marks read at step end: every span lies inside the step.
         assert step.seconds > 0
         assert all(0 <= s.start <= s.end <= step.seconds + 1e-6 for s in step.spans)

@@ -95,8 +95,9 @@ class ExecutorSettings:
     ordered_p2p: bool = False  # match messages by posting order, as NCCL does (on with NCCL)
     overlap_tp_fills: bool = False  # TP-bubble fills during the backbone's TP collectives
     replan_after: int | None = None  # re-plan from measured unit times after this many steps
-    # Receives posted ahead of the one needed: per sender when ordered, of the program when tagged
-    recv_lookahead: int = 2
+    # Receives posted ahead of the one needed: per sender when ordered, of the program when tagged;
+    # None: 2 per sender when ordered, every one of the program when tagged (messages.py)
+    recv_lookahead: int | None = None
     max_encoder_ahead: int = 2  # dynamic mode: encoder micro-batches run ahead at most
     # optimus-adaptive: each step's own plan, made one step ahead
     # (runtime/planning/step_plans.py), for encoder costs of this many images per sample

@@ -2,10 +2,13 @@
 
 * Tagged: each message carries a tag from its key, so two messages between the same pair of
   ranks never depend on the order they were posted in. Receives are posted when needed, with
-  the next `lookahead` of this rank's program (any sender) posted with them: gloo moves a
-  message only once its receive is posted, so a receive posted when its tensor is needed
-  waits for the whole exchange (the sender's transport thread woken on a busy core included),
-  where one posted a few ops earlier finds the tensor there.
+  the next `lookahead` of this rank's program (any sender) posted with them; by default every
+  receive of the program goes up with the first one. gloo moves a message only once its
+  receive is posted, so a receive posted when its tensor is needed waits for the whole
+  exchange (the sender's transport thread woken on a busy core included), where one posted
+  ahead finds the tensor there; and a post costs ~0.1 ms on a busy host, which the first
+  receive's wait (the pipeline's fill) absorbs better than a dense program does. A posted gloo
+  receive holds only a host buffer.
 * Ordered (NCCL has no tags): every message goes with tag 0 on a process group of its own
   direction (src, dst), and each sender's messages are received in the order it sends them.
   Receives are posted lazily: when key k from sender s is needed, s's not-yet-posted receives
@@ -28,8 +31,8 @@ import torch.distributed as dist
 
 from megatron_mllm.runtime.engine.program import Op
 
-# Receives posted beyond the one being waited for: per sender when ordered, over the program's
-# receives when tagged.
+# Receives posted beyond the one being waited for, per sender, when ordered (NCCL); tagged
+# (gloo) posts every receive of the program at the first by default.
 RECV_LOOKAHEAD = 2
 
 
@@ -60,7 +63,7 @@ class Messages:
         shape_of: Callable[[str], tuple[int, ...]],
         timeout_s: float,
         ordered: tuple[dict, dict] | None = None,
-        lookahead: int = RECV_LOOKAHEAD,
+        lookahead: int | None = None,
         dtype: torch.dtype = torch.float32,
         receives: list[Op] = (),
     ) -> None:
@@ -68,7 +71,10 @@ class Messages:
         self.dtype = dtype  # the pipeline dtype: every message is an activation or its gradient
         self.timeout = datetime.timedelta(seconds=timeout_s)
         # (receive orders {src: keys in the sender's posting order}, {(src, dst): group}).
-        self.ordered, self.lookahead = ordered, lookahead
+        self.ordered = ordered
+        if lookahead is None:  # the mode's default
+            lookahead = RECV_LOOKAHEAD if ordered is not None else len(receives)
+        self.lookahead = lookahead
         self.max_posted_ahead: dict[int, int] = {}  # sender -> most outstanding at once
         self.pending: list[tuple] = []  # (work, op, tensor) of sends in flight
         self._posted: dict[tuple[str, int], tuple] = {}  # (key, sender) -> (work, buffer)

@@ -9,7 +9,6 @@ from enum import Enum
 
 import torch
 
-from megatron_mllm.runtime.engine.messages import RECV_LOOKAHEAD
 from megatron_mllm.schedule.simulator import Span
 
 # Dynamic mode: encoder micro-batches whose work may run ahead of its place in the program (the
@@ -67,7 +66,7 @@ class PassOptions:
     dynamic: bool = False
     ordered: tuple[dict, dict] | None = None
     overlap_fills: bool = False
-    recv_lookahead: int = RECV_LOOKAHEAD
+    recv_lookahead: int | None = None  # None: the message mode's default (messages.py)
     max_encoder_ahead: int = MAX_ENCODER_AHEAD
     loss_scale: torch.Tensor | None = None
     loss_norm: torch.Tensor | None = None
