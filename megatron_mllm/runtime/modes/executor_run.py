@@ -262,7 +262,12 @@ class ExecutorRun:
 
         job = self.job
         grad_sync = options.pop("grad_sync", None)
-        settings = {"timeout_s": job.timeout_s, "recv_lookahead": job.executor.recv_lookahead}
+        ex = job.executor
+        settings = {
+            "timeout_s": job.timeout_s,
+            "recv_lookahead": ex.recv_lookahead,
+            "eager_sends": ex.eager_sends,
+        }
         return Executor(
             program,
             meta,
