@@ -6,7 +6,6 @@ mode: only the rows the selection scores go forward."""
 
 import copy
 import warnings
-from dataclasses import replace
 
 import pytest
 import torch
@@ -248,48 +247,6 @@ def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same(order
         assert out["reads"] == [0, 0, 1, 2]  # step 0 also selects its own pool first
     last = outs[1]  # the losses live on the last stage
     assert last["ahead"][0] == last["plain"][0]
-
-
-def _sends_against_the_next_action(rank: int, world: int, job: RuntimeJob) -> list:
-    """Two look-ahead steps; for every send the program places after other ops than the one
-    making its tensor (`eager_sends`): (the send's start, the start of the next action after
-    its maker) as the step's spans recorded them."""
-    from megatron_mllm.runtime.assembly.bootstrap import init_rank
-    from megatron_mllm.runtime.engine import executor as ex
-    from megatron_mllm.runtime.engine.program import eager_sends
-    from megatron_mllm.runtime.modes.executor_run import ExecutorRun
-
-    seen, run_step = [], ex.Executor.run_step
-
-    def recorded(self):
-        result = run_step(self)
-        seen.append((self.program, eager_sends(self.program, self.flow), result.spans))
-        return result
-
-    ex.Executor.run_step = recorded
-    run = ExecutorRun(rank, world, job, init_rank(rank, world, 0, 60))
-    for step in range(2):
-        run.step(step)
-    out = []
-    for program, eager, spans in seen:
-        starts = {str(s.action): s.start for s in spans}
-        for i, sends in eager.items():
-            after = next(k for k in range(i + 1, len(program)) if program[k].kind == "run")
-            out += [(starts[f"SEND:{program[j].key}"], starts[str(program[after].action)])
-                    for j in sends]  # fmt: skip
-    return out
-
-
-def test_tagged_sends_go_when_their_tensor_is_made():
-    """PP=2, tagged messages (CPU): the merge places sends after pool work that comes between
-    a tensor's maker and its send (the simulator lets a send depart when its tensor is made, as
-    a GPU's host running ahead does); the executor posts each such send before that work."""
-    state = spawn(make_full_state, 1, TINY, 0)[0]
-    step, workload, pool = schedules("optimus")
-    job = _job(state, step, workload, pool, True)
-    job = replace(job, executor=ExecutorSettings(ordered_p2p=False))
-    for pairs in spawn(_sends_against_the_next_action, 2, job):
-        assert pairs and all(send <= after for send, after in pairs), pairs
 
 
 def test_a_look_ahead_job_is_checked_before_anything_starts():

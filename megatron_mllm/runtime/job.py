@@ -98,8 +98,6 @@ class ExecutorSettings:
     # Receives posted ahead of the one needed: per sender when ordered, of the program when tagged;
     # None: 2 per sender when ordered, every one of the program when tagged (messages.py)
     recv_lookahead: int | None = None
-    # Tagged: each send posted when the action making its tensor ends (False: in program order)
-    eager_sends: bool = True
     max_encoder_ahead: int = 2  # dynamic mode: encoder micro-batches run ahead at most
     # optimus-adaptive: each step's own plan, made one step ahead
     # (runtime/planning/step_plans.py), for encoder costs of this many images per sample

@@ -33,7 +33,7 @@ from megatron_mllm.runtime.engine.compute_actions import ComputeActions, planned
 from megatron_mllm.runtime.engine.fill_pacing import FillPacer, fill_budgets, planned_bubbles
 from megatron_mllm.runtime.engine.head_timing import HeadTimer
 from megatron_mllm.runtime.engine.messages import Messages, PeerFailure
-from megatron_mllm.runtime.engine.program import Op, eager_sends
+from megatron_mllm.runtime.engine.program import Op
 from megatron_mllm.runtime.engine.step_types import PassKind, PassOptions, StepResult
 from megatron_mllm.runtime.engine.weight_grads import weight_grads_of
 from megatron_mllm.schedule.actions import ENCODER_KINDS, Action
@@ -130,11 +130,6 @@ class Executor(ComputeActions):
         )
         self._sends = Counter(op.key for op in program if op.kind == "send")
         self._receives = [op for op in program if op.kind == "recv"]  # in the program's order
-        # Tagged messages (CPU, where the host runs each action to its end): a send goes as soon
-        # as the action making its tensor ends (see program.eager_sends). Ordered ones keep the
-        # program's order: the receiver posts in it, and a GPU's host runs ahead anyway.
-        eager = options.eager_sends and not ordered
-        self._eager_sends = eager_sends(program, self.flow) if eager else {}
         self.last_layer_inputs: dict[int, torch.Tensor] = {}
         # The LM head timed apart from the last stage's layers (its own unit, as profiled).
         self.head_timer = (
@@ -254,25 +249,14 @@ class Executor(ComputeActions):
             self.messages.reap()
             if op.kind == "run":
                 self._run_op(op)
-                self._send_made(i, done)
                 continue
-            self._message(op, i, done)
-
-    def _message(self, op: Op, i: int, done: list[bool]) -> None:
-        start = self.clock.mark()
-        if op.kind == "send":
-            self._send(op)
-        else:
-            self._recv(op, i, done)
-        action = Action(op.kind.upper(), key=op.key)
-        self._span_later("p2p", action, "p2p", start, self.clock.mark())
-
-    def _send_made(self, i: int, done: list[bool]) -> None:
-        """Tagged messages: the later sends of what op `i` just made go now."""
-        for j in self._eager_sends.get(i, ()):
-            if not done[j]:
-                self._message(self.program[j], j, done)
-                done[j] = True
+            start = self.clock.mark()
+            if op.kind == "send":
+                self._send(op)
+            else:
+                self._recv(op, i, done)
+            action = Action(op.kind.upper(), key=op.key)
+            self._span_later("p2p", action, "p2p", start, self.clock.mark())
 
     def _run_op(self, op: Op) -> None:
         if op.fills and self.overlap_fills:
@@ -364,7 +348,6 @@ class Executor(ComputeActions):
             a = self.program[j].action
             self._run(a)
             done[j] = True
-            self._send_made(j, done)
             self.result.moved += 1
             if a.kind == "EF":
                 self._ahead[(a.enc, a.mb)] = max(j, self._ahead.get((a.enc, a.mb), j))

@@ -210,18 +210,3 @@ def forward_only_program(program):
         elif op.kind in ("send", "recv") and op.key.split(".")[0] in keep:
             out.append(op)
     return out
-
-
-def eager_sends(program: list[Op], flow: Dataflow) -> dict[int, list[int]]:
-    """{index of a run op: indices of the later sends of tensors it makes} where other ops come
-    between: tagged messages (CPU) post those sends as soon as the run op ends, as a GPU's host
-    running ahead of its stream would have them depart (and as the simulator times a SEND)."""
-    out: dict[int, list[int]] = {}
-    maker: dict[str, int] = {}  # key -> the run op that last made it
-    for i, op in enumerate(program):
-        if op.kind == "run":
-            for a in (*op.fills, op.action):
-                maker.update(dict.fromkeys(flow.makes(a), i))
-        elif op.kind == "send" and maker.get(op.key, i - 1) < i - 1:
-            out.setdefault(maker[op.key], []).append(i)
-    return out

@@ -67,7 +67,6 @@ class PassOptions:
     ordered: tuple[dict, dict] | None = None
     overlap_fills: bool = False
     recv_lookahead: int | None = None  # None: the message mode's default (messages.py)
-    eager_sends: bool = True  # tagged: a send goes when its tensor is made (program.eager_sends)
     max_encoder_ahead: int = MAX_ENCODER_AHEAD
     loss_scale: torch.Tensor | None = None
     loss_norm: torch.Tensor | None = None

@@ -262,12 +262,7 @@ class ExecutorRun:
 
         job = self.job
         grad_sync = options.pop("grad_sync", None)
-        ex = job.executor
-        settings = {
-            "timeout_s": job.timeout_s,
-            "recv_lookahead": ex.recv_lookahead,
-            "eager_sends": ex.eager_sends,
-        }
+        settings = {"timeout_s": job.timeout_s, "recv_lookahead": job.executor.recv_lookahead}
         return Executor(
             program,
             meta,
