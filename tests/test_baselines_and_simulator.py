@@ -64,6 +64,24 @@ def test_bubble_causes_add_up():
         assert causes["pp_warmup"] == pytest.approx(r * 1.0)
 
 
+def test_a_send_departs_when_its_stream_reaches_it():
+    """A SEND placed after later compute departs once that compute ends, not when its tensor
+    was made: NCCL's stream waits for the work queued before the send (and our CPU executor
+    runs the list in order). 1F1B PP=2 with rank 0's first send moved after its second F:
+    rank 1 starts one forward later, and so does the whole step."""
+    schedule, wl = uniform(2, 1, 4)
+    before = simulate(schedule, wl).step_time_s
+    r0 = schedule.ranks[0]
+    send = r0.pop([str(a) for a in r0].index("SEND:act.s1v0.m0"))
+    r0.insert([str(a) for a in r0].index("F:s0v0m1") + 1, send)
+    validate(schedule)
+    res = simulate(schedule, wl)
+    names = [str(a) for a in r0]
+    f1_end = res.action_times[(0, names.index("F:s0v0m1"))][1]
+    assert res.action_times[(0, names.index("SEND:act.s1v0.m0"))][0] == pytest.approx(f1_end)
+    assert res.step_time_s == pytest.approx(before + 1.0)
+
+
 def test_simulator_detects_deadlock():
     schedule, wl = uniform(2, 1, 2)
     r0 = schedule.ranks[0]

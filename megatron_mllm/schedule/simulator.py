@@ -3,7 +3,9 @@
 Each rank has, per slot, a compute stream and a TP communication stream (NVLink), and one
 data-parallel stream (the network) for AG/RS; p2p transfers are asynchronous. Ranks run their
 lists in order: an action starts when its inputs are there and its streams are free, and a RECV
-blocks the rest of its rank's list until its data has arrived. A backbone action runs its
+blocks the rest of its rank's list until its data has arrived. A SEND departs once its tensor is
+made and its GPU's compute stream has reached it in the list (NCCL's stream waits for the work
+queued before it; our CPU executor runs the list in order). A backbone action runs its
 kernels one by one: after a kernel with a TP collective, the compute stream waits for the
 collective (a TP bubble) unless encoder work queued for that bubble (`@tpN`) runs in it.
 """
@@ -112,6 +114,7 @@ class _Simulation:
         self.dpfree = [0.0] * n
         self.cursor = [0.0] * n  # nothing later in a rank's list starts before its last RECV
         self.avail: list[dict[str, float]] = [dict() for _ in range(n)]
+        self.made_on: list[dict[str, int]] = [dict() for _ in range(n)]  # encoder key -> slot
         self.arrival: dict[str, float] = {}
         self.spans: list[Span] = []
         self.times: dict[tuple[int, int], tuple[float, float]] = {}
@@ -193,8 +196,10 @@ class _Simulation:
                 span(r, slot, "comm", a, k.name, cs, cs + k.comm_s, "tp")
                 t = cs + k.comm_s
         cfree[r][slot] = compute_end
+        made_on = self.made_on[r]
         for key in flow.makes(a):
             self.avail[r][key] = t
+            made_on[key] = slot
         self.times[(r, step)] = (start, t)
         if a.kind in ("EB", "EW"):
             self.backward_ran(r, a.enc, start, t)
@@ -323,7 +328,9 @@ class _Simulation:
             if kind == "F" or kind == "B" or kind == "W":
                 self.run_backbone(r, group, acts)
             elif kind == "SEND":
-                t0 = max(cursor[r], have[a.key])
+                slot = self.made_on[r].get(a.key)
+                cf = self.cfree[r]
+                t0 = max(cursor[r], have[a.key], max(cf) if slot is None else cf[slot])
                 arrival[a.key] = t1 = t0 + self.workload.transfer_time(a.key)
                 self.span(r, None, "p2p", a, "", t0, t1, "p2p")
                 times[(r, step)] = (t0, t1)
