@@ -6,6 +6,7 @@ processes and stepped in turn, repeated in fresh processes; each rank's phases p
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import statistics
 import time
@@ -142,6 +143,26 @@ def timed_phases(run) -> dict:
     return spent
 
 
+def traced(run, into: list) -> None:
+    """Wraps `run`'s executors so that each program it runs appends (its start on the host
+    clock, its top-level trace) to `into` (for `replay.decomposition`; CPU)."""
+    from megatron_mllm.runtime.engine.replay import top_level
+
+    def executor_for(*a, inner=run.executor_for, **kw):
+        executor = inner(*a, **kw)
+        run_step = executor.run_step
+
+        def recorded():
+            result = run_step()
+            into.append((executor.clock.start, top_level(result.spans)))
+            return result
+
+        executor.run_step = recorded
+        return executor
+
+    run.executor_for = executor_for
+
+
 # Consecutive steps a run takes between two barriers: the look-ahead's selection overlaps the
 # next step's start on the other stages, which a barrier after every step would forbid.
 BLOCK = 5
@@ -151,7 +172,8 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
     """Every run builds once, then they take turns: one warm-up step each, then blocks of
     `BLOCK` steps, each block's wall time from a barrier before it to a barrier after it (the
     slower rank's time) shared out over its steps; and this rank's phases per step: the pool
-    pass, the selection, the training program's seconds, compute and message waits."""
+    pass, the selection, the training program's seconds, compute and message waits; and per
+    step its programs' (host-clock start, trace), for the replay."""
     import torch.distributed as dist
 
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
@@ -165,6 +187,10 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
         if name == "coreset_whole_pool":  # the ablation: every pool row goes forward
             run.coreset.score_only = False
     spent = {name: timed_phases(run) for name, run in runs.items()}
+    ran = {name: [] for name in runs}  # the programs run so far: (start, trace)
+    for name, run in runs.items():
+        traced(run, ran[name])
+    traces = {name: [] for name in runs}  # per step: its programs' (start, trace)
     times = {name: [] for name in runs}
     phases = {name: [] for name in runs}
     waits = {name: [] for name in runs}  # per step: the program's waits by message
@@ -175,7 +201,9 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
             dist.barrier()
             t0 = time.perf_counter()
             for step in range(first, first + count):
+                done = len(ran[name])
                 run.step(step)
+                traces[name].append(ran[name][done:])
             dist.barrier()
             times[name] += [(time.perf_counter() - t0) / count] * count
             for program in run.breakdowns[-count:]:
@@ -185,7 +213,7 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
                     "wait_s": program.wait_s,
                 })  # fmt: skip
                 waits[name].append(program.wait_by_message)
-    return {"times": times, "phases": phases, "waits": waits}
+    return {"times": times, "phases": phases, "waits": waits, "traces": traces}
 
 
 def pipeline_section(args) -> dict:
@@ -203,6 +231,7 @@ def pipeline_section(args) -> dict:
     # Against the same-step selection forwarding the whole pool, as the look-ahead does
     whole = {name: [] for name in ("coreset", *lookaheads)} if "coreset_whole_pool" in steps else {}
     logs = {name: ([], []) for name in lookaheads}  # every measured step's log seconds, paired
+    programs = {name: {} for name in built["jobs"]}  # program index -> per step, per rank
     for _ in range(args.repeats):
         ranks = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)
         times = {name: ts[1:] for name, ts in ranks[0]["times"].items()}
@@ -211,6 +240,9 @@ def pipeline_section(args) -> dict:
             for r in range(2):
                 phases[name][r] += ranks[r]["phases"][name][1:]
                 waits[name][r] += ranks[r]["waits"][name][1:]
+            for both in zip(*(ranks[r]["traces"][name][1:] for r in range(2)), strict=True):
+                for j, pair in enumerate(zip(*both, strict=True)):
+                    programs[name].setdefault(j, []).append(list(pair))
         for name in lookaheads:
             pairs = [a / c for a, c in zip(times[name], times["coreset"], strict=True)]
             ratios[name].append(statistics.median(pairs))
@@ -238,7 +270,19 @@ def pipeline_section(args) -> dict:
         name: (statistics.median(r), min(r), max(r)) for name, r in whole.items()
     }
     out["repeats"] = args.repeats
+    out["replayed"] = replayed(programs, built["jobs"])
     return out
+
+
+def replayed(programs: dict, jobs: dict) -> dict:
+    """Per run, per program of a step (the same-step run: the pool pass, then the step), the
+    replay's decomposition (`runtime/engine/replay.py`), medians over the measured steps."""
+    from megatron_mllm.runtime.engine.replay import decomposition
+
+    return {
+        name: [decomposition(steps, jobs[name].num_microbatches) for _, steps in sorted(p.items())]
+        for name, p in programs.items()
+    }
 
 
 def top_waits(steps: list[dict[str, float]], keep: int = 6) -> dict[str, float]:
@@ -280,6 +324,16 @@ def print_pipeline(p: dict) -> None:
         for i, k in enumerate(r["ranks"]):
             top = ", ".join(f"{key} {1000 * v:.0f}" for key, v in k["top_waits"].items())
             print(f"  {'':<44}rank {i} waited longest for (ms a step): {top}")
+    print("  replayed (ms, medians): the program = host gaps + start skew + message posting + "
+          "action variation + the schedule's idle + the busiest rank's compute")  # fmt: skip
+    order = ("measured_s", "replay_s", "no_skew_s", "no_message_host_s", "median_durations_s",
+             "compute_s")  # fmt: skip
+    for name, parts in p["replayed"].items():
+        labels = ("pool pass", "step") if len(parts) == 2 else ("",) * len(parts)
+        for label, part in zip(labels, parts, strict=True):
+            ms = [1000 * part[k] for k in order]
+            terms = " + ".join(f"{a - b:.0f}" for a, b in itertools.pairwise(ms))
+            print(f"  {f'{name} {label}':<44}{ms[0]:.0f} = {terms} + {ms[-1]:.0f}")
     for name, (med, lo, hi) in p["lookahead_vs_coreset"].items():
         pred = p["predicted"][name]
         alone = pred["step_alone_s"] + pred["pool_alone_s"]
