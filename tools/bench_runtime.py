@@ -160,10 +160,8 @@ def main() -> int:
         "--recv-ablation",
         action="store_true",
         help="also run our executor's Megatron schedule and the static Optimus plan with each "
-        "receive posted only when its tensor is needed (recv_lookahead 0, as gloo's tagged "
-        "messages ran before the receives went up ahead; by default tagged messages post every "
-        "receive with the first), side by side (CPU only: on NCCL the receives were always "
-        "posted ahead)",
+        "receive posted only when its tensor is needed (recv_lookahead 0; gloo's default posts "
+        "every receive with the first), side by side (CPU only)",
     )
     ap.add_argument("--json", action="store_true")
     ap.add_argument(

@@ -124,43 +124,44 @@ def timed_phases(run) -> dict:
 
         return timed
 
-    def executor_for(*a, inner=run.executor_for, **kw):
-        executor = inner(*a, **kw)
-        if kw.get("kind") == PassKind.POOL:
-            run_step = executor.run_step
+    def pool_waits(executor, result, kind) -> None:
+        if kind == PassKind.POOL:
+            spent["pool_wait_s"] += breakdown_of_spans(result.spans, result.seconds).wait_s
 
-            def waited():
-                result = run_step()
-                spent["pool_wait_s"] += breakdown_of_spans(result.spans, result.seconds).wait_s
-                return result
-
-            executor.run_step = waited
-        return executor
-
-    run.executor_for = executor_for
+    after_each_program(run, pool_waits)
     coreset.pool_rows = timer(coreset.pool_rows, "pool_pass_s")
     coreset._pick_scored = timer(coreset._pick_scored, "selection_s")
     return spent
 
 
-def traced(run, into: list) -> None:
-    """Wraps `run`'s executors so that each program it runs appends (its start on the host
-    clock, its top-level trace) to `into` (for `replay.decomposition`; CPU)."""
-    from megatron_mllm.runtime.engine.replay import top_level
+def after_each_program(run, hook) -> None:
+    """Wraps `run`'s executors so that `hook(executor, result, kind)` runs after each program
+    (`kind`: the pass's, None for a training step)."""
 
     def executor_for(*a, inner=run.executor_for, **kw):
         executor = inner(*a, **kw)
         run_step = executor.run_step
 
-        def recorded():
+        def hooked():
             result = run_step()
-            into.append((executor.clock.start, top_level(result.spans)))
+            hook(executor, result, kw.get("kind"))
             return result
 
-        executor.run_step = recorded
+        executor.run_step = hooked
         return executor
 
     run.executor_for = executor_for
+
+
+def traced(run, into: list) -> None:
+    """Each program `run` runs appends (its start on the host clock, its top-level trace) to
+    `into` (for `replay.decomposition`; CPU)."""
+    from megatron_mllm.runtime.engine.replay import top_level
+
+    def record(executor, result, kind) -> None:  # noqa: ARG001 - every kind of pass
+        into.append((executor.clock.start, top_level(result.spans)))
+
+    after_each_program(run, record)
 
 
 # Consecutive steps a run takes between two barriers: the look-ahead's selection overlaps the

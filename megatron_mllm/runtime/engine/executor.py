@@ -101,9 +101,7 @@ class Executor(ComputeActions):
         # Ordered mode (NCCL has no tags): (receive orders {src: keys in the sender's posting
         # order}, {(src, dst): a process group carrying only that direction}). Each sender's
         # receives are posted in its order, so matching by order is matching by key; they are
-        # posted when needed, with `recv_lookahead` more (see messages.py; tagged mode posts
-        # the program's next `recv_lookahead` likewise, whatever their sender; None: each
-        # mode's default).
+        # posted when needed, with `recv_lookahead` more (messages.py: each mode's default).
         self.ordered, self.recv_lookahead = ordered, recv_lookahead
         # Overlap: a backbone action's TP-bubble fills run while its TP collectives are in
         # flight (patches/async_tp_collectives.py), paced by the plan; the rest run after it.

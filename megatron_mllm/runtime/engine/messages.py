@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+from collections import Counter
 from collections.abc import Callable, Iterator
 
 import torch
@@ -81,13 +82,13 @@ class Messages:
         # Tagged: this rank's receives in program order (`receives`), posted up to `_ahead`.
         self._receives, self._ahead = list(receives), 0
         self._at = {(op.key, op.peer): i for i, op in enumerate(self._receives)}
+        self._outstanding: Counter[int] = Counter()  # sender -> receives posted, not yet waited
         if len(self._at) < len(self._receives):
             raise ValueError(f"rank {rank}: a message received twice in one program")
         if ordered is not None:
             orders = ordered[0]
             self._index = {s: {k: i for i, k in enumerate(ks)} for s, ks in orders.items()}
             self._next = dict.fromkeys(orders, 0)
-            self._outstanding = dict.fromkeys(orders, 0)
 
     # -- sends -------------------------------------------------------------------------------
     def send(self, op: Op, tensor: torch.Tensor) -> None:
@@ -150,17 +151,17 @@ class Messages:
                 self._posted[(ahead.key, ahead.peer)] = self._post_tagged(ahead)
             self._ahead += 1
         most = self.max_posted_ahead
-        most[op.peer] = max(most.get(op.peer, 0), sum(1 for _, p in self._posted if p == op.peer))
+        most[op.peer] = max(most.get(op.peer, 0), self._outstanding[op.peer])
         return self._posted.pop((op.key, op.peer))
 
     def _post_tagged(self, op: Op) -> tuple[object, torch.Tensor]:
         buf = torch.empty(self.shape_of(op.key), dtype=self.dtype, device=self.device)
+        self._outstanding[op.peer] += 1
         return dist.irecv(buf, op.peer, tag=op.tag), buf
 
     def arrived(self, op: Op) -> None:
         """`op`'s message has been waited for: one fewer outstanding from its sender."""
-        if self.ordered is not None:
-            self._outstanding[op.peer] -= 1
+        self._outstanding[op.peer] -= 1
 
     def _post_next(self, src: int, keys: list[str]) -> None:
         key = keys[self._next[src]]

@@ -10,6 +10,7 @@ across processes (a GPU's events do not).
 
 from __future__ import annotations
 
+import functools
 import re
 import statistics
 from collections.abc import Callable
@@ -71,7 +72,7 @@ def decomposition(steps: list[list[tuple[float, Trace]]], step_microbatches: int
     """Medians over `steps` (each: per rank, the program's start on the host clock and its
     trace) of the program's measured length and of replays with one cause removed at a time:
     {measured_s, replay_s, no_skew_s, no_message_host_s, median_durations_s, compute_s}."""
-    kind = lambda name: kind_of(name, step_microbatches)  # noqa: E731
+    kind = functools.partial(kind_of, step_microbatches=step_microbatches)
     durations: dict[str, list[float]] = {}
     for ranks in steps:
         for _, trace in ranks:
