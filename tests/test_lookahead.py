@@ -6,6 +6,7 @@ mode: only the rows the selection scores go forward."""
 
 import copy
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
@@ -130,6 +131,40 @@ def test_the_searched_merge_keeps_both_orders_and_is_no_slower_than_its_seed():
     assert simulate(searched, workload).step_time_s <= seed_s
     assert searched.ranks == searched_merge(merged, workload, evals=300).ranks
     assert searched.ranks != merged.ranks  # on this pipeline the search finds a better place
+
+
+def _busiest_rank_compute(schedule: Schedule, workload) -> float:
+    times = simulate(schedule, workload).action_times
+    idle_kinds = ("SEND", "RECV", "AG", "RS")
+    return max(
+        sum(
+            times[(r, i)][1] - times[(r, i)][0]
+            for i, a in enumerate(acts)
+            if a.kind not in idle_kinds
+        )
+        for r, acts in enumerate(schedule.ranks)
+    )
+
+
+def test_the_search_reaches_bubbles_far_from_its_seed(monkeypatch):
+    """The benchmark's shape (8 micro-batches, 11 of a 16-row pool going forward, GPT 4x256):
+    the step's last bubbles lie many step groups from where the seed puts the pool, past points
+    that cost; moves of a few groups never get there, a jump of one group between its
+    neighbours does (the search lands near the busiest rank's compute)."""
+    import megatron_mllm.schedule.merge_search as merge_search
+
+    cfg = replace(TINY, llm_layers=4, llm_hidden=256, llm_heads=8, vit_hidden=128, text_len=64)
+    step, workload = runtime_plan(cfg, PLAN, 2, 8, "optimus")
+    pool = pool_plan(step, cfg, PLAN, 2, 16)[0]
+    merged = with_fewer_ahead(with_lookahead(step, pool, workload), 11)
+    bound = _busiest_rank_compute(merged, workload)
+
+    def searched_s() -> float:
+        return simulate(searched_merge(merged, workload, evals=1000), workload).step_time_s
+
+    assert searched_s() < 1.05 * bound
+    monkeypatch.setattr(merge_search, "JUMP_SHARE", 0.0)
+    assert searched_s() > 1.06 * bound
 
 
 def test_searched_counts_are_what_a_merge_with_fewer_pool_micro_batches_runs():

@@ -3,7 +3,8 @@
 `lookahead.with_lookahead` places the next pool's forward by one shift of the pool's timeline
 against the step's, the same on every rank. Here each rank's pool groups (a pool action and its
 fills, in the pool's own order) may go anywhere between the step's groups: a local search over
-those insertion points, seeded with a merge, scored by the simulator (a merge the validator
+those insertion points (runs of groups moved a little, or one group jumped anywhere between its
+neighbours), seeded with a merge, scored by the simulator (a merge the validator
 refuses scores nothing), accepted by simulated annealing with a fixed seed, so every rank that
 runs it finds the same lists. `lookahead.with_searched_counts` runs one search per count of
 pool micro-batches that go forward: the best place for 11 micro-batches is not the whole
@@ -28,6 +29,9 @@ SEARCH_EVALS = 3000
 # The annealing's first temperature, as a fraction of the seed's step: a move that costs this
 # much is accepted with probability 1/e at the start, never at the end.
 START_TEMPERATURE = 0.004
+# The share of moves that jump one pool group far (a bubble at the step's end is many step
+# groups from where the seed puts the pool, past costly points in between).
+JUMP_SHARE = 0.5
 
 
 @dataclass
@@ -81,16 +85,23 @@ def _joined(parts: _Lists, points: list[int]) -> list[Action]:
 
 def _moved(points: list[list[int]], rng: random.Random, limits: list[int]) -> list[list[int]]:
     """A neighbour: a run of one to three of one rank's pool groups moved by up to three step
-    groups (the points kept in order)."""
+    groups, or (a share JUMP_SHARE of the moves) one group to any point between its
+    neighbours' (the points kept in order)."""
     out = [list(p) for p in points]
     r = rng.randrange(len(out))
     if not out[r]:
         return out
-    j, run = rng.randrange(len(out[r])), rng.randrange(1, 4)
-    delta = rng.choice((-3, -2, -1, 1, 2, 3))
-    for k in range(j, min(j + run, len(out[r]))):
-        out[r][k] = max(0, min(limits[r], out[r][k] + delta))
-    out[r].sort()
+    pts = out[r]
+    j = rng.randrange(len(pts))
+    if rng.random() < JUMP_SHARE:
+        low = pts[j - 1] if j > 0 else 0
+        high = pts[j + 1] if j + 1 < len(pts) else limits[r]
+        pts[j] = rng.randint(low, high)
+        return out
+    run, delta = rng.randrange(1, 4), rng.choice((-3, -2, -1, 1, 2, 3))
+    for k in range(j, min(j + run, len(pts))):
+        pts[k] = max(0, min(limits[r], pts[k] + delta))
+    pts.sort()
     return out
 
 
