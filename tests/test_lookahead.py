@@ -16,6 +16,7 @@ from megatron_mllm.errors import ConfigError
 from megatron_mllm.models.config import TINY
 from megatron_mllm.parallel.plans import ParallelPlan
 from megatron_mllm.runtime.assembly.launch import spawn
+from megatron_mllm.runtime.engine.program import gpu_program
 from megatron_mllm.runtime.job import (
     Collect,
     DataParts,
@@ -284,13 +285,67 @@ def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same(order
     assert last["ahead"][0] == last["plain"][0]
 
 
+def _replanned_after_step_0(rank: int, world: int, job) -> dict:
+    """The same look-ahead job twice on these ranks, one re-planned (--replan-after-iters 1)
+    from the unit times its first step measured."""
+    from megatron_mllm.runtime.assembly.bootstrap import init_rank
+    from megatron_mllm.runtime.modes.executor_run import ExecutorRun
+
+    device = init_rank(rank, world, 0, 60)
+    kept, replanned = ExecutorRun(rank, world, job, device), ExecutorRun(rank, world, job, device)
+    before = replanned.job.data
+    rows = {"kept": [], "replanned": []}
+    for step in range(3):
+        for name, run in (("kept", kept), ("replanned", replanned)):
+            run.step(step)
+            run.coreset.data(step + 1)(0, 0)  # every stage takes the rows
+            rows[name].append(run.coreset.pending[1])
+        if step == 0:
+            assert replanned.replan()
+    after = replanned.job.data
+    validate(after.lookahead_schedule)
+    return {
+        "rows": rows,
+        "losses": (kept.history, replanned.history),
+        "new": (after.pool_schedule is not before.pool_schedule,
+                after.lookahead_schedule is not before.lookahead_schedule),
+        "programs": replanned.coreset.ahead_program
+        == gpu_program(after.lookahead_schedule, replanned.groups, replanned.enc_tp),
+        "measured": replanned.coreset.measured is not None,
+        "order": after.lookahead_order,
+    }  # fmt: skip
+
+
+def test_a_replan_makes_the_look_ahead_merge_again_and_trains_the_same():
+    """--replan-after-iters with --coreset-lookahead: after step 0 the step, its pool pass and
+    the merge (in the job's order) are planned again on the unit times the job measured, the
+    programs rebuilt; the rows chosen and the losses are those of the run that kept its
+    start-up plans (a merge orders work, it computes nothing else)."""
+    state = spawn(make_full_state, 1, TINY, 0)[0]
+    step, workload, pool = schedules("optimus")
+    job = _job(state, step, workload, pool, True, "searched")
+    job = replace(
+        job,
+        data=replace(job.data, lookahead_order="searched"),
+        executor=replace(job.executor, replan_after=1),
+    )
+    check_job(job, 2)
+    outs = spawn(_replanned_after_step_0, 2, job)
+    for out in outs:
+        assert out["rows"]["kept"] == out["rows"]["replanned"] == outs[1]["rows"]["kept"]
+        assert out["new"] == (True, True) and out["programs"] and out["measured"]
+        assert out["order"] == "searched"
+    kept, replanned = outs[1]["losses"]  # the losses live on the last stage
+    assert replanned == kept
+
+
 def test_a_look_ahead_job_is_checked_before_anything_starts():
     state = {}
     step, workload, pool = schedules("optimus")
     job = _job(state, step, workload, pool, True)
-    with pytest.raises(ConfigError, match="drop optimus-adaptive and --replan-after-iters"):
+    with pytest.raises(ConfigError, match="drop optimus-adaptive"):
         check_job(
-            RuntimeJob(job.model, job.plans, job.data, executor=ExecutorSettings(replan_after=1)),
+            RuntimeJob(job.model, job.plans, job.data, executor=ExecutorSettings(adaptive=True)),
             2,
         )
     small_step, small_workload, small_pool = schedules("optimus", pool=4)
@@ -306,14 +361,16 @@ def _data(job, lookahead):
 
 
 def test_lookahead_arguments_are_checked_in_one_line(monkeypatch, capsys):
-    """Without a coreset or with re-planning: refused; on one pipeline stage: a warning line."""
+    """Without a coreset: refused; with re-planning: accepted; on one pipeline stage: a
+    warning line."""
     from megatron_mllm.training.arguments import parse_args
     from tests.pretrain_runs import refused
 
     refused(["--coreset-lookahead"], "--coreset-lookahead needs --coreset-pool-ratio", monkeypatch)
     pp2 = ["--pipeline-model-parallel-size", "2", "--coreset-pool-ratio", "2"]
-    refused([*pp2, "--coreset-lookahead", "--replan-after-iters", "1"], "drop --replan-after-iters",
-            monkeypatch)  # fmt: skip
+    replanned = parse_args([*pp2, "--coreset-lookahead", "--replan-after-iters", "1"])
+    assert replanned.replan_after_iters == 1  # the merge is made again on a re-plan
+    capsys.readouterr()
     parse_args(["--coreset-pool-ratio", "2", "--coreset-lookahead"])
     warning = capsys.readouterr().err.strip().splitlines()
     assert len(warning) == 1, warning

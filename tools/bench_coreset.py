@@ -495,6 +495,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "sooner); coreset and a look-ahead at least",
     )
     ap.add_argument("--pipeline-batch", type=int, default=16, help="B on the pipeline")
+    ap.add_argument(
+        "--pipeline-replan",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan every run again (step, pool pass, merge) on the unit times its warm-up step "
+        "measured, as --replan-after-iters 1 does (--no-pipeline-replan: the start-up plans)",
+    )
     ap.add_argument("--pipeline-text", type=int, default=112, help="text tokens (pipeline)")
     ap.add_argument("--skip-quality", action="store_true", help="only the pipeline timing")
     ap.add_argument("--json", action="store_true", help="print JSON instead of the tables")

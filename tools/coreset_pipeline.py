@@ -69,9 +69,13 @@ def pipeline_jobs(args) -> dict:
     run = bench_run(cfg, fp32, plan, n, mb, "--lr", "1e-3", "--use-distributed-optimizer")
     base = run.runtime_job(step, state, units="layer")
 
+    # --pipeline-replan: every run planned again on the unit times its warm-up step measured
+    executor = replace(base.executor, replan_after=1 if args.pipeline_replan else None)
+
     def job(schedule, n_mb, **data):
         plans = replace(base.plans, schedule=schedule)
-        return replace(base, plans=plans, data=replace(base.data, num_microbatches=n_mb, **data))
+        data = replace(base.data, num_microbatches=n_mb, **data)
+        return replace(base, plans=plans, data=data, executor=executor)
 
     jobs = {
         "B": job(step, n),
@@ -82,13 +86,28 @@ def pipeline_jobs(args) -> dict:
             step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merged
         ),
         "coreset_lookahead_pool_first": job(
-            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
+            step,
+            n,
+            coreset=coreset,
+            pool_schedule=pool,
+            lookahead_schedule=first,
+            lookahead_order="pool-first",
         ),
         "coreset_lookahead_pool_first_select_before": job(
-            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=first
+            step,
+            n,
+            coreset=coreset,
+            pool_schedule=pool,
+            lookahead_schedule=first,
+            lookahead_order="pool-first",
         ),
         "coreset_lookahead_searched": job(
-            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=searched
+            step,
+            n,
+            coreset=coreset,
+            pool_schedule=pool,
+            lookahead_schedule=searched,
+            lookahead_order="searched",
         ),
     }
     jobs = {name: job for name, job in jobs.items() if name in args.pipeline_runs}
@@ -98,8 +117,7 @@ def pipeline_jobs(args) -> dict:
         f"synthetic image-caption pools (10 classes), B={args.pipeline_batch} in micro-batches "
         f"of {mb}"
     )
-    predicted = {name: asdict(jobs[name].data.lookahead_schedule.lookahead_times)
-                 for name in LOOKAHEADS if name in jobs}  # fmt: skip
+    predicted = {name: lookahead_times(jobs[name]) for name in LOOKAHEADS if name in jobs}
     return {"jobs": jobs, "describe": describe, "predicted": predicted}
 
 
@@ -207,6 +225,8 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
                 traces[name].append(ran[name][done:])
             dist.barrier()
             times[name] += [(time.perf_counter() - t0) / count] * count
+            if run.job.executor.replan_after == first + count:  # collective, untimed
+                run.replan()
             for program in run.breakdowns[-count:]:
                 phases[name].append({
                     **{k: (v - before[k]) / count for k, v in spent[name].items()},
@@ -214,7 +234,15 @@ def pipeline_steps(rank: int, world: int, jobs: dict, steps: int) -> dict:
                     "wait_s": program.wait_s,
                 })  # fmt: skip
                 waits[name].append(program.wait_by_message)
-    return {"times": times, "phases": phases, "waits": waits, "traces": traces}
+    predicted = {name: lookahead_times(run.job) for name, run in runs.items()}
+    return {"times": times, "phases": phases, "waits": waits, "traces": traces,
+            "predicted": predicted}  # fmt: skip
+
+
+def lookahead_times(job) -> dict | None:
+    """A look-ahead job's predicted step, step alone and pool alone (seconds), else None."""
+    merged = job.data.lookahead_schedule
+    return None if merged is None else asdict(merged.lookahead_times)
 
 
 def pipeline_section(args) -> dict:
@@ -233,8 +261,12 @@ def pipeline_section(args) -> dict:
     whole = {name: [] for name in ("coreset", *lookaheads)} if "coreset_whole_pool" in steps else {}
     logs = {name: ([], []) for name in lookaheads}  # every measured step's log seconds, paired
     programs = {name: {} for name in built["jobs"]}  # program index -> per step, per rank
+    replanned = {name: [] for name in lookaheads}  # each repeat's merge made in the job
     for _ in range(args.repeats):
         ranks = spawn(pipeline_steps, 2, built["jobs"], args.pipeline_steps + 1, timeout_s=7200)
+        if args.pipeline_replan:
+            for name in lookaheads:
+                replanned[name].append(ranks[0]["predicted"][name])
         times = {name: ts[1:] for name, ts in ranks[0]["times"].items()}
         for name, ts in times.items():
             steps[name] += ts
@@ -253,6 +285,8 @@ def pipeline_section(args) -> dict:
             pairs = [a / c for a, c in zip(times[name], times["coreset_whole_pool"], strict=True)]
             r.append(statistics.median(pairs))
     out = {"describe": built["describe"], "predicted": built["predicted"], "runs": {}}
+    if args.pipeline_replan:  # what the planner predicted on the times each repeat measured
+        out["predicted_replanned"] = replanned
     acc = statistics.median(steps.get("2B_accumulation") or [math.nan])
     for name, ts in steps.items():
         med = statistics.median(ts)
@@ -284,6 +318,11 @@ def replayed(programs: dict, jobs: dict) -> dict:
         name: [decomposition(steps, jobs[name].num_microbatches) for _, steps in sorted(p.items())]
         for name, p in programs.items()
     }
+
+
+def predicted_ratio(times: dict) -> float:
+    """A look-ahead's predicted step over the step and the pool pass apart."""
+    return times["step_s"] / (times["step_alone_s"] + times["pool_alone_s"])
 
 
 def top_waits(steps: list[dict[str, float]], keep: int = 6) -> dict[str, float]:
@@ -336,13 +375,14 @@ def print_pipeline(p: dict) -> None:
             terms = " + ".join(f"{a - b:.0f}" for a, b in itertools.pairwise(ms))
             print(f"  {f'{name} {label}':<44}{ms[0]:.0f} = {terms} + {ms[-1]:.0f}")
     for name, (med, lo, hi) in p["lookahead_vs_coreset"].items():
-        pred = p["predicted"][name]
-        alone = pred["step_alone_s"] + pred["pool_alone_s"]
         geo, low, high = p["lookahead_vs_coreset_interval"][name]
+        again = p.get("predicted_replanned", {}).get(name)
+        said = f"{predicted_ratio(p['predicted'][name]):.3f} at start-up"
+        if again:
+            said += ", " + " / ".join(f"{predicted_ratio(x):.3f}" for x in again) + " re-planned"
         print(f"  {name} / same-step coreset, paired by block: {med:.3f} ({lo:.3f}-{hi:.3f}) over "
               f"{p['repeats']} repeats (each repeat's median); over every step {geo:.3f} "
-              f"(95% interval {low:.3f}-{high:.3f}); the planner predicted "
-              f"{pred['step_s'] / alone:.3f}")  # fmt: skip
+              f"(95% interval {low:.3f}-{high:.3f}); the planner predicted {said}")  # fmt: skip
     for name, (med, lo, hi) in p["vs_coreset_whole_pool"].items():
         print(f"  {name} / same-step coreset forwarding the whole pool (the ablation): "
               f"{med:.3f} ({lo:.3f}-{hi:.3f}) over {p['repeats']} repeats")  # fmt: skip

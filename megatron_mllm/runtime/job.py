@@ -63,6 +63,8 @@ class DataParts:
     # Look-ahead (--coreset-lookahead): the step's schedule with the next step's pool going
     # forward in its bubbles (`schedule/lookahead.py`); selection then uses the step's weights.
     lookahead_schedule: Schedule | None = None
+    # How the merge is made (--coreset-lookahead-order), again on a re-plan's measured times.
+    lookahead_order: str = "simulated"
     # Megatron's --calculate-per-token-loss: every labelled token of the global batch weighs
     # the same (each micro-batch's loss sum over the global batch's labelled-token count).
     per_token_loss: bool = False
@@ -461,8 +463,8 @@ def _check_lookahead(job: RuntimeJob) -> None:
             f"the look-ahead schedule has {meta.num_microbatches} + {meta.lookahead} "
             f"micro-batches; the job needs {job.num_microbatches} + {pool.meta.num_microbatches}"
         )
-    if job.executor.adaptive or job.executor.replan_after is not None:
+    if job.executor.adaptive:
         raise ConfigError(
-            "coreset look-ahead runs one fixed merged schedule: drop optimus-adaptive and "
-            "--replan-after-iters"
+            "coreset look-ahead runs one merged schedule (made again only on a re-plan): drop "
+            "optimus-adaptive"
         )

@@ -245,7 +245,8 @@ def _check_plan_candidates(args) -> None:
 
 
 def _check_lookahead(args: argparse.Namespace) -> None:
-    """--coreset-lookahead needs a coreset and a fixed schedule; without pipeline stages it
+    """--coreset-lookahead needs a coreset (per-step plans are refused with any coreset, and a
+    re-plan makes its merge again); without pipeline stages it
     has no bubbles to hide the pool in: accepted with a warning (selection one step old). Its
     order defaults to the simulated one."""
     if not args.coreset_lookahead:
@@ -258,11 +259,6 @@ def _check_lookahead(args: argparse.Namespace) -> None:
     args.coreset_lookahead_order = args.coreset_lookahead_order or "simulated"
     if args.coreset is None:
         raise ConfigError("--coreset-lookahead needs --coreset-pool-ratio R (a coreset to select)")
-    if args.replan_after_iters is not None:
-        raise ConfigError(
-            "--coreset-lookahead runs one merged schedule for the whole run; drop "
-            "--replan-after-iters"
-        )
     if args.pipeline_model_parallel_size == 1 and args.rank == 0:
         print(
             "WARNING: --coreset-lookahead at --pipeline-model-parallel-size 1: no pipeline "

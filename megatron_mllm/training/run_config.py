@@ -176,6 +176,7 @@ class RunConfig:
             coreset=a.coreset,
             pool_schedule=pools[0],
             lookahead_schedule=pools[1],
+            lookahead_order=a.coreset_lookahead_order or "simulated",
             llava=llava_data(a),
             per_token_loss=a.calculate_per_token_loss,
             balance_samples=self.deals_samples,

@@ -9,6 +9,7 @@ next step first needs one of its micro-batches, so that the selection overlaps t
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
@@ -29,12 +30,10 @@ class CoresetSteps:
 
         self.run, job = run, run.job
         self.selector = CoresetSelector(job.data.coreset)
-        pool = gpu_program(job.data.pool_schedule, run.groups, run.enc_tp)
-        self.pool_program = forward_only_program(pool)
-        self.ahead_program = None  # look-ahead: the step with the next step's pool forward
+        self.measured: dict | None = None  # a re-plan's unit times, for pool passes of a count
+        self.rebuild()
         self.rows_group = None  # look-ahead: this replica's pipeline, for the rows alone
-        if job.data.lookahead_schedule is not None:
-            self.ahead_program = gpu_program(job.data.lookahead_schedule, run.groups, run.enc_tp)
+        if self.lookahead:
             # The rows' broadcast is left pending across the update: on a group of its own it
             # pairs with nothing else.
             self.rows_group = new_replica_mp_groups(job.backbone, run.groups.coords.dp)
@@ -46,8 +45,6 @@ class CoresetSteps:
         # Look-ahead: select after the update (True) or before it, the rows shared at once (the
         # benchmark's ablation).
         self.defer = True
-        self._passes: dict[int, tuple] = {}  # pool passes of fewer micro-batches, by count
-        self._aheads: dict[int, tuple] = {}  # look-ahead steps of fewer pool micro-batches
         # Same-step selection: only the scored rows go forward (False: the whole pool, the
         # benchmark's ablation; look-ahead always forwards only the scored rows).
         self.score_only = True
@@ -55,6 +52,49 @@ class CoresetSteps:
     @property
     def job(self):
         return self.run.job
+
+    def rebuild(self) -> None:
+        """This rank's programs of the job's pool pass and look-ahead step (at start and after
+        a re-plan); those of fewer micro-batches are made again as counts come."""
+        run, data = self.run, self.job.data
+        pool = gpu_program(data.pool_schedule, run.groups, run.enc_tp)
+        self.pool_program = forward_only_program(pool)
+        self.ahead_program = None  # look-ahead: the step with the next step's pool forward
+        if data.lookahead_schedule is not None:
+            self.ahead_program = gpu_program(data.lookahead_schedule, run.groups, run.enc_tp)
+        self._passes: dict[int, tuple] = {}  # pool passes of fewer micro-batches, by count
+        self._aheads: dict[int, tuple] = {}  # look-ahead steps of fewer pool micro-batches
+
+    def replanned_data(self, step, workload, measured: dict):
+        """The job's DataParts for a re-planned `step` (its costs `workload`, from the unit
+        times `measured` in the job): the pool pass planned again on those times and, under
+        look-ahead, the merge made again (--coreset-lookahead-order's; every rank alike)."""
+        from megatron_mllm.schedule.lookahead import lookahead_merge
+
+        data, size = self.job.data, self.job.data.pool_schedule.meta.num_microbatches
+        self.measured = measured
+        pool = self._pool_schedule(step, size)
+        ahead = None
+        if data.lookahead_schedule is not None:
+            order, counts = data.lookahead_order, range(1, size)
+            ahead = lookahead_merge(step, pool, workload, order, counts)
+        return replace(data, pool_schedule=pool, lookahead_schedule=ahead)
+
+    def _pool_schedule(self, step, n: int):
+        """A pool pass of `n` micro-batches for `step`'s modules (on the re-plan's times)."""
+        from megatron_mllm.runtime.planning.schedules import pool_plan
+
+        job = self.job
+        return pool_plan(
+            step,
+            job.cfg,
+            job.backbone,
+            job.micro_batch,
+            n,
+            unit=job.plans.encoder_units,
+            frozen_encoder=job.model.frozen_encoder,
+            measured=self.measured,
+        )[0]
 
     @property
     def lookahead(self) -> bool:
@@ -202,21 +242,11 @@ class CoresetSteps:
         """(program, schedule metadata, receive orders) of a pool pass of `n` micro-batches:
         the job's own pool schedule for the whole pool, else one planned alike for `n` (made
         once per count)."""
-        from megatron_mllm.runtime.planning.schedules import pool_plan
-
         run, job = self.run, self.job
         if n == job.data.pool_schedule.meta.num_microbatches:
             return self.pool_program, job.data.pool_schedule.meta, run.pool_ordered
         if n not in self._passes:
-            schedule, _ = pool_plan(
-                job.schedule,
-                job.cfg,
-                job.backbone,
-                job.micro_batch,
-                n,
-                unit=job.plans.encoder_units,
-                frozen_encoder=job.model.frozen_encoder,
-            )
+            schedule = self._pool_schedule(job.schedule, n)
             self._passes[n] = self._built(schedule, run.pool_ordered, forward_only=True)
         return self._passes[n]
 

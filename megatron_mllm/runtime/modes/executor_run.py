@@ -238,14 +238,21 @@ class ExecutorRun:
         out = replan_job(self.job, gathered)
         if out is None:
             return False
-        self.use_schedule(out[0])
+        data = None
+        if self.coreset is not None:  # its pool pass and merge, planned again on the times
+            data = self.coreset.replanned_data(out[0], out[1], out[2])
+        self.use_schedule(out[0], data)
+        if self.coreset is not None:
+            self.coreset.rebuild()
         self.replanned = out
         return True
 
-    def use_schedule(self, schedule) -> None:
+    def use_schedule(self, schedule, data=None) -> None:
         """Run `schedule` from the next step: another schedule for the same modules (the
-        same encoder plan and backbone split; collective where messages are ordered)."""
-        job = replace(self.job, plans=replace(self.job.plans, schedule=schedule))
+        same encoder plan and backbone split; collective where messages are ordered); `data`:
+        the job's DataParts with pool and look-ahead schedules made for it."""
+        plans = replace(self.job.plans, schedule=schedule)
+        job = replace(self.job, plans=plans, data=data or self.job.data)
         check_job(job, dist.get_world_size())
         self.job = job
         for sync in self.grad_sync.values():
