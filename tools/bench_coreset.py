@@ -27,6 +27,10 @@ normalisation) join with --methods.
     python tools/bench_coreset.py [--quick] [--seeds 10] [--steps 600] [--methods M,...]
                                   [--size tiny|wide] [--model gpt|llava|mllm] [--json]
     python tools/bench_coreset.py --skip-quality --pipeline-steps 20 --repeats 3 --size wide
+        [--pipeline-runs coreset,coreset_lookahead_searched,...] [--no-pipeline-replan]
+
+The pipeline section (`coreset_pipeline.py`) re-plans every run after its warm-up step on the
+unit times it measured (as --replan-after-iters 1), unless --no-pipeline-replan.
 """
 
 from __future__ import annotations

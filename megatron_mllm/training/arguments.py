@@ -108,7 +108,8 @@ def _add_schedule_args(p: argparse.ArgumentParser) -> None:
         "--replan-after-iters",
         type=int,
         default=None,
-        help="optimus: after N iterations, plan again from the unit times measured so far",
+        help="optimus: after N iterations, plan again from the unit times measured so far (with a "
+        "coreset: its pool pass and look-ahead merge too)",
     )
     g.add_argument(
         "--plan-candidates",
