@@ -316,7 +316,13 @@ def _candidate_phase_step(args, run, iteration: int) -> None:
 
 def _replan(run, rank: int) -> None:
     """--replan-after-iters: plan again from the unit times measured so far (collective); rank
-    0 says what came of it."""
+    0 says what came of it, how long it took and, under look-ahead, the merge made again."""
+    began = time.perf_counter()
     replanned = run.replan()
     if rank == 0:
-        print(replan_line(run.replanned if replanned else None), flush=True)
+        took = f" ({time.perf_counter() - began:.1f} s)"
+        print(replan_line(run.replanned if replanned else None) + took, flush=True)
+        data = run.job.data
+        if replanned and data.lookahead_schedule is not None:
+            times = data.lookahead_schedule.lookahead_times
+            print(lookahead_line(times, data.lookahead_order), flush=True)
