@@ -285,58 +285,69 @@ def test_look_ahead_selects_with_the_steps_own_weights_and_trains_the_same(order
     assert last["ahead"][0] == last["plain"][0]
 
 
-def _replanned_after_step_0(rank: int, world: int, job) -> dict:
-    """The same look-ahead job twice on these ranks, one re-planned (--replan-after-iters 1)
-    from the unit times its first step measured."""
+def _replanned_after_step_0(rank: int, world: int, jobs) -> dict:
+    """Each job twice on these ranks, one re-planned (--replan-after-iters 1) after step 0 on
+    the unit times it measured, its backbone's backward read 4x slower (so that the plans
+    change), with the look-ahead's rows still in flight."""
     from megatron_mllm.runtime.assembly.bootstrap import init_rank
     from megatron_mllm.runtime.modes.executor_run import ExecutorRun
 
     device = init_rank(rank, world, 0, 60)
-    kept, replanned = ExecutorRun(rank, world, job, device), ExecutorRun(rank, world, job, device)
-    before = replanned.job.data
-    rows = {"kept": [], "replanned": []}
-    for step in range(3):
-        for name, run in (("kept", kept), ("replanned", replanned)):
-            run.step(step)
-            run.coreset.data(step + 1)(0, 0)  # every stage takes the rows
-            rows[name].append(run.coreset.pending[1])
-        if step == 0:
-            assert replanned.replan()
-    after = replanned.job.data
-    validate(after.lookahead_schedule)
-    return {
-        "rows": rows,
-        "losses": (kept.history, replanned.history),
-        "new": (after.pool_schedule is not before.pool_schedule,
-                after.lookahead_schedule is not before.lookahead_schedule),
-        "programs": replanned.coreset.ahead_program
-        == gpu_program(after.lookahead_schedule, replanned.groups, replanned.enc_tp),
-        "measured": replanned.coreset.measured is not None,
-        "order": after.lookahead_order,
-    }  # fmt: skip
+    out = {}
+    for name, job in jobs.items():
+        kept, replanned = (ExecutorRun(rank, world, job, device) for _ in range(2))
+        measured = replanned.gathered_unit_times
+
+        def slower(measured=measured) -> list[dict]:
+            return [{k: [4 * t for t in v] if k[:2] == ("llm", "backward") else v
+                     for k, v in ranks.items()} for ranks in measured()]  # fmt: skip
+
+        replanned.gathered_unit_times = slower
+        before, rows = replanned.job.data, {"kept": [], "replanned": []}
+        for step in range(3):
+            for label, run in (("kept", kept), ("replanned", replanned)):
+                run.step(step)
+                if label == "replanned" and step == 0:
+                    assert run.replan()
+                if run.coreset.lookahead:  # every stage takes the rows
+                    run.coreset.data(step + 1)(0, 0)
+                    rows[label].append(run.coreset.pending[1])
+        after = replanned.job.data
+        ahead = after.lookahead_schedule
+        out[name] = {
+            "rows": rows,
+            "losses": (kept.history, replanned.history),
+            "pool": after.pool_schedule.ranks != before.pool_schedule.ranks,
+            "merge": ahead is not None and ahead.ranks != before.lookahead_schedule.ranks,
+            "programs": ahead is None
+            or replanned.coreset.ahead_program == gpu_program(ahead, replanned.groups, 1),
+            "order": after.lookahead_order,
+        }
+    return out
 
 
-def test_a_replan_makes_the_look_ahead_merge_again_and_trains_the_same():
-    """--replan-after-iters with --coreset-lookahead: after step 0 the step, its pool pass and
-    the merge (in the job's order) are planned again on the unit times the job measured, the
-    programs rebuilt; the rows chosen and the losses are those of the run that kept its
-    start-up plans (a merge orders work, it computes nothing else)."""
+def test_a_replan_plans_the_pool_pass_and_the_look_ahead_merge_again_and_trains_the_same():
+    """--replan-after-iters with a coreset: after step 0 the step and its pool pass and, under
+    look-ahead, the merge (in the job's order) are planned again on the unit times the job
+    measured, the programs rebuilt, the look-ahead's rows' broadcast settled first; the rows
+    chosen and the losses are those of the run that kept its start-up plans (a plan orders
+    work, it computes nothing else)."""
     state = spawn(make_full_state, 1, TINY, 0)[0]
     step, workload, pool = schedules("optimus")
-    job = _job(state, step, workload, pool, True, "searched")
-    job = replace(
-        job,
-        data=replace(job.data, lookahead_order="searched"),
-        executor=replace(job.executor, replan_after=1),
-    )
-    check_job(job, 2)
-    outs = spawn(_replanned_after_step_0, 2, job)
-    for out in outs:
-        assert out["rows"]["kept"] == out["rows"]["replanned"] == outs[1]["rows"]["kept"]
-        assert out["new"] == (True, True) and out["programs"] and out["measured"]
-        assert out["order"] == "searched"
-    kept, replanned = outs[1]["losses"]  # the losses live on the last stage
-    assert replanned == kept
+    jobs = {}
+    for name, lookahead in (("ahead", True), ("same_step", False)):
+        job = _job(state, step, workload, pool, lookahead, "searched")
+        data = replace(job.data, lookahead_order="searched")
+        jobs[name] = replace(job, data=data, executor=replace(job.executor, replan_after=1))
+        check_job(jobs[name], 2)
+    outs = spawn(_replanned_after_step_0, 2, jobs)
+    for name in jobs:
+        for out in (o[name] for o in outs):
+            assert out["rows"]["kept"] == out["rows"]["replanned"] == outs[1][name]["rows"]["kept"]
+            assert out["pool"] and out["programs"] and out["order"] == "searched"
+        kept, replanned = outs[1][name]["losses"]  # the losses live on the last stage
+        assert replanned == kept
+    assert all(o["ahead"]["merge"] for o in outs)
 
 
 def test_a_look_ahead_job_is_checked_before_anything_starts():

@@ -134,7 +134,8 @@ class ComputeActions:
             units.append((leaves, out))
             state = out
             t_end = self.clock.mark()
-            self._time_later(model, "forward", names[u], t_unit, t_end)
+            if self.meta.trains(a.mb):  # unit times are training units (a look-ahead's: no graph)
+                self._time_later(model, "forward", names[u], t_unit, t_end)
             t_unit = t_end
         if a.k1 == enc_meta.fwd_kernels[a.stage]:
             last = a.stage == enc_meta.num_stages - 1

@@ -499,7 +499,8 @@ class Executor(ComputeActions):
         if backbone:
             others = self._fill_marks[first_fill:] + blocked
             cut = others + self._head_spans(others)
-            self._backbone_time_later(action, start, end, cut)
+            if not ahead:  # unit times are training units (a look-ahead forward has no graph)
+                self._backbone_time_later(action, start, end, cut)
             for a, b in blocked:  # the TP collectives' waits inside it (fills may hide them)
                 self._span_later("comm", action, "tp", a, b)
         category = "backbone" if backbone else "encoder" if action.kind in ENCODER_KINDS else "dp"

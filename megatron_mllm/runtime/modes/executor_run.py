@@ -233,6 +233,8 @@ class ExecutorRun:
         needs other modules."""
         from megatron_mllm.runtime.planning.replan import replan_job
 
+        if self.coreset is not None:  # no rows' broadcast left open across the re-plan
+            self.coreset.settle()
         if gathered is None:
             gathered = self.gathered_unit_times()
         out = replan_job(self.job, gathered)
@@ -242,8 +244,6 @@ class ExecutorRun:
         if self.coreset is not None:  # its pool pass and merge, planned again on the times
             data = self.coreset.replanned_data(out[0], out[1], out[2])
         self.use_schedule(out[0], data)
-        if self.coreset is not None:
-            self.coreset.rebuild()
         self.replanned = out
         return True
 
@@ -262,6 +262,8 @@ class ExecutorRun:
         if self.ordered is not None:
             enc_plan, stage0 = encoder_plan_of(schedule, job.backbone)
             self._ordered_p2p(job.backbone, job.backbone if stage0 else enc_plan)
+        if self.coreset is not None and data is not None:
+            self.coreset.rebuild()
 
     def executor_for(self, program, meta, data, **options):
         """An Executor for one pass of `program` over this rank's modules."""
