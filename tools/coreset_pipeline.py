@@ -77,38 +77,19 @@ def pipeline_jobs(args) -> dict:
         data = replace(base.data, num_microbatches=n_mb, **data)
         return replace(base, plans=plans, data=data, executor=executor)
 
+    def ahead(merge, order: str):  # a look-ahead run: the merge and the order a re-plan keeps
+        return job(step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merge,
+                   lookahead_order=order)  # fmt: skip
+
     jobs = {
         "B": job(step, n),
         "2B_accumulation": job(double, 2 * n),
         "coreset": job(step, n, coreset=coreset, pool_schedule=pool),
         "coreset_whole_pool": job(step, n, coreset=coreset, pool_schedule=pool),
-        "coreset_lookahead": job(
-            step, n, coreset=coreset, pool_schedule=pool, lookahead_schedule=merged
-        ),
-        "coreset_lookahead_pool_first": job(
-            step,
-            n,
-            coreset=coreset,
-            pool_schedule=pool,
-            lookahead_schedule=first,
-            lookahead_order="pool-first",
-        ),
-        "coreset_lookahead_pool_first_select_before": job(
-            step,
-            n,
-            coreset=coreset,
-            pool_schedule=pool,
-            lookahead_schedule=first,
-            lookahead_order="pool-first",
-        ),
-        "coreset_lookahead_searched": job(
-            step,
-            n,
-            coreset=coreset,
-            pool_schedule=pool,
-            lookahead_schedule=searched,
-            lookahead_order="searched",
-        ),
+        "coreset_lookahead": ahead(merged, "simulated"),
+        "coreset_lookahead_pool_first": ahead(first, "pool-first"),
+        "coreset_lookahead_pool_first_select_before": ahead(first, "pool-first"),
+        "coreset_lookahead_searched": ahead(searched, "searched"),
     }
     jobs = {name: job for name, job in jobs.items() if name in args.pipeline_runs}
     describe = (

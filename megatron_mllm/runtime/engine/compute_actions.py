@@ -121,6 +121,7 @@ class ComputeActions:
             encoder.prepare(self._batch(a.mb).grids)
         names, t_unit = encoder.unit_names(), self.clock.mark()
         split = enc_meta.wgt(a.stage) > 0 and self._trains(a.mb)  # weight gradients in EW
+        timed = self.meta.trains(a.mb)  # unit times are training units (a look-ahead's: no graph)
         for u in range(a.k0, a.k1):
             if encoder.unit_trainable(u):
                 upstream = self._wants_input_grad(a, u)
@@ -134,7 +135,7 @@ class ComputeActions:
             units.append((leaves, out))
             state = out
             t_end = self.clock.mark()
-            if self.meta.trains(a.mb):  # unit times are training units (a look-ahead's: no graph)
+            if timed:
                 self._time_later(model, "forward", names[u], t_unit, t_end)
             t_unit = t_end
         if a.k1 == enc_meta.fwd_kernels[a.stage]:
